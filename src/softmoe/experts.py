@@ -1,0 +1,229 @@
+"""Batched experts: every weight carries a leading expert axis and all experts run in one call.
+
+Two kinds share one calling convention, ``experts(x)`` with ``x`` of shape (num_experts, rows, dim)
+returning (num_experts, rows, dim): row block ``x[j]`` goes through expert ``j``.
+
+- :class:`MLPExperts`: the two-layer MLP of the papers, run with batched matmuls (``torch.baddbmm``).
+- :class:`StackedExperts`: any user module, copied ``num_experts`` times, parameters stacked, run with
+  ``torch.func.vmap`` over the stacked parameters.
+
+Both also run on *grouped rows* (``run_grouped``): a flat (rows, dim) tensor sorted by expert together with the
+number of rows of each expert, which is how expert selection skips the experts it does not need.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The elementwise activation called ``name`` ("gelu", "gelu_tanh" or "relu")."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
+    return ACTIVATIONS[name]
+
+
+def check_expert_input(x: torch.Tensor, num_experts: int, dim: int) -> None:
+    """Raise a ValueError unless ``x`` has shape (num_experts, rows, dim)."""
+    if x.dim() != 3 or x.shape[0] != num_experts or x.shape[2] != dim:
+        raise ValueError(
+            f"expert input must have shape (num_experts={num_experts}, rows, dim={dim}), got {tuple(x.shape)}"
+        )
+
+
+def check_groups(x: torch.Tensor, counts: torch.Tensor, num_experts: int) -> None:
+    """Raise a ValueError unless ``counts`` (num_experts,) splits the rows of ``x`` (rows, dim)."""
+    if counts.shape != (num_experts,):
+        raise ValueError(f"counts must have shape ({num_experts},), got {tuple(counts.shape)}")
+    if int(counts.sum()) != x.shape[0]:
+        raise ValueError(f"counts sum to {int(counts.sum())} but x has {x.shape[0]} rows")
+
+
+class MLPExperts(nn.Module):
+    """``num_experts`` independent two-layer MLPs ``dim -> hidden -> dim`` with stacked weights.
+
+    Parameters:
+        weight1: (num_experts, dim, hidden)   bias1: (num_experts, hidden)
+        weight2: (num_experts, hidden, dim)   bias2: (num_experts, dim)
+    Each expert is initialized like a pair of ``nn.Linear`` layers (uniform in +-1/sqrt(fan_in)); with
+    ``identical_init`` every expert starts from expert 0's weights (the authors' published configs).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        hidden: int,
+        activation: str = "gelu",
+        bias: bool = True,
+        identical_init: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("num_experts", num_experts), ("dim", dim), ("hidden", hidden)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+        self.activation = activation
+        self.act = activation_fn(activation)
+        factory = {"device": device, "dtype": dtype}
+        self.weight1 = nn.Parameter(torch.empty(num_experts, dim, hidden, **factory))
+        self.weight2 = nn.Parameter(torch.empty(num_experts, hidden, dim, **factory))
+        self.bias1 = nn.Parameter(torch.empty(num_experts, hidden, **factory)) if bias else None
+        self.bias2 = nn.Parameter(torch.empty(num_experts, dim, **factory)) if bias else None
+        self.identical_init = identical_init
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight1.is_meta:
+            return
+        experts = 1 if self.identical_init else self.num_experts
+        with torch.no_grad():
+            for param, fan_in in (
+                (self.weight1, self.dim),
+                (self.bias1, self.dim),
+                (self.weight2, self.hidden),
+                (self.bias2, self.hidden),
+            ):
+                if param is None:
+                    continue
+                bound = 1.0 / math.sqrt(fan_in)
+                param[:experts].uniform_(-bound, bound)
+                if self.identical_init:
+                    param.copy_(param[:1].expand_as(param))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (num_experts, rows, dim) -> (num_experts, rows, dim)."""
+        check_expert_input(x, self.num_experts, self.dim)
+        if self.bias1 is None:
+            h = self.act(torch.bmm(x, self.weight1))
+            return torch.bmm(h, self.weight2)
+        h = self.act(torch.baddbmm(self.bias1.unsqueeze(1), x, self.weight1))
+        return torch.baddbmm(self.bias2.unsqueeze(1), h, self.weight2)
+
+    def forward_through_tokens(self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
+        """The whole Soft MoE mixing C f(D^T X) computed in token space, without materializing any slot.
+
+        x: (batch, tokens, dim); dispatch, combine: (batch, tokens, num_experts, slots) -> (batch, tokens, dim).
+        Exact rewrite: both expert layers are linear around the activation, so
+        ``slot_j @ W1_j = sum_m D[m, j] (x_m @ W1_j)`` and ``sum_j C[m, j] (a_j @ W2_j) = (C * a) @ [W2_1; ...; W2_n]``.
+        It costs 4*batch*tokens*dim*num_experts*hidden FLOPs with intermediates of size batch*tokens*n*hidden, so
+        it wins when many small experts would otherwise write large (batch, n*p, dim) slot tensors.
+        """
+        batch, tokens, dim = x.shape
+        n, hidden = self.num_experts, self.hidden
+        projected = (x @ self.weight1.transpose(0, 1).reshape(dim, n * hidden)).view(batch, tokens, n, hidden)
+        h = torch.einsum("bmnp,bmnh->bnph", dispatch.to(x.dtype), projected)
+        if self.bias1 is not None:
+            h = h + self.bias1.unsqueeze(1)
+        mixed = torch.einsum("bmnp,bnph->bmnh", combine.to(x.dtype), self.act(h))
+        out = mixed.reshape(batch, tokens, n * hidden) @ self.weight2.reshape(n * hidden, dim)
+        if self.bias2 is not None:
+            out = out + combine.to(x.dtype).sum(-1) @ self.bias2
+        return out
+
+    def run_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: (rows, dim) sorted by expert, counts: (num_experts,) rows per expert -> (rows, dim).
+
+        Experts with no rows cost nothing; each other expert runs once on its contiguous block.
+        """
+        check_groups(x, counts, self.num_experts)
+        out = torch.empty_like(x)
+        start = 0
+        for j, count in enumerate(counts.tolist()):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            h = x[rows] @ self.weight1[j]
+            if self.bias1 is not None:
+                h = h + self.bias1[j]
+            y = self.act(h) @ self.weight2[j]
+            out[rows] = y if self.bias2 is None else y + self.bias2[j]
+            start += count
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}, "
+            f"activation={self.activation!r}, bias={self.bias1 is not None}"
+        )
+
+
+def _reinitialize(module: nn.Module) -> None:
+    for sub in module.modules():
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+class StackedExperts(nn.Module):
+    """``num_experts`` copies of a user module mapping (rows, dim) -> (rows, dim), run with ``torch.func.vmap``.
+
+    The copies are re-initialized independently (every submodule's ``reset_parameters``) unless
+    ``identical_init``; their parameters are stacked into tensors with a leading expert axis and registered on
+    this module under the template's parameter names with '.' replaced by '__'.
+    """
+
+    def __init__(self, expert: nn.Module, num_experts: int, dim: int, identical_init: bool = False) -> None:
+        super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        self.num_experts, self.dim = num_experts, dim
+        copies = [copy.deepcopy(expert) for _ in range(num_experts)]
+        if not identical_init:
+            for module in copies:
+                _reinitialize(module)
+        params, buffers = torch.func.stack_module_state(copies)
+        self._param_names = list(params)
+        self._buffer_names = list(buffers)
+        for name, value in params.items():
+            self.register_parameter(name.replace(".", "__"), nn.Parameter(value.detach().clone()))
+        for name, value in buffers.items():
+            self.register_buffer(name.replace(".", "__"), value.clone())
+        # Kept outside the module tree: the template only supplies the computation, never its own weights.
+        self.__dict__["template"] = copy.deepcopy(expert).to("meta")
+
+    def _stacked(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        params = {name: getattr(self, name.replace(".", "__")) for name in self._param_names}
+        buffers = {name: getattr(self, name.replace(".", "__")) for name in self._buffer_names}
+        return params, buffers
+
+    def _call_one(self, params: dict, buffers: dict, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(self.template, (params, buffers), (x,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (num_experts, rows, dim) -> (num_experts, rows, dim)."""
+        check_expert_input(x, self.num_experts, self.dim)
+        params, buffers = self._stacked()
+        return torch.func.vmap(self._call_one)(params, buffers, x)
+
+    def expert_state(self, j: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The parameters and buffers of expert ``j`` as plain dicts keyed by the template's names."""
+        params, buffers = self._stacked()
+        return {k: v[j] for k, v in params.items()}, {k: v[j] for k, v in buffers.items()}
+
+    def run_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: (rows, dim) sorted by expert, counts: (num_experts,) -> (rows, dim); empty experts are skipped."""
+        check_groups(x, counts, self.num_experts)
+        out = torch.empty_like(x)
+        start = 0
+        for j, count in enumerate(counts.tolist()):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            out[rows] = self._call_one(*self.expert_state(j), x[rows])
+            start += count
+        return out

@@ -1,0 +1,205 @@
+"""The Soft MoE layer (Puigcerver et al.; Definition 1 of "Beyond Parameter Count").
+
+For one input X of shape (m, d) with slot parameters phi of shape (d, n, p):
+
+    logits  = X phi                                  (m, n, p)   [normalized X and phi, times `scale`, by default]
+    D       = softmax of logits over the m tokens     dispatch: each slot is a convex combination of tokens
+    C       = softmax of logits over all n*p slots    combine: each token is a convex combination of slots
+    slots   = D^T X                                   (n, p, d)   built from the RAW tokens
+    Y~[j]   = f_j(slots[j])                           expert j on its own p slots
+    output  = C Y~                                    (m, d)
+
+Logits and both softmaxes are computed in float32 (float64 for float64 inputs), whatever the autocast dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from softmoe.experts import MLPExperts, StackedExperts
+
+NORM_EPS = 1e-6
+# Machine balance used by the layer's cost model: one byte of memory traffic costs about as much as 8 FLOPs.
+BYTES_TO_FLOPS = 8
+
+
+class Routing(NamedTuple):
+    """Routing tensors of one call, each (batch, tokens, num_experts, slots_per_expert), float32 or float64."""
+
+    logits: torch.Tensor
+    dispatch: torch.Tensor
+    combine: torch.Tensor
+
+
+def l2_normalize(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t * rsqrt(sum(t^2) + 1e-6)`` over ``dim``: the authors' normalization (the epsilon is inside the rsqrt)."""
+    return t * torch.rsqrt(t.square().sum(dim=dim, keepdim=True) + NORM_EPS)
+
+
+def check_tokens(x: torch.Tensor, dim: int, mask: torch.Tensor | None = None) -> None:
+    """Raise a ValueError unless x is a floating (batch, tokens, dim) tensor and mask a bool (batch, tokens)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    if x.dim() != 3:
+        raise ValueError(f"x must have shape (batch, tokens, dim={dim}), got rank {x.dim()} shape {tuple(x.shape)}")
+    if x.shape[-1] != dim:
+        raise ValueError(f"x must have feature size dim={dim}, got {x.shape[-1]} (shape {tuple(x.shape)})")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.shape != x.shape[:2]:
+            got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"mask must have shape (batch, tokens)={tuple(x.shape[:2])}, got {got}")
+        if mask.dtype != torch.bool:
+            raise ValueError(f"mask must be a bool tensor (True = real token), got dtype {mask.dtype}")
+
+
+class SoftMoE(nn.Module):
+    """Soft Mixture of Experts: (batch, tokens, dim) -> (batch, tokens, dim).
+
+    Args:
+        dim: token feature size d.
+        num_experts: n.
+        slots_per_expert: p; the layer has n*p slots per input.
+        expert_hidden: hidden size of the default MLP expert (default 4*dim).
+        activation: "gelu" (exact), "gelu_tanh" or "relu", for the default expert.
+        normalize: the authors' L2 normalization of tokens and phi with a learnable scalar ``scale``
+            (default); ``False`` is equation (1) of the paper exactly (logits = X phi).
+        expert_bias: biases in the default expert.
+        expert: an optional module mapping (rows, dim) -> (rows, dim); the layer stacks ``num_experts``
+            independently initialized copies and runs them with ``torch.func.vmap``.
+        identical_expert_init: start every expert from the same weights, as the authors' configs do.
+
+    Parameters: ``phi`` (dim, num_experts, slots_per_expert), ``scale`` () when normalizing, ``experts``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        slots_per_expert: int = 1,
+        expert_hidden: int | None = None,
+        activation: str = "gelu",
+        normalize: bool = True,
+        expert_bias: bool = True,
+        expert: nn.Module | None = None,
+        identical_expert_init: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("dim", dim), ("num_experts", num_experts), ("slots_per_expert", slots_per_expert)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.dim, self.num_experts, self.slots_per_expert = dim, num_experts, slots_per_expert
+        self.normalize = normalize
+        factory = {"device": device, "dtype": dtype}
+        self.phi = nn.Parameter(torch.empty(dim, num_experts, slots_per_expert, **factory))
+        self.scale = nn.Parameter(torch.ones((), **factory)) if normalize else None
+        if expert is None:
+            hidden = 4 * dim if expert_hidden is None else expert_hidden
+            self.experts: nn.Module = MLPExperts(
+                num_experts, dim, hidden, activation, expert_bias, identical_expert_init, **factory
+            )
+        else:
+            self.experts = StackedExperts(expert.to(**factory), num_experts, dim, identical_expert_init)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """phi ~ truncated LeCun normal over fan_in = dim * num_experts (std about 1/sqrt(dim * n))."""
+        if self.phi.is_meta:
+            return
+        std = 1.0 / math.sqrt(self.dim * self.num_experts) / 0.87962566103423978
+        nn.init.trunc_normal_(self.phi, std=std, a=-2 * std, b=2 * std)
+        if self.scale is not None:
+            nn.init.ones_(self.scale)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_experts * self.slots_per_expert
+
+    def route(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
+        """Logits, dispatch and combine weights for x (batch, tokens, dim); each (batch, tokens, n, p), float32 or wider.
+
+        ``dispatch`` sums to 1 over tokens for every slot; ``combine`` sums to 1 over the n*p slots of every
+        token. Padded tokens (``mask`` False) get zero dispatch and zero combine weight.
+        """
+        check_tokens(x, self.dim, mask)
+        shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
+        logits, dispatch, combine = self._route_flat(x, mask)
+        return Routing(logits.view(shape), dispatch.view(shape), combine.view(shape))
+
+    def _route_flat(
+        self, x: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Routing tensors with the slots flattened: each (batch, tokens, n*p), float32."""
+        dtype = torch.promote_types(torch.promote_types(x.dtype, self.phi.dtype), torch.float32)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            tokens = x.to(dtype)
+            phi = self.phi.to(dtype).reshape(self.dim, self.num_slots)
+            if self.normalize:
+                tokens = l2_normalize(tokens, dim=-1)
+                phi = l2_normalize(phi, dim=0) * self.scale.to(dtype)
+            logits = tokens @ phi
+            if mask is None:
+                return logits, logits.softmax(dim=1), logits.softmax(dim=-1)
+            keep = mask.unsqueeze(-1)
+            # A finite fill keeps a fully padded input finite (uniform softmax), then the mask zeroes it.
+            filled = logits.masked_fill(~keep, torch.finfo(logits.dtype).min)
+            dispatch = filled.softmax(dim=1) * keep
+            combine = logits.softmax(dim=-1) * keep
+            return logits, dispatch, combine
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (batch, tokens, dim), mask: optional bool (batch, tokens), True for real tokens -> (batch, tokens, dim).
+
+        Padded tokens get a zero output; a fully padded input gives zeros.
+        """
+        check_tokens(x, self.dim, mask)
+        _, dispatch, combine = self._route_flat(x, mask)
+        if self._token_space_is_cheaper(x.shape[1]):
+            shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
+            return self.experts.forward_through_tokens(x, dispatch.view(shape), combine.view(shape))
+        slots = self.dispatch_slots(x, dispatch)
+        expert_out = self.run_experts(slots)
+        return self.combine_slots(combine, expert_out)
+
+    def _token_space_is_cheaper(self, tokens: int) -> bool:
+        """Cost model choosing between the slot formulation and the exact token-space rewrite (MLP experts only).
+
+        Per input, cost = FLOPs + BYTES_TO_FLOPS * bytes moved through memory for the large intermediates: the slot
+        formulation writes and reads (n*p, dim) tensors about six times; the token-space one handles
+        (tokens, n*hidden) tensors about four times but spends tokens/p times the expert FLOPs.
+        """
+        if not isinstance(self.experts, MLPExperts):
+            return False
+        n, p, d, h = self.num_experts, self.slots_per_expert, self.dim, self.experts.hidden
+        slot_cost = 2 * n * p * d * (2 * tokens + 2 * h) + BYTES_TO_FLOPS * 4 * n * p * d * 6
+        token_cost = 4 * tokens * d * n * h + 4 * tokens * n * p * h + BYTES_TO_FLOPS * 4 * tokens * n * h * 4
+        return token_cost < slot_cost
+
+    def dispatch_slots(self, x: torch.Tensor, dispatch: torch.Tensor) -> torch.Tensor:
+        """slots = D^T X: x (batch, tokens, dim), dispatch (batch, tokens, n*p) -> (batch, n*p, dim)."""
+        return torch.bmm(dispatch.to(x.dtype).transpose(1, 2), x)
+
+    def run_experts(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every expert on its own slots: (batch, n*p, dim) -> (batch, n*p, dim)."""
+        batch = slots.shape[0]
+        n, p, d = self.num_experts, self.slots_per_expert, self.dim
+        per_expert = slots.view(batch, n, p, d).transpose(0, 1).reshape(n, batch * p, d)
+        out = self.experts(per_expert)
+        return out.view(n, batch, p, d).transpose(0, 1).reshape(batch, n * p, d)
+
+    def combine_slots(self, combine: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor:
+        """output = C Y~: combine (batch, tokens, n*p), expert_out (batch, n*p, dim) -> (batch, tokens, dim)."""
+        return torch.bmm(combine.to(expert_out.dtype), expert_out)
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, num_experts={self.num_experts}, slots_per_expert={self.slots_per_expert}, "
+            f"normalize={self.normalize}"
+        )
