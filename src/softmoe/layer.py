@@ -15,7 +15,7 @@ Logits and both softmaxes are computed in float32 (float64 for float64 inputs), 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -58,6 +58,28 @@ def check_tokens(x: torch.Tensor, dim: int, mask: torch.Tensor | None = None) ->
             raise ValueError(f"mask must be a bool tensor (True = real token), got dtype {mask.dtype}")
 
 
+def check_selected(selected: torch.Tensor, batch: int, num_experts: int) -> None:
+    """Raise a ValueError unless ``selected`` is an int64 (batch, k) tensor of distinct expert indices per row."""
+    if selected.dtype != torch.int64 or selected.dim() != 2 or selected.shape[0] != batch:
+        raise ValueError(
+            f"selected must be an int64 tensor of shape (batch={batch}, k), got {selected.dtype} {tuple(selected.shape)}"
+        )
+    if selected.numel() and (int(selected.min()) < 0 or int(selected.max()) >= num_experts):
+        raise ValueError(f"selected expert indices must lie in [0, {num_experts}), got {selected.tolist()}")
+    if selected.shape[1] > 1 and bool((selected.sort(dim=1).values.diff(dim=1) == 0).any()):
+        raise ValueError("selected must not repeat an expert within a row")
+
+
+class ExpertSelector(Protocol):
+    """What a layer consults, when set as ``layer.selector``, to pick each input's experts (see softmoe.selection)."""
+
+    renormalize: bool
+
+    def select(self, combine: torch.Tensor) -> torch.Tensor:
+        """combine (batch, tokens, n, p) -> selected experts (batch, k) int64."""
+        ...
+
+
 class SoftMoE(nn.Module):
     """Soft Mixture of Experts: (batch, tokens, dim) -> (batch, tokens, dim).
 
@@ -97,6 +119,7 @@ class SoftMoE(nn.Module):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.dim, self.num_experts, self.slots_per_expert = dim, num_experts, slots_per_expert
         self.normalize = normalize
+        self.selector: ExpertSelector | None = None
         factory = {"device": device, "dtype": dtype}
         self.phi = nn.Parameter(torch.empty(dim, num_experts, slots_per_expert, **factory))
         self.scale = nn.Parameter(torch.ones((), **factory)) if normalize else None
@@ -161,12 +184,58 @@ class SoftMoE(nn.Module):
         """
         check_tokens(x, self.dim, mask)
         _, dispatch, combine = self._route_flat(x, mask)
+        shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
+        if self.selector is not None:
+            selected = self.selector.select(combine.view(shape))
+            return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize)
         if self._token_space_is_cheaper(x.shape[1]):
-            shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
             return self.experts.forward_through_tokens(x, dispatch.view(shape), combine.view(shape))
         slots = self.dispatch_slots(x, dispatch)
         expert_out = self.run_experts(slots)
         return self.combine_slots(combine, expert_out)
+
+    def forward_selected(
+        self,
+        x: torch.Tensor,
+        selected: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        renormalize: bool = False,
+    ) -> torch.Tensor:
+        """Soft MoE with only the experts ``selected`` (batch, k) int64 of each input; the others are skipped.
+
+        Equals C Y^ where Y^ has zero rows for the slots of unselected experts (Algorithm 1's step 4); with
+        ``renormalize`` each token's combine weights are rescaled to sum to 1 over the kept slots. No slot is built
+        and no expert runs for an unselected (input, expert) pair. x: (batch, tokens, dim) -> (batch, tokens, dim).
+        """
+        check_tokens(x, self.dim, mask)
+        check_selected(selected, x.shape[0], self.num_experts)
+        _, dispatch, combine = self._route_flat(x, mask)
+        return self._selected_forward(x, dispatch, combine, selected, renormalize)
+
+    def _selected_forward(
+        self,
+        x: torch.Tensor,
+        dispatch: torch.Tensor,
+        combine: torch.Tensor,
+        selected: torch.Tensor,
+        renormalize: bool,
+    ) -> torch.Tensor:
+        batch, tokens, d = x.shape
+        p = self.slots_per_expert
+        k = selected.shape[1]
+        slot_index = (selected.unsqueeze(-1) * p + torch.arange(p, device=x.device)).reshape(batch, 1, k * p)
+        slot_index = slot_index.expand(batch, tokens, k * p)
+        kept_dispatch = dispatch.gather(2, slot_index)
+        kept_combine = combine.gather(2, slot_index)
+        if renormalize:
+            kept_combine = kept_combine / kept_combine.sum(-1, keepdim=True).clamp_min(torch.finfo(combine.dtype).tiny)
+        slots = self.dispatch_slots(x, kept_dispatch).reshape(batch * k * p, d)
+        expert_of_row = selected.repeat_interleave(p, dim=1).reshape(-1)
+        order = torch.argsort(expert_of_row, stable=True)
+        counts = torch.bincount(expert_of_row, minlength=self.num_experts)
+        out_sorted = self.experts.run_grouped(slots[order], counts)
+        expert_out = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
+        return self.combine_slots(kept_combine, expert_out.view(batch, k * p, d))
 
     def _token_space_is_cheaper(self, tokens: int) -> bool:
         """Cost model choosing between the slot formulation and the exact token-space rewrite (MLP experts only).

@@ -1,0 +1,198 @@
+"""Inference with k of the n experts per input: Algorithm 1 of "Beyond Parameter Count" and its baselines.
+
+Strategies (per input, per SoftMoE layer):
+    "combine"  Algorithm 1: sum the combine weights C(X) over tokens (and over an expert's slots), keep the k
+               largest; ties go to the lower expert index.
+    "random"   k experts drawn uniformly without replacement from a seeded ``torch.Generator``.
+    "all"      every expert (the plain forward).
+    a bool tensor (batch, n)  an explicit subset per input, each row with the same number k of True entries.
+
+Semantics are the paper's: the outputs of unselected experts are zero and combine weights are not renormalized
+(``renormalize=True`` rescales each token's combine weights over the kept slots). Unselected experts are not
+computed at all (see ``SoftMoE.forward_selected``).
+
+    with softmoe.select_experts(model, k=0.25, strategy="combine"):
+        logits = model(images)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from softmoe.layer import SoftMoE
+
+STRATEGIES = ("combine", "random", "all")
+
+
+def resolve_k(k: int | float, num_experts: int) -> int:
+    """An int k in [1, n], or a fraction in (0, 1] of n rounded to the nearest integer (which must be >= 1)."""
+    if isinstance(k, bool) or not isinstance(k, (int, float)):
+        raise ValueError(f"k must be an int in [1, {num_experts}] or a fraction in (0, 1], got {k!r}")
+    if isinstance(k, float):
+        if not 0.0 < k <= 1.0:
+            raise ValueError(f"a fractional k must lie in (0, 1], got {k}")
+        count = round(k * num_experts)
+        if count < 1:
+            raise ValueError(f"k = {k} of {num_experts} experts rounds to {count}; at least 1 expert is needed")
+        return count
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k must lie in [1, {num_experts}] (the layer's num_experts), got {k}")
+    return k
+
+
+def combine_scores(combine: torch.Tensor) -> torch.Tensor:
+    """Algorithm 1's C_sum: combine (batch, tokens, n, p) summed over tokens and slots -> (batch, n)."""
+    return combine.sum(dim=(1, 3))
+
+
+def top_k_by_combine(combine: torch.Tensor, k: int) -> torch.Tensor:
+    """Algorithm 1: the k experts with the largest C_sum per input -> (batch, k) int64, ascending indices.
+
+    Ties are broken towards the lower expert index (stable descending sort).
+    """
+    order = torch.sort(combine_scores(combine), dim=1, descending=True, stable=True).indices
+    return order[:, :k].sort(dim=1).values
+
+
+def random_subsets(batch: int, num_experts: int, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """k distinct experts drawn uniformly per input -> (batch, k) int64, ascending; reproducible from ``generator``."""
+    device = generator.device if generator is not None else torch.device("cpu")
+    keys = torch.rand(batch, num_experts, generator=generator, device=device)
+    return keys.argsort(dim=1)[:, :k].sort(dim=1).values
+
+
+def subsets_from_mask(keep: torch.Tensor, num_experts: int, batch: int | None = None) -> torch.Tensor:
+    """A bool mask (batch, n) with the same count k of True per row -> selected experts (batch, k) int64."""
+    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.dim() != 2:
+        got = f"{keep.dtype} {tuple(keep.shape)}" if isinstance(keep, torch.Tensor) else type(keep).__name__
+        raise ValueError(f"an expert mask must be a bool tensor of shape (batch, {num_experts}), got {got}")
+    if keep.shape[1] != num_experts or (batch is not None and keep.shape[0] != batch):
+        expected = f"({'batch' if batch is None else batch}, {num_experts})"
+        raise ValueError(f"expert mask must have shape {expected}, got {tuple(keep.shape)}")
+    counts = keep.sum(dim=1)
+    k = int(counts[0]) if counts.numel() else 0
+    if k < 1 or bool((counts != k).any()):
+        raise ValueError(f"every row of the expert mask must keep the same k >= 1 experts, got counts {counts.tolist()}")
+    return keep.nonzero()[:, 1].view(keep.shape[0], k)
+
+
+def mask_from_subsets(selected: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """selected (batch, k) int64 -> bool mask (batch, n)."""
+    keep = torch.zeros(selected.shape[0], num_experts, dtype=torch.bool, device=selected.device)
+    return keep.scatter_(1, selected, True)
+
+
+@dataclass
+class Selector:
+    """The per-layer choice rule installed by :func:`select_experts` (see ``SoftMoE.selector``)."""
+
+    strategy: str | torch.Tensor
+    k: int
+    renormalize: bool = False
+    generator: torch.Generator | None = None
+
+    def select(self, combine: torch.Tensor) -> torch.Tensor:
+        """combine (batch, tokens, n, p) -> selected experts (batch, k) int64."""
+        batch, _, num_experts, _ = combine.shape
+        if isinstance(self.strategy, torch.Tensor):
+            return subsets_from_mask(self.strategy, num_experts, batch).to(combine.device)
+        if self.strategy == "combine":
+            return top_k_by_combine(combine, self.k)
+        if self.strategy == "random":
+            return random_subsets(batch, num_experts, self.k, self.generator).to(combine.device)
+        return torch.arange(num_experts, device=combine.device).expand(batch, num_experts)
+
+
+def soft_moe_layers(model: nn.Module) -> list[SoftMoE]:
+    """Every SoftMoE layer of ``model`` (the model itself included), in module order."""
+    return [module for module in model.modules() if isinstance(module, SoftMoE)]
+
+
+def make_selector(
+    layer: SoftMoE,
+    k: int | float | None,
+    strategy: str | torch.Tensor,
+    renormalize: bool = False,
+    generator: torch.Generator | None = None,
+) -> Selector | None:
+    """The selector for one layer, or None for "all" (the plain forward). Validates k and the strategy."""
+    n = layer.num_experts
+    if isinstance(strategy, torch.Tensor):
+        if strategy.dim() != 2 or strategy.shape[1] != n:
+            raise ValueError(f"expert mask must have shape (batch, {n}), got {tuple(strategy.shape)}")
+        count = subsets_from_mask(strategy, n).shape[1]
+        if k is not None and resolve_k(k, n) != count:
+            raise ValueError(f"k = {k} does not match the {count} experts kept per row by the mask")
+        return Selector(strategy, count, renormalize)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES} or a bool mask (batch, n), got {strategy!r}")
+    if strategy == "all":
+        return None
+    if k is None:
+        raise ValueError(f"strategy {strategy!r} needs k (an int in [1, {n}] or a fraction in (0, 1])")
+    return Selector(strategy, resolve_k(k, n), renormalize, generator)
+
+
+@contextmanager
+def select_experts(
+    model: nn.Module,
+    k: int | float | None = None,
+    strategy: str | torch.Tensor = "combine",
+    renormalize: bool = False,
+    seed: int | None = 0,
+    generator: torch.Generator | None = None,
+) -> Iterator[list[SoftMoE]]:
+    """Within the block every SoftMoE layer of ``model`` uses only k experts per input, chosen by ``strategy``.
+
+    Args:
+        model: any module; each of its SoftMoE layers chooses its own experts per input.
+        k: experts kept per input: an int (same for every layer), or a fraction of each layer's n.
+        strategy: "combine" (Algorithm 1), "random", "all", or a bool mask (batch, n) of explicit subsets.
+        renormalize: rescale each token's combine weights over the kept slots (the paper does not).
+        seed, generator: the random strategy's source; a fresh ``torch.Generator`` seeded with ``seed`` unless a
+            generator is given. Layers draw from it in module order, so a run is reproducible.
+    Yields the list of affected layers. Previous selectors are restored on exit.
+    """
+    layers = soft_moe_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} contains no SoftMoE layer")
+    if generator is None and isinstance(strategy, str) and strategy == "random":
+        generator = torch.Generator().manual_seed(0 if seed is None else seed)
+    selectors = [make_selector(layer, k, strategy, renormalize, generator) for layer in layers]
+    previous = [layer.selector for layer in layers]
+    try:
+        for layer, selector in zip(layers, selectors):
+            layer.selector = selector
+        yield layers
+    finally:
+        for layer, selector in zip(layers, previous):
+            layer.selector = selector
+
+
+def masked_reference_forward(
+    layer: SoftMoE,
+    x: torch.Tensor,
+    selected: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    renormalize: bool = False,
+) -> torch.Tensor:
+    """The paper code's way: run ALL experts, zero the rows of unselected experts, combine. For tests/benchmarks.
+
+    x (batch, tokens, dim), selected (batch, k) -> (batch, tokens, dim). Same result as ``layer.forward_selected``
+    but with no compute saved.
+    """
+    routing = layer.route(x, mask)
+    batch, tokens, n, p = routing.combine.shape
+    keep_slots = mask_from_subsets(selected, n).unsqueeze(-1).expand(batch, n, p).reshape(batch, 1, n * p)
+    slots = layer.dispatch_slots(x, routing.dispatch.reshape(batch, tokens, n * p))
+    expert_out = layer.run_experts(slots) * keep_slots.transpose(1, 2).to(x.dtype)
+    combine = routing.combine.reshape(batch, tokens, n * p)
+    if renormalize:
+        kept = combine * keep_slots
+        combine = kept / kept.sum(-1, keepdim=True).clamp_min(torch.finfo(combine.dtype).tiny)
+    return layer.combine_slots(combine, expert_out)

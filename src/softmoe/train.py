@@ -1,0 +1,136 @@
+"""One training loop for the classifiers of the reproduction: seeded, resumable, with per-epoch checkpoints.
+
+A run folder holds, for every finished epoch e, ``epoch_{e:03d}.safetensors`` (model weights) and
+``epoch_{e:03d}.json`` (metrics), plus ``optimizer_{e:03d}.safetensors`` for the latest epoch only. Everything is written
+atomically and the epoch's JSON last, so an epoch counts as done exactly when its JSON exists. Batches of epoch e
+are shuffled by a generator seeded with (seed, e), so a resumed run continues exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from softmoe.checkpoint import (
+    load_optimizer_tensors,
+    load_tensors,
+    optimizer_tensors,
+    read_json,
+    save_tensors,
+    write_json,
+)
+from softmoe.data import ImageDataset, Splits, batches
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Appendix E.1 of the paper: Adam (default betas), constant lr 1e-3, batch 256, 15 epochs."""
+
+    epochs: int = 15
+    batch_size: int = 256
+    lr: float = 1e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
+            raise ValueError(f"epochs and batch_size must be >= 1 and lr > 0, got {self}")
+
+
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    """The shuffling generator of one epoch, independent of how the run got there."""
+    return torch.Generator().manual_seed(seed * 100_003 + epoch)
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, data: ImageDataset, batch_size: int = 1024) -> float:
+    """Top-1 accuracy of ``model`` on ``data`` in eval mode (the caller's selection context applies)."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for images, labels in batches(data, batch_size):
+        correct += int((model(images).argmax(dim=1) == labels).sum())
+    model.train(was_training)
+    return correct / max(1, len(data))
+
+
+def finished_epochs(run_dir: str | Path) -> list[dict]:
+    """Metrics of the epochs completed in ``run_dir``, in order (an empty list for a new run)."""
+    run_dir = Path(run_dir)
+    found = []
+    epoch = 1
+    while (run_dir / f"epoch_{epoch:03d}.json").exists():
+        found.append(read_json(run_dir / f"epoch_{epoch:03d}.json"))
+        epoch += 1
+    return found
+
+
+def load_epoch(model: nn.Module, run_dir: str | Path, epoch: int) -> nn.Module:
+    """Load the weights saved at the end of ``epoch`` into ``model`` and return it."""
+    model.load_state_dict(load_tensors(Path(run_dir) / f"epoch_{epoch:03d}.safetensors"))
+    return model
+
+
+def train_classifier(
+    model_factory: Callable[[], nn.Module],
+    splits: Splits,
+    config: TrainConfig,
+    run_dir: str | Path,
+    progress: bool = True,
+    description: str = "train",
+) -> tuple[nn.Module, list[dict]]:
+    """Train (or resume, or just load) a classifier; returns the model at its last epoch and every epoch's metrics.
+
+    ``model_factory`` builds the untrained model; it is called after seeding torch with ``config.seed`` so the
+    initialization is reproducible. Each epoch's metrics: epoch, train_loss, val_accuracy, test_accuracy, seconds.
+    """
+    run_dir = Path(run_dir)
+    torch.manual_seed(config.seed)
+    model = model_factory()
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    history = finished_epochs(run_dir)
+    if history:
+        load_epoch(model, run_dir, len(history))
+        if len(history) < config.epochs:
+            load_optimizer_tensors(optimizer, load_tensors(run_dir / f"optimizer_{len(history):03d}.safetensors"))
+    steps = -(-len(splits.train) // config.batch_size)
+    bar = tqdm(
+        total=config.epochs * steps,
+        initial=len(history) * steps,
+        desc=description,
+        disable=not progress,
+        leave=False,
+    )
+    for epoch in range(len(history) + 1, config.epochs + 1):
+        started = time.perf_counter()
+        model.train()
+        total_loss, seen = 0.0, 0
+        for images, labels in batches(splits.train, config.batch_size, True, epoch_generator(config.seed, epoch)):
+            loss = F.cross_entropy(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total_loss += float(loss.detach()) * labels.shape[0]
+            seen += labels.shape[0]
+            bar.update(1)
+        metrics = {
+            "epoch": epoch,
+            "train_loss": total_loss / max(1, seen),
+            "val_accuracy": accuracy(model, splits.val),
+            "test_accuracy": accuracy(model, splits.test),
+            "seconds": time.perf_counter() - started,
+        }
+        bar.set_postfix(val=f"{metrics['val_accuracy']:.4f}")
+        save_tensors(run_dir / f"epoch_{epoch:03d}.safetensors", model.state_dict())
+        save_tensors(run_dir / f"optimizer_{epoch:03d}.safetensors", optimizer_tensors(optimizer))
+        write_json(run_dir / f"epoch_{epoch:03d}.json", {**metrics, "config": asdict(config)})
+        (run_dir / f"optimizer_{epoch - 1:03d}.safetensors").unlink(missing_ok=True)
+        history.append(metrics)
+    bar.close()
+    return model, history
