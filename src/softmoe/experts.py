@@ -47,6 +47,10 @@ def check_groups(x: torch.Tensor, counts: torch.Tensor, num_experts: int) -> Non
     """Raise a ValueError unless ``counts`` (num_experts,) splits the rows of ``x`` (rows, dim)."""
     if counts.shape != (num_experts,):
         raise ValueError(f"counts must have shape ({num_experts},), got {tuple(counts.shape)}")
+    if counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
+        raise ValueError(f"counts must be an integer tensor, got dtype {counts.dtype} (float counts are not row counts)")
+    if bool((counts < 0).any()):
+        raise ValueError(f"counts must be >= 0, got {counts.tolist()}")
     if int(counts.sum()) != x.shape[0]:
         raise ValueError(f"counts sum to {int(counts.sum())} but x has {x.shape[0]} rows")
 

@@ -14,6 +14,7 @@ Logits and both softmaxes are computed in float32 (float64 for float64 inputs), 
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import NamedTuple, Protocol
 
@@ -40,8 +41,13 @@ def l2_normalize(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t * torch.rsqrt(t.square().sum(dim=dim, keepdim=True) + NORM_EPS)
 
 
-def check_tokens(x: torch.Tensor, dim: int, mask: torch.Tensor | None = None) -> None:
-    """Raise a ValueError unless x is a floating (batch, tokens, dim) tensor and mask a bool (batch, tokens)."""
+def check_tokens(
+    x: torch.Tensor, dim: int, mask: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> None:
+    """Raise a ValueError unless x is a floating (batch, tokens, dim) tensor and mask a bool (batch, tokens).
+
+    With ``dtype`` (the layer's), x must have that dtype too, except under autocast, which casts for itself.
+    """
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
@@ -50,6 +56,8 @@ def check_tokens(x: torch.Tensor, dim: int, mask: torch.Tensor | None = None) ->
         raise ValueError(f"x must have shape (batch, tokens, dim={dim}), got rank {x.dim()} shape {tuple(x.shape)}")
     if x.shape[-1] != dim:
         raise ValueError(f"x must have feature size dim={dim}, got {x.shape[-1]} (shape {tuple(x.shape)})")
+    if dtype is not None and x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+        raise ValueError(f"x has dtype {x.dtype} but the layer's parameters are {dtype}; convert one of them")
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.shape != x.shape[:2]:
             got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
@@ -129,7 +137,8 @@ class SoftMoE(nn.Module):
                 num_experts, dim, hidden, activation, expert_bias, identical_expert_init, **factory
             )
         else:
-            self.experts = StackedExperts(expert.to(**factory), num_experts, dim, identical_expert_init)
+            template = copy.deepcopy(expert).to(**factory)
+            self.experts = StackedExperts(template, num_experts, dim, identical_expert_init)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -151,7 +160,7 @@ class SoftMoE(nn.Module):
         ``dispatch`` sums to 1 over tokens for every slot; ``combine`` sums to 1 over the n*p slots of every
         token. Padded tokens (``mask`` False) get zero dispatch and zero combine weight.
         """
-        check_tokens(x, self.dim, mask)
+        check_tokens(x, self.dim, mask, self.phi.dtype)
         shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
         logits, dispatch, combine = self._route_flat(x, mask)
         return Routing(logits.view(shape), dispatch.view(shape), combine.view(shape))
@@ -182,7 +191,7 @@ class SoftMoE(nn.Module):
 
         Padded tokens get a zero output; a fully padded input gives zeros.
         """
-        check_tokens(x, self.dim, mask)
+        check_tokens(x, self.dim, mask, self.phi.dtype)
         _, dispatch, combine = self._route_flat(x, mask)
         shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
         if self.selector is not None:
@@ -207,7 +216,7 @@ class SoftMoE(nn.Module):
         ``renormalize`` each token's combine weights are rescaled to sum to 1 over the kept slots. No slot is built
         and no expert runs for an unselected (input, expert) pair. x: (batch, tokens, dim) -> (batch, tokens, dim).
         """
-        check_tokens(x, self.dim, mask)
+        check_tokens(x, self.dim, mask, self.phi.dtype)
         check_selected(selected, x.shape[0], self.num_experts)
         _, dispatch, combine = self._route_flat(x, mask)
         return self._selected_forward(x, dispatch, combine, selected, renormalize)

@@ -69,11 +69,14 @@ def equal_accuracy_epochs(histories: dict[int, list[dict]]) -> tuple[float, dict
     return target, chosen
 
 
-def random_statistics(accuracies: list[float], algorithm1: float) -> dict:
-    """Mean and (population) std of the random-selection accuracies, and Algorithm 1's lead in stds (Table 10)."""
+def random_statistics(accuracies: list[float], algorithm1: float | None = None) -> dict:
+    """Mean and (population) std of the random-selection accuracies, and Algorithm 1's lead in stds (Table 10).
+
+    The lead is None without an Algorithm 1 accuracy or when every seed gave the same accuracy (std 0).
+    """
     mean = statistics.fmean(accuracies)
     std = statistics.pstdev(accuracies) if len(accuracies) > 1 else 0.0
-    lead = (algorithm1 - mean) / std if std > 0 else None
+    lead = (algorithm1 - mean) / std if algorithm1 is not None and std > 0 else None
     return {"accuracies": accuracies, "mean": mean, "std": std, "stds_above_random": lead}
 
 
@@ -179,3 +182,206 @@ def run_suite(
     }
     write_json(out_dir / "mnist_suite.json", results)
     return results
+
+
+PAPER_TABLE1 = {
+    "best": {4: 94.69, 8: 99.90, 16: 100.00},
+    "random": {4: (46.57, 0.44), 8: (51.95, 0.46), 16: (58.94, 0.34)},
+}
+PAPER_TABLE10 = {
+    0.5: {2: 25.79, 4: 33.61, 8: 22.95, 16: 25.39, 32: 23.33, 64: 26.47, 128: 22.98, 256: 10.19, 512: 18.70},
+    0.25: {4: 0.00, 8: 16.33, 16: 45.83, 32: 38.89, 64: 49.00, 128: 37.15, 256: 31.33, 512: 29.44},
+    0.125: {8: 11.81, 16: 28.24, 32: 46.78, 64: 38.78, 128: 50.46, 256: 42.34, 512: 66.90},
+}
+FRACTIONS = (0.5, 0.25, 0.125)
+
+
+def _cell(models: dict, n: int, fraction: float) -> dict | None:
+    k = round(fraction * n)
+    model = models.get(str(n))
+    return None if model is None or k < 1 else model["selection"]["per_k"].get(str(k))
+
+
+def write_plots(results: dict, out_dir: str | Path) -> dict[str, str]:
+    """Figure 1/2a (accuracy against n), Figure 5 (distinct best subsets) and the training curves, as PNG files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    models = results["models"]
+    ns = sorted(int(n) for n in models)
+    paths = {}
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(ns, [100 * models[str(n)]["selection"]["all_experts"] for n in ns], "k-o", label="all experts")
+    for fraction, color in zip(FRACTIONS, ("tab:blue", "tab:orange", "tab:green")):
+        cells = [(n, _cell(models, n, fraction)) for n in ns]
+        cells = [(n, c) for n, c in cells if c is not None]
+        if not cells:
+            continue
+        xs = [n for n, _ in cells]
+        label = f"k = n/{round(1 / fraction)}"
+        ax.plot(xs, [100 * c["algorithm1"] for _, c in cells], "-o", color=color, label=f"Algorithm 1, {label}")
+        ax.errorbar(
+            xs,
+            [100 * c["random"]["mean"] for _, c in cells],
+            yerr=[100 * c["random"]["std"] for _, c in cells],
+            fmt="--s",
+            color=color,
+            alpha=0.6,
+            label=f"random, {label}",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("number of experts n (expert parameters fixed)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"Algorithm 1 vs random selection ({results['data']['name']})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    paths["selection"] = str(out_dir / "fig_selection_vs_n.png")
+    fig.savefig(paths["selection"], dpi=120)
+    plt.close(fig)
+
+    oracle = [(n, models[str(n)]["oracle"]) for n in ns if "distinct_best_subsets" in models[str(n)]["oracle"]]
+    if oracle:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar([str(n) for n, _ in oracle], [o["distinct_best_subsets"] for _, o in oracle], label="distinct best subsets")
+        ax.plot([str(n) for n, _ in oracle], [o["distinct_cap"] for _, o in oracle], "r_", ms=30, mew=2, label="cap min(N, C(n,k))")
+        ax.set_yscale("log")
+        ax.set_xlabel("number of experts n")
+        ax.set_ylabel("distinct best k = n/4 subsets")
+        ax.legend()
+        fig.tight_layout()
+        paths["distinct_subsets"] = str(out_dir / "fig_distinct_best_subsets.png")
+        fig.savefig(paths["distinct_subsets"], dpi=120)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for n in ns:
+        history = models[str(n)]["history"]
+        ax.plot([e["epoch"] for e in history], [100 * e["val_accuracy"] for e in history], label=f"n={n}")
+    ax.axhline(100 * results["equal_accuracy_target"], color="k", ls=":", label="common target")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("validation accuracy (%)")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    paths["training"] = str(out_dir / "fig_training_curves.png")
+    fig.savefig(paths["training"], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.2f}"
+
+
+def _num(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def markdown(results: dict, plots: dict[str, str]) -> str:
+    """The report section of the suite, our numbers beside the paper's, with an honest comparison."""
+    models = results["models"]
+    ns = sorted(int(n) for n in models)
+    data, preset = results["data"], results["preset"]
+    lines = [
+        "## MNIST suite: expert specialization and Algorithm 1 (sections 4.2 and 4.4)",
+        "",
+        f"Data: `{data['name']}` ({data['train']:,} train / {data['val']:,} validation / {data['test']:,} test). "
+        f"The paper used the full MNIST (60,000 / 10,000). Recipe: Adam, lr {preset['train']['lr']}, batch "
+        f"{preset['train']['batch_size']}, {preset['train']['epochs']} epochs, seed {preset['train']['seed']}; random "
+        f"selection over {preset['random_seeds']} seeds.",
+        "",
+        f"Equal-accuracy protocol: common validation target {_pct(results['equal_accuracy_target'])}% (the best "
+        "accuracy every model reaches); each n uses its epoch closest to it. The paper's models all sat at about 97.5%.",
+        "",
+        "| n | expert hidden | parameters | expert parameters | epoch | val acc (%) | test acc (%) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n in ns:
+        m = models[str(n)]
+        lines.append(
+            f"| {n} | {m['expert_hidden']} | {m['parameters']:,} | {m['expert_parameters']:,} | {m['epoch']} | "
+            f"{_pct(m['val_accuracy'])} | {_pct(m['test_accuracy'])} |"
+        )
+    lines += ["", "### Table 1: best and random k = n/4 subsets", "", "| n | best k-subset (ours) | best (paper) | random (ours) | random (paper) |", "|---|---|---|---|---|"]
+    for n in (4, 8, 16):
+        if str(n) not in models:
+            continue
+        oracle = models[str(n)]["oracle"]
+        cell = _cell(models, n, 0.25)
+        best = _pct(oracle.get("best_subset_accuracy")) if "best_subset_accuracy" in oracle else "skipped"
+        rnd = f"{100 * cell['random']['mean']:.2f} ± {100 * cell['random']['std']:.2f}" if cell else "–"
+        pm, ps = PAPER_TABLE1["random"][n]
+        lines.append(f"| {n} | {best} | {PAPER_TABLE1['best'][n]:.2f} | {rnd} | {pm:.2f} ± {ps:.2f} |")
+    lines += ["", "### Figures 1 and 2a: accuracy against n", "", f"![accuracy against n]({Path(plots['selection']).name})", ""]
+    lines += ["| n | all experts | " + " | ".join(f"Alg. 1 k=n/{round(1 / f)} | random k=n/{round(1 / f)}" for f in FRACTIONS) + " |"]
+    lines += ["|---|---|" + "---|---|" * len(FRACTIONS)]
+    for n in ns:
+        row = [str(n), _pct(models[str(n)]["selection"]["all_experts"])]
+        for f in FRACTIONS:
+            cell = _cell(models, n, f)
+            row += [_pct(cell["algorithm1"]), f"{100 * cell['random']['mean']:.2f} ± {100 * cell['random']['std']:.2f}"] if cell else ["–", "–"]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "### Table 10: standard deviations by which Algorithm 1 beats random selection", ""]
+    lines += ["| k | " + " | ".join(f"n={n} (ours / paper)" for n in ns) + " |", "|---|" + "---|" * len(ns)]
+    for f in FRACTIONS:
+        row = [f"n/{round(1 / f)}"]
+        for n in ns:
+            cell = _cell(models, n, f)
+            ours = _num(cell["random"]["stds_above_random"]) if cell else "–"
+            row.append(f"{ours} / {_num(PAPER_TABLE10[f].get(n))}")
+        lines.append("| " + " | ".join(row) + " |")
+    if "distinct_subsets" in plots:
+        lines += ["", "### Figure 5: distinct best k = n/4 subsets", "", f"![distinct best subsets]({Path(plots['distinct_subsets']).name})", ""]
+        lines += ["| n | k | C(n, k) | distinct best subsets | cap |", "|---|---|---|---|---|"]
+        for n in ns:
+            o = models[str(n)]["oracle"]
+            distinct = o.get("distinct_best_subsets", "skipped (over the cap)")
+            lines.append(f"| {n} | {o['k']} | {o['subsets']:,} | {distinct} | {o.get('distinct_cap', '–')} |")
+    lines += ["", f"![training curves]({Path(plots['training']).name})", "", "### How our numbers compare", ""]
+    lines += [f"- {finding}" for finding in findings(results)]
+    return "\n".join(lines) + "\n"
+
+
+def findings(results: dict) -> list[str]:
+    """Plain statements, computed from the results, of what reproduces and by how much it differs."""
+    models = results["models"]
+    ns = sorted(int(n) for n in models)
+    out = []
+    cells = [(n, f, _cell(models, n, f)) for n in ns for f in FRACTIONS]
+    cells = [(n, f, c) for n, f, c in cells if c is not None]
+    wins = sum(c["algorithm1"] > c["random"]["mean"] for _, _, c in cells)
+    out.append(
+        f"Algorithm 1 beats the random mean in {wins} of {len(cells)} (n, k) cells "
+        "(the paper: in every cell of Table 10 except n = 4, k = 1, where it ties)."
+    )
+    large = [n for n in ns if n >= 64]
+    if large:
+        gaps = {n: models[str(n)]["selection"]["all_experts"] - _cell(models, n, 0.5)["algorithm1"] for n in large}
+        worst = max(gaps.values())
+        out.append(
+            f"For n >= 64, Algorithm 1 with k = n/2 is within {100 * worst:.2f} points of all experts "
+            f"(the paper: 'nearly the same'; per n: {', '.join(f'{n}: {100 * g:.2f}' for n, g in gaps.items())})."
+        )
+    small = [n for n in ns if n <= 8 and _cell(models, n, 0.5)]
+    if small:
+        gaps = {n: models[str(n)]["selection"]["all_experts"] - _cell(models, n, 0.5)["algorithm1"] for n in small}
+        out.append(
+            "For n <= 8, k = n/2 loses "
+            + ", ".join(f"{100 * g:.2f} points at n = {n}" for n, g in gaps.items())
+            + " (the paper: 'poor performance when n <= 8')."
+        )
+    for n in (4, 8, 16):
+        oracle = models.get(str(n), {}).get("oracle", {})
+        if "best_subset_accuracy" in oracle:
+            diff = 100 * oracle["best_subset_accuracy"] - PAPER_TABLE1["best"][n]
+            out.append(f"Best k = n/4 subset at n = {n}: {_pct(oracle['best_subset_accuracy'])}% vs the paper's {PAPER_TABLE1['best'][n]:.2f}% ({diff:+.2f} points).")
+    trend = [models[str(n)]["oracle"].get("distinct_best_subsets") for n in ns if "distinct_best_subsets" in models[str(n)]["oracle"]]
+    if len(trend) > 1:
+        grows = all(a <= b for a, b in zip(trend, trend[1:]))
+        out.append(f"Distinct best subsets {'grow' if grows else 'do not grow monotonically'} with n ({trend}); the paper: they grow.")
+    return out

@@ -1,0 +1,195 @@
+"""The ``softmoe`` command: train, evaluate, reproduce the paper, write the report.
+
+Every user mistake (bad option, missing or corrupt data, impossible k) ends as one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXPERIMENTS = ("all", "mnist", "l2norm")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _k_value(text: str) -> int | float:
+    """An int k, or a fraction of n written with a decimal point (0.25)."""
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"k must be an integer or a fraction like 0.25, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="softmoe",
+        description="Soft Mixture of Experts: reproduce 'Beyond Parameter Count', train and evaluate models.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    reproduce = commands.add_parser(
+        "reproduce",
+        help="run the paper's experiments and write results.json and report.md",
+        description="Train the n-suite, evaluate Algorithm 1, random selection and the best-subset oracle, run the "
+        "L2-norm experiment of Appendix C, then write results.json and report.md with plots. An interrupted run "
+        "resumes: finished epochs and models are not trained again.",
+    )
+    reproduce.add_argument("experiment", nargs="?", default="all", choices=EXPERIMENTS, help="what to run (default: all)")
+    reproduce.add_argument(
+        "--preset",
+        default="default",
+        choices=("default", "paper", "smoke"),
+        help="default: the paper's recipe and n = 2..512 on the embedded MNIST digits (about 20 minutes on 2 cores); "
+        "paper: the same with the paper's 500-epoch L2-norm run and a larger oracle cap; smoke: a one-minute check",
+    )
+    reproduce.add_argument(
+        "--dataset",
+        help="mnist5k (embedded default), digits, fashion-mnist[:DIR], mnist:DIR (IDX files); default: the preset's",
+    )
+    reproduce.add_argument("--out", type=Path, help="results folder (default: results/<dataset>, or runs/smoke)")
+    reproduce.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+    train = commands.add_parser("train", help="train one Soft MoE classifier (resumes if RUN_DIR has epochs)")
+    train.add_argument("run_dir", type=Path, help="folder for checkpoints (safetensors + JSON per epoch)")
+    train.add_argument("--dataset", default="mnist5k", help="dataset spec, as for reproduce (default: mnist5k)")
+    train.add_argument("--experts", type=_positive_int, default=16, help="number of experts n (default: 16)")
+    train.add_argument("--epochs", type=_positive_int, default=15, help="epochs (default: 15)")
+    train.add_argument("--batch-size", type=_positive_int, default=256, help="batch size (default: 256)")
+    train.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default: 1e-3)")
+    train.add_argument("--seed", type=int, default=0, help="seed of initialization and shuffling (default: 0)")
+    train.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+    evaluate = commands.add_parser("evaluate", help="test accuracy of a trained classifier with k of n experts")
+    evaluate.add_argument("run_dir", type=Path, help="a folder written by 'softmoe train'")
+    evaluate.add_argument("--epoch", type=_positive_int, help="epoch to load (default: the last)")
+    evaluate.add_argument("--k", type=_k_value, help="experts per input: an int, or a fraction of n like 0.25")
+    evaluate.add_argument(
+        "--strategy", default="combine", choices=("combine", "random", "all"), help="combine = Algorithm 1 (default)"
+    )
+    evaluate.add_argument("--seeds", type=_positive_int, default=10, help="seeds for the random strategy (default: 10)")
+    evaluate.add_argument("--renormalize", action="store_true", help="rescale combine weights over the kept slots")
+
+    report = commands.add_parser("report", help="(re)write report.md and plots from a results folder")
+    report.add_argument("results_dir", type=Path, help="folder holding the experiments' JSON files")
+    return parser
+
+
+def _reproduce(args: argparse.Namespace) -> None:
+    from softmoe.experiments import l2norm, mnist_suite
+    from softmoe.report import collect_results, write_report
+
+    preset = mnist_suite.PRESETS[args.preset]
+    dataset = args.dataset or preset.dataset
+    default_out = Path("runs/smoke") if args.preset == "smoke" else Path("results") / dataset.split(":")[0]
+    out = args.out or default_out
+    progress = not args.no_progress
+    if args.experiment in ("all", "mnist"):
+        mnist_suite.run_suite(preset, out, dataset=dataset, progress=progress)
+    if args.experiment in ("all", "l2norm"):
+        l2norm.run(preset=args.preset, out_dir=out, progress=progress)
+    collect_results(out)
+    print(f"wrote {write_report(out)} and {out / 'results.json'}")
+
+
+def _train(args: argparse.Namespace) -> None:
+    from softmoe.checkpoint import write_json
+    from softmoe.data import load_dataset
+    from softmoe.models import SoftMoEClassifier
+    from softmoe.train import TrainConfig, train_classifier
+
+    splits = load_dataset(args.dataset)
+    model_config = {
+        "dataset": args.dataset,
+        "image_shape": list(splits.train.image_shape),
+        "num_experts": args.experts,
+        "num_classes": splits.train.num_classes,
+    }
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(args.run_dir / "model.json", model_config)
+    config = TrainConfig(args.epochs, args.batch_size, args.lr, args.seed)
+    _, history = train_classifier(
+        lambda: SoftMoEClassifier(tuple(model_config["image_shape"]), args.experts, model_config["num_classes"]),
+        splits,
+        config,
+        args.run_dir,
+        progress=not args.no_progress,
+        description=f"n={args.experts}",
+    )
+    print(json.dumps(history[-1]))
+
+
+def _evaluate(args: argparse.Namespace) -> None:
+    from softmoe.checkpoint import read_json
+    from softmoe.data import load_dataset
+    from softmoe.experiments.mnist_suite import random_statistics
+    from softmoe.models import SoftMoEClassifier
+    from softmoe.selection import select_experts
+    from softmoe.train import accuracy, finished_epochs, load_epoch
+
+    config_path = args.run_dir / "model.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{config_path} not found: is {args.run_dir} a folder written by 'softmoe train'?")
+    config = read_json(config_path)
+    done = len(finished_epochs(args.run_dir))
+    epoch = args.epoch or done
+    if not 1 <= epoch <= done:
+        raise ValueError(f"epoch {epoch} is not available in {args.run_dir} (finished epochs: 1..{done})")
+    splits = load_dataset(config["dataset"])
+    model = SoftMoEClassifier(tuple(config["image_shape"]), config["num_experts"], config["num_classes"])
+    load_epoch(model, args.run_dir, epoch).eval()
+    result = {"epoch": epoch, "all_experts": accuracy(model, splits.test), "strategy": args.strategy, "k": args.k}
+    if args.strategy != "all":
+        if args.k is None:
+            raise ValueError(f"--strategy {args.strategy} needs --k")
+        seeds = range(args.seeds) if args.strategy == "random" else [0]
+        accuracies = []
+        for seed in seeds:
+            with select_experts(model, k=args.k, strategy=args.strategy, renormalize=args.renormalize, seed=seed):
+                accuracies.append(accuracy(model, splits.test))
+        if args.strategy == "random":
+            result["random"] = random_statistics(accuracies)
+        else:
+            result["accuracy"] = accuracies[0]
+    print(json.dumps(result, indent=2))
+
+
+def _report(args: argparse.Namespace) -> None:
+    from softmoe.report import collect_results, write_report
+
+    if not args.results_dir.is_dir():
+        raise FileNotFoundError(f"results folder {args.results_dir} does not exist")
+    collect_results(args.results_dir)
+    print(f"wrote {write_report(args.results_dir)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from softmoe.data import DatasetError, MissingDependencyError
+    from softmoe.runtime import tune_cpu_allocator
+
+    tune_cpu_allocator()
+    handlers = {"reproduce": _reproduce, "train": _train, "evaluate": _evaluate, "report": _report}
+    try:
+        handlers[args.command](args)
+    except (ValueError, FileNotFoundError, DatasetError, MissingDependencyError) as error:
+        print(f"softmoe {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("softmoe: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""results.json -> report.md with PNG plots, every section putting our numbers beside the paper's.
+
+``results.json`` holds one entry per experiment (``mnist_suite``, ``l2norm``, ...) next to the provenance of the
+run (code version, date, machine). Each experiment module renders its own section with ``write_plots(results,
+out_dir)`` and ``markdown(results, plots)``; this module only gathers them, in a fixed order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+import softmoe
+from softmoe.checkpoint import atomic_write, read_json, write_json
+
+SECTIONS = {
+    "mnist_suite": "softmoe.experiments.mnist_suite",
+    "l2norm": "softmoe.experiments.l2norm",
+}
+
+
+def code_version() -> str:
+    """softmoe's version plus the git commit of the source tree when there is one."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=10,
+        ).stdout.strip()
+        return f"{softmoe.__version__}+g{commit}{'.dirty' if dirty else ''}"
+    except (OSError, subprocess.SubprocessError):
+        return softmoe.__version__
+
+
+def provenance() -> dict:
+    """When, with what code, and on what machine a result was made."""
+    return {
+        "code_version": code_version(),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+    }
+
+
+def collect_results(results_dir: str | Path) -> dict:
+    """Gather every experiment JSON present in ``results_dir`` into ``results.json`` (atomically) and return it."""
+    results_dir = Path(results_dir)
+    results = {"provenance": provenance()}
+    for key in SECTIONS:
+        path = results_dir / f"{key}.json"
+        if path.exists():
+            results[key] = read_json(path)
+    if len(results) == 1:
+        raise FileNotFoundError(f"no experiment results ({', '.join(f'{k}.json' for k in SECTIONS)}) in {results_dir}")
+    write_json(results_dir / "results.json", results)
+    return results
+
+
+def write_report(results_dir: str | Path) -> Path:
+    """Render ``results_dir/results.json`` as ``report.md`` with its plots beside it; returns the report's path."""
+    results_dir = Path(results_dir)
+    results = read_json(results_dir / "results.json")
+    prov = results["provenance"]
+    parts = [
+        "# softmoe reproduction of \"Beyond Parameter Count: Implicit Bias in Soft Mixture of Experts\"",
+        "",
+        f"Made {prov['created']} with softmoe {prov['code_version']}, torch {prov['machine']['torch']}, "
+        f"{prov['machine']['threads']} threads on {prov['machine']['processor']}. Every number below is in "
+        "`results.json` beside this file.",
+        "",
+    ]
+    for key, module_name in SECTIONS.items():
+        if key not in results:
+            continue
+        module = importlib.import_module(module_name)
+        plots = module.write_plots(results[key], results_dir)
+        parts.append(module.markdown(results[key], plots))
+    text = "\n".join(parts)
+    path = results_dir / "report.md"
+
+    def write(temp: str) -> None:
+        Path(temp).write_text(text)
+
+    atomic_write(path, write)
+    return path

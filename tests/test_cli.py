@@ -1,0 +1,103 @@
+"""The softmoe command: the smoke reproduction end to end, train/evaluate, and user errors as one line + exit 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from softmoe.cli import main
+
+
+@pytest.fixture(scope="module")
+def smoke_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smoke")
+    assert main(["reproduce", "--preset", "smoke", "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+def test_smoke_reproduction_writes_complete_results(smoke_results):
+    results = json.loads((smoke_results / "results.json").read_text())
+    assert set(results) >= {"provenance", "mnist_suite", "l2norm"}
+    assert results["provenance"]["code_version"].startswith("0.1.0")
+    suite = results["mnist_suite"]
+    assert suite["preset"]["name"] == "smoke" and suite["data"]["name"] == "digits"
+    assert suite["preset"]["train"]["seed"] == 0
+    assert sorted(int(n) for n in suite["models"]) == [2, 4, 8]
+    for n, model in suite["models"].items():
+        selection = model["selection"]
+        assert 0.0 <= selection["all_experts"] <= 1.0
+        assert sorted(int(k) for k in selection["per_k"]) == list(range(1, int(n)))
+        for cell in selection["per_k"].values():
+            assert len(cell["random"]["accuracies"]) == 3
+            assert 0.0 <= cell["algorithm1"] <= 1.0
+        assert model["epoch"] in range(1, 3)
+        assert model["oracle"]["k"] == max(1, round(int(n) / 4))
+        assert 0.0 <= model["oracle"]["best_subset_accuracy"] <= 1.0
+        # The oracle includes Algorithm 1's subset, so it can never do worse.
+        k = str(model["oracle"]["k"])
+        if k in selection["per_k"]:
+            assert model["oracle"]["best_subset_accuracy"] >= selection["per_k"][k]["algorithm1"] - 1e-9
+
+
+def test_smoke_report_is_well_formed(smoke_results):
+    report = (smoke_results / "report.md").read_text()
+    for heading in ("Table 1", "Figures 1 and 2a", "Table 10", "Figure 5", "How our numbers compare"):
+        assert heading in report
+    assert "94.69" in report and "46.57 ± 0.44" in report  # the paper's numbers beside ours
+    for png in ("fig_selection_vs_n.png", "fig_distinct_best_subsets.png", "fig_training_curves.png"):
+        assert f"({png})" in report
+        data = (smoke_results / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_rerun_resumes_without_training(smoke_results, capsys):
+    before = {p.name: p.stat().st_mtime_ns for p in (smoke_results / "runs" / "n002").iterdir()}
+    assert main(["reproduce", "mnist", "--preset", "smoke", "--out", str(smoke_results), "--no-progress"]) == 0
+    after = {p.name: p.stat().st_mtime_ns for p in (smoke_results / "runs" / "n002").iterdir()}
+    assert before == after
+
+
+def test_train_and_evaluate(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", str(run), "--dataset", "digits", "--experts", "4", "--epochs", "2", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["epoch"] == 2
+    assert main(["evaluate", str(run), "--k", "2", "--strategy", "random", "--seeds", "3"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["random"]["accuracies"]) == 3
+    assert main(["evaluate", str(run), "--k", "0.5"]) == 0
+    assert 0.0 <= json.loads(capsys.readouterr().out)["accuracy"] <= 1.0
+    assert main(["evaluate", str(run), "--k", "5"]) == 2
+    assert "k must lie in [1, 4]" in capsys.readouterr().err
+    assert main(["evaluate", str(run), "--epoch", "9"]) == 2
+    assert "epoch 9 is not available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["reproduce", "--dataset", "nosuch"], "nosuch"),
+        (["reproduce", "mnist", "--dataset", "mnist:/nonexistent/dir", "--out", "{tmp}"], "/nonexistent/dir"),
+        (["evaluate", "{tmp}/missing"], "model.json not found"),
+        (["report", "{tmp}/missing"], "does not exist"),
+        (["report", "{tmp}"], "no experiment results"),
+    ],
+)
+def test_user_errors_are_one_line(tmp_path, capsys, argv, message):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_argument_errors_exit_2():
+    for argv in (["reproduce", "--preset", "huge"], ["train", "x", "--experts", "0"], ["evaluate", "x", "--k", "a"], []):
+        proc = subprocess.run([sys.executable, "-m", "softmoe.cli", *argv], capture_output=True, text=True)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and "usage:" in proc.stderr
+
+
+def test_help_explains_options():
+    proc = subprocess.run([sys.executable, "-m", "softmoe.cli", "reproduce", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    for option in ("--preset", "--dataset", "--out", "resumes"):
+        assert option in proc.stdout

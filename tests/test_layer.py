@@ -1,0 +1,871 @@
+"""Tests of the SoftMoE layer against a slow reference written from Definition 1 / equation (1).
+
+The layer has two internal code paths, chosen by a cost model (``layer._token_space_is_cheaper(tokens)``):
+the slot formulation (dispatch -> experts on slots -> combine) and the exact token-space rewrite
+(``MLPExperts.forward_through_tokens``). Every parity test runs on shapes where each path is chosen, asserts
+which one is chosen, and checks with a spy that it is the one actually run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from softmoe import MLPExperts, Routing, SoftMoE, StackedExperts
+
+F64 = torch.float64
+EPS = 1e-6
+PARITY_TOL = 1e-10
+
+# Shapes where each code path is chosen for TOKENS tokens (asserted in every test that uses them):
+# many experts with a tiny hidden size and few tokens -> token space; few experts with a big hidden size -> slots.
+TOKENS = 5
+PATH_CONFIGS = {
+    "tokens": dict(dim=8, num_experts=6, expert_hidden=2),
+    "slots": dict(dim=6, num_experts=3, expert_hidden=24),
+}
+# Tiny shapes for gradcheck (3 tokens, 2 slots per expert).
+GRAD_TOKENS = 3
+GRAD_CONFIGS = {
+    "tokens": dict(dim=4, num_experts=4, slots_per_expert=2, expert_hidden=1),
+    "slots": dict(dim=3, num_experts=2, slots_per_expert=2, expert_hidden=6),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """These tensors are tiny: one intra-op thread avoids OpenMP start-up and spin costs on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The slow, obviously correct reference: explicit Python loops over examples, tokens, experts and slots.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def ref_activation(name: str, t: torch.Tensor) -> torch.Tensor:
+    if name == "gelu":
+        return 0.5 * t * (1.0 + torch.erf(t / math.sqrt(2.0)))
+    if name == "gelu_tanh":
+        return 0.5 * t * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (t + 0.044715 * t**3)))
+    if name == "relu":
+        return torch.where(t > 0, t, torch.zeros_like(t))
+    raise AssertionError(name)
+
+
+def ref_normalize(v: torch.Tensor) -> torch.Tensor:
+    """v / sqrt(sum(v^2) + 1e-6) for a single vector."""
+    return v / torch.sqrt((v * v).sum() + EPS)
+
+
+def is_real(mask: torch.Tensor | None, b: int, m: int) -> bool:
+    return mask is None or bool(mask[b, m])
+
+
+def reference_routing(layer: SoftMoE, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
+    """Logits, dispatch and combine from equation (1), each (batch, tokens, n, p), computed entry by entry."""
+    x = x.detach().to(F64)
+    phi = layer.phi.detach().to(F64)
+    batch, tokens, _ = x.shape
+    n, p = layer.num_experts, layer.slots_per_expert
+    logits = torch.zeros(batch, tokens, n, p, dtype=F64)
+    for b in range(batch):
+        for m in range(tokens):
+            token = x[b, m]
+            if layer.normalize:
+                token = ref_normalize(token)
+            for j in range(n):
+                for s in range(p):
+                    column = phi[:, j, s]
+                    if layer.normalize:
+                        column = ref_normalize(column) * layer.scale.detach().to(F64)
+                    logits[b, m, j, s] = torch.dot(token, column)
+    dispatch = torch.zeros_like(logits)
+    combine = torch.zeros_like(logits)
+    for b in range(batch):
+        # Dispatch: for each slot (j, s), a softmax over the real tokens of example b.
+        for j in range(n):
+            for s in range(p):
+                real = [m for m in range(tokens) if is_real(mask, b, m)]
+                if not real:
+                    continue
+                top = max(logits[b, m, j, s] for m in real)
+                denominator = sum(torch.exp(logits[b, m, j, s] - top) for m in real)
+                for m in real:
+                    dispatch[b, m, j, s] = torch.exp(logits[b, m, j, s] - top) / denominator
+        # Combine: for each real token m, a softmax over all n*p slots jointly.
+        for m in range(tokens):
+            if not is_real(mask, b, m):
+                continue
+            top = max(logits[b, m, j, s] for j in range(n) for s in range(p))
+            denominator = sum(torch.exp(logits[b, m, j, s] - top) for j in range(n) for s in range(p))
+            for j in range(n):
+                for s in range(p):
+                    combine[b, m, j, s] = torch.exp(logits[b, m, j, s] - top) / denominator
+    return Routing(logits, dispatch, combine)
+
+
+def mlp_expert_fn(experts: MLPExperts):
+    """f_j(v) = act(v W1_j + b1_j) W2_j + b2_j for one vector v, from the stacked weights."""
+
+    def f(j: int, v: torch.Tensor) -> torch.Tensor:
+        h = v @ experts.weight1[j].detach().to(F64)
+        if experts.bias1 is not None:
+            h = h + experts.bias1[j].detach().to(F64)
+        y = ref_activation(experts.activation, h) @ experts.weight2[j].detach().to(F64)
+        if experts.bias2 is not None:
+            y = y + experts.bias2[j].detach().to(F64)
+        return y
+
+    return f
+
+
+def reference_forward(layer: SoftMoE, x: torch.Tensor, mask: torch.Tensor | None = None, expert_fn=None):
+    """output = C Y~ with Y~[j, s] = f_j((D^T X)[j, s]), slots built from the RAW tokens, all by loops."""
+    if expert_fn is None:
+        expert_fn = mlp_expert_fn(layer.experts)
+    _, dispatch, combine = reference_routing(layer, x, mask)
+    x = x.detach().to(F64)
+    batch, tokens, dim = x.shape
+    n, p = layer.num_experts, layer.slots_per_expert
+    out = torch.zeros(batch, tokens, dim, dtype=F64)
+    for b in range(batch):
+        expert_out = {}
+        for j in range(n):
+            for s in range(p):
+                slot = torch.zeros(dim, dtype=F64)
+                for m in range(tokens):
+                    slot = slot + dispatch[b, m, j, s] * x[b, m]
+                expert_out[j, s] = expert_fn(j, slot)
+        for m in range(tokens):
+            row = torch.zeros(dim, dtype=F64)
+            for j in range(n):
+                for s in range(p):
+                    row = row + combine[b, m, j, s] * expert_out[j, s]
+            out[b, m] = row
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def make_layer(path: str, slots_per_expert: int = 1, seed: int = 0, sharpen: bool = True, **overrides) -> SoftMoE:
+    """A float64 layer whose shape makes ``path`` the chosen code path for TOKENS tokens.
+
+    With ``sharpen`` phi is redrawn with a large std and ``scale`` set away from 1, so that routing is far from
+    uniform and any mistake in a softmax axis, the normalization or the scale shows up in the output.
+    """
+    torch.manual_seed(seed)
+    kwargs = {**PATH_CONFIGS[path], "slots_per_expert": slots_per_expert, "dtype": F64, **overrides}
+    layer = SoftMoE(**kwargs)
+    if sharpen:
+        with torch.no_grad():
+            layer.phi.normal_(0.0, 1.0)
+            if layer.scale is not None:
+                layer.scale.fill_(2.5)
+    return layer
+
+
+def make_mask(batch: int, tokens: int, seed: int = 1) -> torch.Tensor:
+    """A bool mask with some padding in every example but at least one real token each."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(batch, tokens, generator=gen) > 0.4
+    mask[:, 0] = True
+    mask[:, -1] = False
+    return mask
+
+
+class PathSpy:
+    """Counts calls of the token-space rewrite and of the slot formulation on one layer."""
+
+    def __init__(self, layer: SoftMoE, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.token_calls = 0
+        self.slot_calls = 0
+        token_space = layer.experts.forward_through_tokens if isinstance(layer.experts, MLPExperts) else None
+        run_experts = layer.run_experts
+
+        def spy_tokens(*args, **kwargs):
+            self.token_calls += 1
+            return token_space(*args, **kwargs)
+
+        def spy_slots(*args, **kwargs):
+            self.slot_calls += 1
+            return run_experts(*args, **kwargs)
+
+        if token_space is not None:
+            monkeypatch.setattr(layer.experts, "forward_through_tokens", spy_tokens)
+        monkeypatch.setattr(layer, "run_experts", spy_slots)
+
+    def assert_path(self, path: str) -> None:
+        if path == "tokens":
+            assert (self.token_calls, self.slot_calls) == (1, 0), "expected the token-space path to run"
+        else:
+            assert (self.token_calls, self.slot_calls) == (0, 1), "expected the slot path to run"
+
+
+def assert_path_chosen(layer: SoftMoE, tokens: int, path: str) -> None:
+    assert layer._token_space_is_cheaper(tokens) is (path == "tokens"), f"shape does not select the {path} path"
+
+
+def force_path(layer: SoftMoE, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(layer, "_token_space_is_cheaper", lambda tokens: path == "tokens")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. Parity with the reference (both code paths)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["tokens", "slots"])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("slots_per_expert", [1, 3])
+@pytest.mark.parametrize("expert_bias", [True, False])
+@pytest.mark.parametrize("use_mask", [False, True])
+def test_forward_matches_reference(path, normalize, slots_per_expert, expert_bias, use_mask, monkeypatch):
+    activation = ["gelu", "gelu_tanh", "relu"][(slots_per_expert + expert_bias + 2 * use_mask) % 3]
+    layer = make_layer(path, slots_per_expert, normalize=normalize, expert_bias=expert_bias, activation=activation)
+    assert_path_chosen(layer, TOKENS, path)
+    torch.manual_seed(1)
+    x = torch.randn(2, TOKENS, layer.dim, dtype=F64) * 2.0
+    mask = make_mask(2, TOKENS) if use_mask else None
+    spy = PathSpy(layer, monkeypatch)
+    with torch.no_grad():
+        out = layer(x, mask)
+    spy.assert_path(path)
+    expected = reference_forward(layer, x, mask)
+    assert out.shape == x.shape and out.dtype == F64
+    assert (out - expected).abs().max().item() < PARITY_TOL
+    if mask is not None:
+        assert torch.all(out[~mask] == 0)
+
+
+@pytest.mark.parametrize("path", ["tokens", "slots"])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+def test_forward_matches_reference_every_activation(path, activation, monkeypatch):
+    layer = make_layer(path, 2, activation=activation)
+    assert_path_chosen(layer, TOKENS, path)
+    torch.manual_seed(2)
+    x = torch.randn(3, TOKENS, layer.dim, dtype=F64)
+    mask = make_mask(3, TOKENS, seed=5)
+    spy = PathSpy(layer, monkeypatch)
+    with torch.no_grad():
+        out = layer(x, mask)
+    spy.assert_path(path)
+    assert (out - reference_forward(layer, x, mask)).abs().max().item() < PARITY_TOL
+
+
+@pytest.mark.parametrize("path", ["tokens", "slots"])
+def test_paths_agree_on_same_layer(path, monkeypatch):
+    """Forcing the other path on the same layer and input gives the same output and the same gradients."""
+    layer = make_layer(path, 2)
+    torch.manual_seed(3)
+    x = torch.randn(2, TOKENS, layer.dim, dtype=F64, requires_grad=True)
+    mask = make_mask(2, TOKENS)
+    results = {}
+    for forced in ("tokens", "slots"):
+        force_path(layer, forced, monkeypatch)
+        layer.zero_grad()
+        x.grad = None
+        out = layer(x, mask)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=F64).view_as(out)).sum().backward()
+        grads = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+        results[forced] = (out.detach(), grads)
+    out_t, grads_t = results["tokens"]
+    out_s, grads_s = results["slots"]
+    assert (out_t - out_s).abs().max().item() < PARITY_TOL
+    for g_t, g_s in zip(grads_t, grads_s, strict=True):
+        assert (g_t - g_s).abs().max().item() < 1e-9
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("slots_per_expert", [1, 3])
+@pytest.mark.parametrize("use_mask", [False, True])
+def test_route_matches_reference(normalize, slots_per_expert, use_mask):
+    layer = make_layer("slots", slots_per_expert, normalize=normalize)
+    torch.manual_seed(4)
+    x = torch.randn(2, TOKENS, layer.dim, dtype=F64) * 3.0
+    mask = make_mask(2, TOKENS) if use_mask else None
+    with torch.no_grad():
+        routing = layer.route(x, mask)
+    expected = reference_routing(layer, x, mask)
+    assert isinstance(routing, Routing)
+    shape = (2, TOKENS, layer.num_experts, slots_per_expert)
+    for name in ("logits", "dispatch", "combine"):
+        got, want = getattr(routing, name), getattr(expected, name)
+        assert got.shape == shape, name
+        assert got.dtype == F64, name
+        assert (got - want).abs().max().item() < PARITY_TOL, name
+
+
+def test_slots_use_raw_tokens_not_normalized():
+    """With normalize=True the slots are D^T X of the raw tokens: scaling every token by c scales the slots by c."""
+    layer = make_layer("slots", 2)
+    torch.manual_seed(5)
+    x = torch.randn(1, TOKENS, layer.dim, dtype=F64)
+    with torch.no_grad():
+        _, dispatch, _ = layer._route_flat(x, None)
+        _, dispatch_scaled, _ = layer._route_flat(3.0 * x, None)
+        slots = layer.dispatch_slots(x, dispatch)
+        slots_scaled = layer.dispatch_slots(3.0 * x, dispatch_scaled)
+    # Normalization makes the routing (nearly) invariant to the token scale...
+    assert (dispatch - dispatch_scaled).abs().max().item() < 1e-5
+    # ...while the slots follow the raw tokens.
+    assert (slots_scaled - 3.0 * slots).abs().max().item() < 1e-4
+    assert slots.abs().max().item() > 0.1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. Properties
+# ----------------------------------------------------------------------------------------------------------------
+
+# Small, fast and reproducible: the same examples on every run.
+FAST = settings(max_examples=25, deadline=None, derandomize=True)
+
+small_shapes = st.fixed_dictionaries(
+    {
+        "batch": st.integers(1, 3),
+        "tokens": st.integers(1, 6),
+        "dim": st.integers(1, 5),
+        "num_experts": st.integers(1, 4),
+        "slots_per_expert": st.integers(1, 3),
+        "hidden": st.integers(1, 6),
+        "normalize": st.booleans(),
+        "seed": st.integers(0, 2**31 - 1),
+    }
+)
+
+
+def build_from(shape: dict, dtype=F64) -> tuple[SoftMoE, torch.Tensor]:
+    torch.manual_seed(shape["seed"])
+    layer = SoftMoE(
+        shape["dim"],
+        shape["num_experts"],
+        shape["slots_per_expert"],
+        expert_hidden=shape["hidden"],
+        normalize=shape["normalize"],
+        dtype=dtype,
+    )
+    with torch.no_grad():
+        layer.phi.normal_(0.0, 1.0)
+    x = torch.randn(shape["batch"], shape["tokens"], shape["dim"], dtype=dtype) * 2.0
+    return layer, x
+
+
+def random_mask(data, batch: int, tokens: int) -> torch.Tensor:
+    rows = data.draw(
+        st.lists(st.lists(st.booleans(), min_size=tokens, max_size=tokens), min_size=batch, max_size=batch)
+    )
+    return torch.tensor(rows, dtype=torch.bool).reshape(batch, tokens)
+
+
+@FAST
+@given(shape=small_shapes, use_mask=st.booleans(), data=st.data())
+def test_dispatch_and_combine_are_normalized(shape, use_mask, data):
+    layer, x = build_from(shape)
+    mask = random_mask(data, shape["batch"], shape["tokens"]) if use_mask else None
+    with torch.no_grad():
+        logits, dispatch, combine = layer.route(x, mask)
+    assert torch.all(dispatch >= 0) and torch.all(combine >= 0)
+    dispatch_sums = dispatch.sum(dim=1)  # (batch, n, p): over tokens, per slot
+    combine_sums = combine.sum(dim=(2, 3))  # (batch, tokens): over all n*p slots, per token
+    real = torch.ones(shape["batch"], shape["tokens"], dtype=torch.bool) if mask is None else mask
+    for b in range(shape["batch"]):
+        if real[b].any():
+            assert torch.allclose(dispatch_sums[b], torch.ones_like(dispatch_sums[b]), atol=1e-12)
+        else:
+            assert torch.all(dispatch_sums[b] == 0)
+    assert torch.allclose(combine_sums[real], torch.ones_like(combine_sums[real]), atol=1e-12)
+    assert torch.all(combine[~real] == 0) and torch.all(dispatch[~real] == 0)
+    assert torch.isfinite(logits).all()
+
+
+@FAST
+@given(shape=small_shapes, data=st.data())
+def test_batch_independence(shape, data):
+    """Changing the other examples of a batch (and their masks) leaves one example's output unchanged."""
+    layer, x = build_from({**shape, "batch": max(shape["batch"], 2)})
+    batch = x.shape[0]
+    mask = random_mask(data, batch, shape["tokens"])
+    other = x.clone()
+    other[1:] = torch.randn_like(other[1:]) * 5.0
+    other_mask = mask.clone()
+    other_mask[1:] = ~other_mask[1:]
+    with torch.no_grad():
+        out = layer(x, mask)
+        out_other = layer(other, other_mask)
+        alone = layer(x[:1], mask[:1])
+    assert torch.allclose(out[0], out_other[0], atol=1e-12, rtol=0)
+    assert torch.allclose(out[0], alone[0], atol=1e-12, rtol=0)
+
+
+@FAST
+@given(shape=small_shapes, use_mask=st.booleans(), data=st.data())
+def test_token_permutation_equivariance(shape, use_mask, data):
+    layer, x = build_from(shape)
+    mask = random_mask(data, shape["batch"], shape["tokens"]) if use_mask else None
+    perm = torch.tensor(data.draw(st.permutations(list(range(shape["tokens"])))), dtype=torch.long)
+    with torch.no_grad():
+        out = layer(x, mask)
+        out_perm = layer(x[:, perm], None if mask is None else mask[:, perm])
+    assert torch.allclose(out_perm, out[:, perm], atol=1e-12, rtol=0)
+
+
+@FAST
+@given(shape=small_shapes, data=st.data())
+def test_token_space_rewrite_equals_slot_formulation(shape, data):
+    """The two code paths agree on arbitrary small shapes, whichever one the cost model picks."""
+    layer, x = build_from(shape)
+    mask = random_mask(data, shape["batch"], shape["tokens"])
+    real = mask.unsqueeze(-1)
+    with torch.no_grad():
+        _, dispatch, combine = layer._route_flat(x, mask)
+        slots_out = layer.combine_slots(combine, layer.run_experts(layer.dispatch_slots(x, dispatch)))
+        view = (*x.shape[:2], layer.num_experts, layer.slots_per_expert)
+        token_out = layer.experts.forward_through_tokens(x, dispatch.view(view), combine.view(view))
+        out = layer(x, mask)
+    assert torch.allclose(slots_out, token_out, atol=1e-11, rtol=0)
+    assert torch.allclose(out, slots_out, atol=1e-11, rtol=0)
+    assert torch.all(out.masked_select(~real) == 0)
+
+
+@pytest.mark.parametrize("path", ["tokens", "slots"])
+def test_padded_token_values_do_not_matter(path):
+    layer = make_layer(path, 2)
+    torch.manual_seed(6)
+    x = torch.randn(2, TOKENS, layer.dim, dtype=F64)
+    mask = make_mask(2, TOKENS)
+    changed = x.clone()
+    changed[~mask] = torch.randn_like(changed[~mask]) * 100.0
+    with torch.no_grad():
+        assert torch.allclose(layer(x, mask), layer(changed, mask), atol=1e-12, rtol=0)
+        # ...and a mask of all True is the same as no mask.
+        full = torch.ones(2, TOKENS, dtype=torch.bool)
+        assert torch.allclose(layer(x, full), layer(x), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("use_mask", [False, True])
+def test_single_expert_single_slot_gives_one_row(use_mask):
+    torch.manual_seed(7)
+    layer = SoftMoE(6, 1, 1, expert_hidden=10, dtype=F64)
+    x = torch.randn(2, 7, 6, dtype=F64)
+    mask = make_mask(2, 7) if use_mask else None
+    with torch.no_grad():
+        out = layer(x, mask)
+    for b in range(2):
+        real = torch.arange(7) if mask is None else mask[b].nonzero().flatten()
+        rows = out[b, real]
+        assert torch.allclose(rows, rows[:1].expand_as(rows), atol=1e-13, rtol=0)
+        assert rows.abs().max() > 0
+        if mask is not None:
+            assert torch.all(out[b, ~mask[b]] == 0)
+    # The common row is f(slot) with slot = the dispatch-weighted mean of the real tokens.
+    assert (out - reference_forward(layer, x, mask)).abs().max().item() < PARITY_TOL
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. Gradients
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["tokens", "slots"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_gradcheck(path, normalize):
+    torch.manual_seed(8)
+    layer = SoftMoE(**GRAD_CONFIGS[path], normalize=normalize, activation="gelu_tanh", dtype=F64)
+    assert_path_chosen(layer, GRAD_TOKENS, path)
+    with torch.no_grad():
+        layer.phi.normal_(0.0, 1.0)
+    names = [name for name, _ in layer.named_parameters()]
+    params = [param.detach().clone().requires_grad_(True) for _, param in layer.named_parameters()]
+    x = torch.randn(2, GRAD_TOKENS, layer.dim, dtype=F64, requires_grad=True)
+    mask = torch.tensor([[True, True, True], [True, False, True]])
+
+    def fn(x, *params):
+        return torch.func.functional_call(layer, dict(zip(names, params, strict=True)), (x,), {"mask": mask})
+
+    # Every Jacobian entry with respect to the input; all parameters through random projections (fast mode).
+    assert torch.autograd.gradcheck(lambda x: fn(x, *params), (x,), eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradcheck(fn, (x, *params), eps=1e-6, atol=1e-6, fast_mode=True)
+    # ...and the full Jacobian for the router parameters (phi and scale) alone.
+    router = [i for i, name in enumerate(names) if name in ("phi", "scale")]
+
+    def fn_router(*router_params):
+        full = list(params)
+        for i, value in zip(router, router_params, strict=True):
+            full[i] = value
+        return fn(x, *full)
+
+    assert torch.autograd.gradcheck(fn_router, tuple(params[i] for i in router), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["tokens", "slots"])
+def test_gradients_reach_every_parameter(path):
+    layer = make_layer(path, 2, dtype=torch.float32, sharpen=False)
+    torch.manual_seed(9)
+    x = torch.randn(2, TOKENS, layer.dim, requires_grad=True)
+    mask = make_mask(2, TOKENS)
+    assert_path_chosen(layer, TOKENS, path)
+    out = layer(x, mask)
+    (out * torch.randn_like(out)).sum().backward()
+    assert layer.phi.grad is not None and layer.phi.grad.abs().sum() > 0
+    assert layer.scale.grad is not None and layer.scale.grad.abs() > 0
+    experts = layer.experts
+    for name in ("weight1", "bias1", "weight2", "bias2"):
+        grad = getattr(experts, name).grad
+        assert grad is not None, name
+        for j in range(layer.num_experts):
+            assert grad[j].abs().sum() > 0, f"expert {j} got no gradient in {name}"
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert torch.all(x.grad[~mask] == 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. Fully padded sequences
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["tokens", "slots"])
+@pytest.mark.parametrize("padded_values", ["zeros", "random"])
+def test_fully_padded_sequence_gives_zeros(path, padded_values):
+    layer = make_layer(path, 2, dtype=torch.float32)
+    torch.manual_seed(10)
+    x = torch.randn(3, TOKENS, layer.dim)
+    mask = make_mask(3, TOKENS)
+    mask[0] = False
+    if padded_values == "zeros":
+        x[~mask] = 0.0
+    x.requires_grad_(True)
+    assert_path_chosen(layer, TOKENS, path)
+    out = layer(x, mask)
+    assert torch.isfinite(out).all()
+    assert torch.all(out[0] == 0)
+    assert torch.all(out[~mask] == 0)
+    assert out[1:][mask[1:]].abs().sum() > 0
+    routing = layer.route(x, mask)
+    assert torch.all(routing.dispatch[0] == 0) and torch.all(routing.combine[0] == 0)
+    assert torch.isfinite(routing.dispatch).all() and torch.isfinite(routing.combine).all()
+    (out * torch.randn_like(out)).sum().backward()
+    for name, param in [("x", x), *layer.named_parameters()]:
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+    assert torch.all(x.grad[0] == 0)
+    assert torch.all(x.grad[~mask] == 0)
+
+
+@pytest.mark.parametrize("path", ["tokens", "slots"])
+def test_whole_batch_padded(path):
+    layer = make_layer(path, 1, dtype=torch.float32)
+    x = torch.zeros(2, TOKENS, layer.dim, requires_grad=True)
+    mask = torch.zeros(2, TOKENS, dtype=torch.bool)
+    out = layer(x, mask)
+    assert torch.all(out == 0) and not torch.isnan(out).any()
+    out.sum().backward()
+    for name, param in [("x", x), *layer.named_parameters()]:
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+        assert torch.all(param.grad == 0), name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 5. Custom experts (StackedExperts, torch.func.vmap)
+# ----------------------------------------------------------------------------------------------------------------
+
+TORCH_ACTIVATIONS = {"gelu": lambda: nn.GELU(), "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU}
+
+
+def mlp_module(dim: int, hidden: int, activation: str = "gelu") -> nn.Module:
+    return nn.Sequential(nn.Linear(dim, hidden), TORCH_ACTIVATIONS[activation](), nn.Linear(hidden, dim))
+
+
+@pytest.mark.parametrize("path", ["tokens", "slots"])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+def test_custom_expert_matches_builtin_mlp(path, activation, monkeypatch):
+    builtin = make_layer(path, 2, activation=activation)
+    cfg = PATH_CONFIGS[path]
+    torch.manual_seed(11)
+    custom = SoftMoE(
+        cfg["dim"], cfg["num_experts"], 2, expert=mlp_module(cfg["dim"], cfg["expert_hidden"], activation), dtype=F64
+    )
+    assert isinstance(custom.experts, StackedExperts)
+    assert not custom._token_space_is_cheaper(TOKENS)  # custom experts always take the slot path
+    assert_path_chosen(builtin, TOKENS, path)
+    mlp = builtin.experts
+    with torch.no_grad():
+        custom.phi.copy_(builtin.phi)
+        custom.scale.copy_(builtin.scale)
+        custom.experts.get_parameter("0__weight").copy_(mlp.weight1.transpose(1, 2))
+        custom.experts.get_parameter("0__bias").copy_(mlp.bias1)
+        custom.experts.get_parameter("2__weight").copy_(mlp.weight2.transpose(1, 2))
+        custom.experts.get_parameter("2__bias").copy_(mlp.bias2)
+    torch.manual_seed(12)
+    x = torch.randn(2, TOKENS, cfg["dim"], dtype=F64)
+    mask = make_mask(2, TOKENS)
+    spy = PathSpy(builtin, monkeypatch)
+    with torch.no_grad():
+        expected = builtin(x, mask)
+        got = custom(x, mask)
+    spy.assert_path(path)
+    assert (got - expected).abs().max().item() < PARITY_TOL
+
+
+class ScaledResidual(nn.Module):
+    """A non-MLP expert with a parameter-free buffer: x + tanh(x A) * gain + shift."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.gain = nn.Parameter(torch.randn(dim))
+        self.register_buffer("shift", torch.linspace(-1, 1, dim))
+
+    def forward(self, x):
+        return x + torch.tanh(self.proj(x)) * self.gain + self.shift
+
+
+def test_custom_expert_matches_reference_loop():
+    torch.manual_seed(13)
+    dim, n, p = 5, 3, 2
+    template = ScaledResidual(dim).double()
+    layer = SoftMoE(dim, n, p, expert=template, dtype=F64)
+    with torch.no_grad():
+        layer.phi.normal_(0.0, 1.0)
+    stacked = layer.experts
+
+    def expert_fn(j, v):
+        params, buffers = stacked.expert_state(j)
+        return torch.func.functional_call(template, (params, buffers), (v.unsqueeze(0),)).squeeze(0).detach()
+
+    x = torch.randn(2, 4, dim, dtype=F64)
+    mask = torch.tensor([[True, False, True, True], [False, True, True, False]])
+    with torch.no_grad():
+        out = layer(x, mask)
+    assert (out - reference_forward(layer, x, mask, expert_fn)).abs().max().item() < PARITY_TOL
+
+
+def test_custom_expert_does_not_use_template_weights():
+    """The layer owns its stacked copies: later changes to the user's module do not change the layer."""
+    torch.manual_seed(14)
+    template = mlp_module(4, 8)
+    layer = SoftMoE(4, 3, expert=template)
+    x = torch.randn(2, 5, 4)
+    with torch.no_grad():
+        before = layer(x)
+        for param in template.parameters():
+            param.zero_()
+        after = layer(x)
+    assert torch.equal(before, after)
+    grads = torch.autograd.grad(layer(x).sum(), list(layer.experts.parameters()))
+    for g in grads:
+        for j in range(3):
+            assert g[j].abs().sum() > 0
+
+
+def _pairwise(values: torch.Tensor):
+    return [(i, j) for i in range(values.shape[0]) for j in range(i + 1, values.shape[0])]
+
+
+def test_custom_expert_copies_independent_by_default():
+    torch.manual_seed(15)
+    layer = SoftMoE(6, 4, expert=mlp_module(6, 12))
+    names = [name for name, _ in layer.experts.named_parameters()]
+    assert sorted(names) == ["0__bias", "0__weight", "2__bias", "2__weight"]
+    for name, value in layer.experts.named_parameters():
+        assert value.shape[0] == 4, name
+        for i, j in _pairwise(value):
+            assert not torch.allclose(value[i], value[j]), f"{name}: experts {i} and {j} start equal"
+
+
+def test_custom_expert_copies_identical_with_identical_init():
+    torch.manual_seed(16)
+    template = mlp_module(6, 12)
+    layer = SoftMoE(6, 4, expert=template, identical_expert_init=True)
+    template_params = dict(template.named_parameters())
+    for name, value in layer.experts.named_parameters():
+        for j in range(4):
+            assert torch.equal(value[j], value[0]), name
+        assert torch.equal(value[0], template_params[name.replace("__", ".")].detach()), name
+
+
+@pytest.mark.parametrize("identical", [False, True])
+def test_mlp_expert_init_independence(identical):
+    torch.manual_seed(17)
+    layer = SoftMoE(6, 4, expert_hidden=12, identical_expert_init=identical)
+    for name in ("weight1", "bias1", "weight2", "bias2"):
+        value = getattr(layer.experts, name)
+        for i, j in _pairwise(value):
+            assert torch.equal(value[i], value[j]) is identical, f"{name}: experts {i}, {j}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 6. Initialization
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_identical_init_makes_all_mlp_expert_slices_equal():
+    torch.manual_seed(18)
+    experts = MLPExperts(5, 7, 9, identical_init=True)
+    for name in ("weight1", "bias1", "weight2", "bias2"):
+        value = getattr(experts, name)
+        assert value[0].abs().sum() > 0, name
+        for j in range(1, 5):
+            assert torch.equal(value[j], value[0]), name
+
+
+def test_phi_init_std_and_truncation():
+    torch.manual_seed(19)
+    dim, n, p = 256, 64, 2
+    layer = SoftMoE(dim, n, p, expert_hidden=1)
+    phi = layer.phi.detach()
+    target_std = 1.0 / math.sqrt(dim * n)  # fan_in = dim * num_experts, independent of p
+    assert phi.shape == (dim, n, p)
+    assert abs(phi.std().item() / target_std - 1.0) < 0.03
+    assert abs(phi.mean().item()) < 0.02 * target_std * 2
+    # Truncated at +-2 std of the underlying normal, whose std is target_std / 0.8796 (std of a +-2 sigma
+    # truncated standard normal).
+    underlying_std = target_std / 0.87962566103423978
+    bound = 2.0 * underlying_std
+    assert phi.abs().max().item() <= bound * (1 + 1e-6)
+    assert phi.abs().max().item() > 0.98 * bound  # the tails are actually used, up to the bound
+    # The unit scale starts at 1.
+    assert layer.scale.item() == 1.0
+
+
+def test_phi_init_depends_on_num_experts():
+    torch.manual_seed(20)
+    small = SoftMoE(128, 4, 4, expert_hidden=1).phi.detach().std().item()
+    large = SoftMoE(128, 64, 1, expert_hidden=1).phi.detach().std().item()
+    assert abs(small / (1 / math.sqrt(128 * 4)) - 1) < 0.05
+    assert abs(large / (1 / math.sqrt(128 * 64)) - 1) < 0.05
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 7. Mixed precision and torch.compile
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["tokens", "slots"])
+def test_autocast_bfloat16(path):
+    layer = make_layer(path, 2, dtype=torch.float32)
+    assert_path_chosen(layer, TOKENS, path)
+    torch.manual_seed(21)
+    x = torch.randn(2, TOKENS, layer.dim)
+    mask = make_mask(2, TOKENS)
+    with torch.no_grad():
+        reference = layer(x, mask)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            routing = layer.route(x, mask)
+            out = layer(x, mask)
+            routing_bf16_input = layer.route(x.bfloat16(), mask)
+    for name, tensor in routing._asdict().items():
+        assert tensor.dtype == torch.float32, name
+    for name, tensor in routing_bf16_input._asdict().items():
+        assert tensor.dtype == torch.float32, name
+    real = mask.unsqueeze(-1)
+    sums = routing.combine.sum(dim=(2, 3))[mask]
+    assert torch.allclose(sums, torch.ones_like(sums), atol=1e-6)
+    # The float32 routing under autocast is the float32 routing without it.
+    assert torch.allclose(routing.dispatch, layer.route(x, mask).dispatch, atol=1e-6)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    err = (out.float() - reference).abs().max().item()
+    assert err < 0.03 * reference.abs().max().item()
+    assert torch.all(out.masked_select(~real) == 0)
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
+def test_torch_compile_matches_eager():
+    layer = make_layer("slots", 2, dtype=torch.float32)
+    torch.manual_seed(22)
+    x = torch.randn(2, TOKENS, layer.dim)
+    mask = make_mask(2, TOKENS)
+    compiled = torch.compile(layer)
+    with torch.no_grad():
+        expected = layer(x, mask)
+        got = compiled(x, mask)
+    assert got.shape == expected.shape
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 8. Bad inputs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_layer() -> SoftMoE:
+    torch.manual_seed(23)
+    return SoftMoE(8, 3, 2, expert_hidden=4)
+
+
+@pytest.mark.parametrize("method", ["forward", "route"])
+def test_wrong_rank_raises(small_layer, method):
+    call = getattr(small_layer, method)
+    with pytest.raises(ValueError, match=r"dim=8.*rank 2.*\(5, 8\)"):
+        call(torch.randn(5, 8))
+    with pytest.raises(ValueError, match=r"dim=8.*rank 4"):
+        call(torch.randn(1, 2, 5, 8))
+
+
+@pytest.mark.parametrize("method", ["forward", "route"])
+def test_wrong_feature_size_raises(small_layer, method):
+    with pytest.raises(ValueError, match=r"dim=8, got 7"):
+        getattr(small_layer, method)(torch.randn(2, 5, 7))
+
+
+@pytest.mark.parametrize("method", ["forward", "route"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_non_floating_input_raises(small_layer, method, dtype):
+    x = torch.ones(2, 5, 8, dtype=dtype)
+    with pytest.raises(ValueError, match=rf"floating.*{dtype}"):
+        getattr(small_layer, method)(x)
+
+
+@pytest.mark.parametrize("method", ["forward", "route"])
+def test_mask_wrong_shape_raises(small_layer, method):
+    x = torch.randn(2, 5, 8)
+    call = getattr(small_layer, method)
+    with pytest.raises(ValueError, match=r"\(2, 5\), got \(2, 4\)"):
+        call(x, torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"\(2, 5\), got \(2, 5, 1\)"):
+        call(x, torch.ones(2, 5, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"\(2, 5\), got list"):
+        call(x, [[True] * 5] * 2)
+
+
+@pytest.mark.parametrize("method", ["forward", "route"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.uint8])
+def test_non_bool_mask_raises(small_layer, method, dtype):
+    x = torch.randn(2, 5, 8)
+    with pytest.raises(ValueError, match=rf"bool.*{dtype}"):
+        getattr(small_layer, method)(x, torch.ones(2, 5, dtype=dtype))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        (dict(dim=4, num_experts=0), r"num_experts must be an integer >= 1, got 0"),
+        (dict(dim=4, num_experts=-3), r"num_experts must be an integer >= 1, got -3"),
+        (dict(dim=4, num_experts=2, slots_per_expert=0), r"slots_per_expert must be an integer >= 1, got 0"),
+        (dict(dim=0, num_experts=2), r"dim must be an integer >= 1, got 0"),
+        (dict(dim=4, num_experts=2.0), r"num_experts must be an integer >= 1, got 2\.0"),
+        (dict(dim=4, num_experts=2, expert_hidden=0), r"hidden must be >= 1, got 0"),
+        (dict(dim=4, num_experts=2, activation="swish"), r"gelu.*gelu_tanh.*relu.*got 'swish'"),
+    ],
+)
+def test_bad_constructor_arguments_raise(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        SoftMoE(**kwargs)
+
+
+def test_valid_inputs_do_not_raise(small_layer):
+    """The checks reject only bad inputs: float64/bfloat16 inputs and bool masks pass."""
+    x = torch.randn(2, 5, 8)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    assert small_layer(x, mask).shape == (2, 5, 8)
+    assert small_layer.double()(x.double(), mask).dtype == F64

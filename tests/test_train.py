@@ -1,0 +1,109 @@
+"""Training loop: determinism, resume after an interruption (no lost or duplicated work), atomic files."""
+
+import os
+
+import pytest
+import torch
+
+import softmoe.train as train_module
+from softmoe.checkpoint import atomic_write, read_json, write_json
+from softmoe.data import ImageDataset, Splits
+from softmoe.models import SoftMoEClassifier
+from softmoe.train import TrainConfig, finished_epochs, load_epoch, train_classifier
+
+
+def tiny_splits(n=96):
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 3, (n,), generator=g)
+    images = torch.rand(n, 1, 8, 8, generator=g) * 0.5
+    images[:, 0, labels.tolist(), :] += 0.5  # learnable: the label lights up a row
+    data = ImageDataset(images.clamp(0, 1), labels, 3, "tiny")
+    return Splits(data.subset(slice(0, 64)), data.subset(slice(64, 80)), data.subset(slice(80, 96)))
+
+
+def factory():
+    return SoftMoEClassifier((1, 8, 8), num_experts=4, num_classes=3)
+
+
+CONFIG = TrainConfig(epochs=3, batch_size=16, lr=1e-2, seed=1)
+
+
+def test_training_learns_and_is_deterministic(tmp_path):
+    splits = tiny_splits()
+    model_a, history_a = train_classifier(factory, splits, CONFIG, tmp_path / "a", progress=False)
+    model_b, history_b = train_classifier(factory, splits, CONFIG, tmp_path / "b", progress=False)
+    assert [h["train_loss"] for h in history_a] == [h["train_loss"] for h in history_b]
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)
+    assert history_a[-1]["train_loss"] < history_a[0]["train_loss"]
+    assert [h["epoch"] for h in finished_epochs(tmp_path / "a")] == [1, 2, 3]
+    # Only the last epoch keeps optimizer state; every epoch keeps weights and metrics.
+    names = sorted(os.listdir(tmp_path / "a"))
+    assert names == [f"epoch_{e:03d}.{ext}" for e in (1, 2, 3) for ext in ("json", "safetensors")] + ["optimizer_003.safetensors"]
+
+
+def test_resume_after_interruption_equals_uninterrupted_run(tmp_path, monkeypatch):
+    splits = tiny_splits()
+    reference, reference_history = train_classifier(factory, splits, CONFIG, tmp_path / "ref", progress=False)
+
+    real_batches = train_module.batches
+    calls = {"n": 0}
+
+    def interrupted_batches(*args, **kwargs):
+        for batch in real_batches(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 7:  # inside epoch 2 (4 training batches per epoch, plus evaluation batches)
+                raise KeyboardInterrupt
+            yield batch
+
+    monkeypatch.setattr(train_module, "batches", interrupted_batches)
+    with pytest.raises(KeyboardInterrupt):
+        train_classifier(factory, splits, CONFIG, tmp_path / "run", progress=False)
+    monkeypatch.setattr(train_module, "batches", real_batches)
+    assert [h["epoch"] for h in finished_epochs(tmp_path / "run")] == [1]
+
+    trained_epochs = []
+    original_write = train_module.write_json
+
+    def record(path, data):
+        trained_epochs.append(data["epoch"])
+        original_write(path, data)
+
+    monkeypatch.setattr(train_module, "write_json", record)
+    resumed, history = train_classifier(factory, splits, CONFIG, tmp_path / "run", progress=False)
+    assert trained_epochs == [2, 3]  # epoch 1 is not trained again, nothing is lost
+    for pa, pb in zip(reference.parameters(), resumed.parameters()):
+        assert torch.equal(pa, pb)
+    assert [h["val_accuracy"] for h in history] == [h["val_accuracy"] for h in reference_history]
+
+    trained_epochs.clear()
+    train_classifier(factory, splits, CONFIG, tmp_path / "run", progress=False)
+    assert trained_epochs == []  # a finished run is only loaded
+
+
+def test_load_epoch_restores_that_epoch(tmp_path):
+    splits = tiny_splits()
+    model, history = train_classifier(factory, splits, CONFIG, tmp_path, progress=False)
+    first = load_epoch(factory(), tmp_path, 1)
+    assert train_module.accuracy(first, splits.val) == pytest.approx(history[0]["val_accuracy"])
+    assert not torch.equal(first.moe.phi, model.moe.phi)
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path):
+    path = tmp_path / "r.json"
+    write_json(path, {"a": 1})
+
+    def failing(temp):
+        with open(temp, "w") as f:
+            f.write("{partial")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        atomic_write(path, failing)
+    assert read_json(path) == {"a": 1}
+    assert os.listdir(tmp_path) == ["r.json"]
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="epochs"):
+        TrainConfig(epochs=0)
