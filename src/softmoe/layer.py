@@ -75,7 +75,7 @@ def check_selected(selected: torch.Tensor, batch: int, num_experts: int) -> None
     if selected.numel() and (int(selected.min()) < 0 or int(selected.max()) >= num_experts):
         raise ValueError(f"selected expert indices must lie in [0, {num_experts}), got {selected.tolist()}")
     if selected.shape[1] > 1 and bool((selected.sort(dim=1).values.diff(dim=1) == 0).any()):
-        raise ValueError("selected must not repeat an expert within a row")
+        raise ValueError(f"selected must not repeat an expert within a row, got {selected.tolist()}")
 
 
 class ExpertSelector(Protocol):

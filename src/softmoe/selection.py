@@ -17,6 +17,7 @@ computed at all (see ``SoftMoE.forward_selected``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,13 +31,13 @@ STRATEGIES = ("combine", "random", "all")
 
 
 def resolve_k(k: int | float, num_experts: int) -> int:
-    """An int k in [1, n], or a fraction in (0, 1] of n rounded to the nearest integer (which must be >= 1)."""
+    """An int k in [1, n], or a fraction in (0, 1] of n rounded to the nearest integer, halves up (must be >= 1)."""
     if isinstance(k, bool) or not isinstance(k, (int, float)):
         raise ValueError(f"k must be an int in [1, {num_experts}] or a fraction in (0, 1], got {k!r}")
     if isinstance(k, float):
         if not 0.0 < k <= 1.0:
             raise ValueError(f"a fractional k must lie in (0, 1], got {k}")
-        count = round(k * num_experts)
+        count = math.floor(k * num_experts + 0.5)
         if count < 1:
             raise ValueError(f"k = {k} of {num_experts} experts rounds to {count}; at least 1 expert is needed")
         return count
@@ -154,8 +155,8 @@ def select_experts(
         k: experts kept per input: an int (same for every layer), or a fraction of each layer's n.
         strategy: "combine" (Algorithm 1), "random", "all", or a bool mask (batch, n) of explicit subsets.
         renormalize: rescale each token's combine weights over the kept slots (the paper does not).
-        seed, generator: the random strategy's source; a fresh ``torch.Generator`` seeded with ``seed`` unless a
-            generator is given. Layers draw from it in module order, so a run is reproducible.
+        seed, generator: the random strategy's source; a fresh ``torch.Generator`` seeded with ``seed`` (0 when
+            None) unless a generator is given. Layers draw from it in module order, so a run is reproducible.
     Yields the list of affected layers. Previous selectors are restored on exit.
     """
     layers = soft_moe_layers(model)

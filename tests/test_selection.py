@@ -1,0 +1,890 @@
+"""Expert selection (softmoe.selection, SoftMoE.forward_selected): Algorithm 1 of "Beyond Parameter Count".
+
+The fast path (only the selected experts run) must equal the paper's masked dense computation (all experts run,
+unselected expert rows zeroed), for every strategy, k, p, renormalization and padding; unselected experts must not
+run at all; the selection rules must be exactly Algorithm 1 (ties to the lower expert index), a uniform random
+draw, or an explicit mask; select_experts must install and restore per-layer selectors; bad arguments must raise.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+import torch.nn.functional as F
+from torch import nn
+
+from softmoe import SoftMoE, masked_reference_forward, select_experts
+from softmoe.selection import (
+    Selector,
+    combine_scores,
+    mask_from_subsets,
+    random_subsets,
+    resolve_k,
+    soft_moe_layers,
+    subsets_from_mask,
+    top_k_by_combine,
+)
+
+DIM, HIDDEN, N, BATCH, TOKENS = 6, 12, 8, 3, 5
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny tensors: intra-op threads only add contention (a loaded 2-core box runs this file 10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+
+
+def make_layer(p=1, dtype=torch.float32, custom=False, n=N, seed=0):
+    torch.manual_seed(seed)
+    expert = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM)) if custom else None
+    layer = SoftMoE(DIM, n, slots_per_expert=p, expert_hidden=HIDDEN, expert=expert, dtype=dtype)
+    with torch.no_grad():  # phi is tiny at init; make the routing far from uniform so selections are meaningful
+        layer.scale.fill_(4.0)
+    return layer
+
+
+def make_input(dtype=torch.float32, batch=BATCH, tokens=TOKENS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, tokens, DIM, generator=g, dtype=dtype)
+
+
+def padding_mask(batch=BATCH, tokens=TOKENS):
+    """Row 0: all real; row 1: two padded tokens (at both ends); row 2 (if any): fully padded."""
+    mask = torch.ones(batch, tokens, dtype=torch.bool)
+    if batch > 1:
+        mask[1, 0] = False
+        mask[1, -1] = False
+    if batch > 2:
+        mask[2] = False
+    return mask
+
+
+def random_mask(batch, n, k, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.rand(batch, n, generator=g)
+    return mask_from_subsets(keys.argsort(dim=1)[:, :k], n)
+
+
+def naive_top_k(layer, x, mask, k):
+    """Algorithm 1 written out per input with Python sorting: C_sum over tokens and slots, k largest, ties low."""
+    combine = layer.route(x, mask).combine
+    out = []
+    for b in range(x.shape[0]):
+        scores = combine[b].sum(dim=(0, 2)).tolist()
+        order = sorted(range(layer.num_experts), key=lambda j: (-scores[j], j))
+        out.append(sorted(order[:k]))
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def selected_for(strategy, layer, x, mask, k, seed=5):
+    n = layer.num_experts
+    if strategy == "combine":
+        return top_k_by_combine(layer.route(x, mask).combine, k)
+    if strategy == "random":
+        return random_subsets(x.shape[0], n, k, torch.Generator().manual_seed(seed))
+    return subsets_from_mask(random_mask(x.shape[0], n, k, seed), n)
+
+
+def strategy_arg(strategy, batch, n, k, seed=5):
+    return random_mask(batch, n, k, seed) if strategy == "mask" else strategy
+
+
+def capture_selections(layers):
+    """Wrap each installed selector's ``select`` to record what it returns (per layer, per call)."""
+    records = {id(layer): [] for layer in layers}
+    for layer in layers:
+        original = layer.selector.select
+
+        def select(combine, _original=original, _record=records[id(layer)]):
+            chosen = _original(combine)
+            _record.append(chosen.clone())
+            return chosen
+
+        layer.selector.select = select
+    return records
+
+
+def independent_reference(layer, x, selected, mask=None, renormalize=False):
+    """The masked Soft MoE of Algorithm 1 computed per input with explicit per-expert MLPs (MLPExperts only)."""
+    routing = layer.route(x, mask)
+    ex = layer.experts
+    outputs = []
+    for b in range(x.shape[0]):
+        d_b = routing.dispatch[b].to(x.dtype)  # (m, n, p)
+        c_b = routing.combine[b].to(x.dtype)
+        keep = torch.zeros(layer.num_experts, dtype=torch.bool)
+        keep[selected[b]] = True
+        c_kept = c_b * keep[None, :, None]
+        if renormalize:
+            total = c_kept.sum(dim=(1, 2), keepdim=True)
+            c_kept = torch.where(total > 0, c_kept / torch.where(total > 0, total, 1), 0)
+        out = torch.zeros_like(x[b])
+        for j in selected[b].tolist():
+            slots = d_b[:, j, :].T @ x[b]  # (p, d)
+            y = F.gelu(slots @ ex.weight1[j] + ex.bias1[j]) @ ex.weight2[j] + ex.bias2[j]
+            out = out + c_kept[:, j, :] @ y
+        outputs.append(out)
+    return torch.stack(outputs)
+
+
+# ------------------------------------------------------------- 1. fast path equals the masked dense reference
+
+
+def k_values(n=N):
+    return [1, n // 4, n // 2, n]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
+@pytest.mark.parametrize("renormalize", [False, True], ids=["raw", "renorm"])
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("k", k_values())
+@pytest.mark.parametrize("strategy", ["combine", "random", "mask"])
+def test_fast_path_equals_masked_reference(strategy, k, p, renormalize, padded, dtype):
+    layer = make_layer(p, dtype)
+    x = make_input(dtype)
+    mask = padding_mask() if padded else None
+    tol = TOL[dtype]
+    with torch.no_grad():
+        # forward_selected with the strategy's subsets
+        selected = selected_for(strategy, layer, x, mask, k)
+        assert selected.shape == (BATCH, k)
+        fast = layer.forward_selected(x, selected, mask, renormalize=renormalize)
+        ref = masked_reference_forward(layer, x, selected, mask, renormalize=renormalize)
+        assert fast.dtype == dtype and fast.shape == x.shape
+        torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
+        if padded:  # padded tokens and the fully padded input give exactly zero
+            assert torch.all(fast[~mask] == 0)
+
+        # the select_experts context manager on a model
+        model = nn.Sequential(layer)
+        arg = strategy_arg(strategy, BATCH, N, k)
+        with select_experts(model, k=k, strategy=arg, renormalize=renormalize, seed=11) as layers:
+            assert layers == [layer]
+            records = capture_selections(layers)
+            out = layer(x, mask)
+        (chosen,) = records[id(layer)]
+        assert chosen.shape == (BATCH, k) and chosen.dtype == torch.int64
+        if strategy == "combine":
+            assert torch.equal(chosen, naive_top_k(layer, x, mask, k))
+        elif strategy == "mask":
+            assert torch.equal(mask_from_subsets(chosen, N), arg)
+        ref_ctx = masked_reference_forward(layer, x, chosen, mask, renormalize=renormalize)
+        torch.testing.assert_close(out, ref_ctx, atol=tol, rtol=tol)
+        assert layer.selector is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
+@pytest.mark.parametrize("renormalize", [False, True], ids=["raw", "renorm"])
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("k", [1, N // 2, N])
+@pytest.mark.parametrize("strategy", ["combine", "random", "mask"])
+def test_fast_path_equals_masked_reference_custom_expert(strategy, k, p, renormalize, padded, dtype):
+    layer = make_layer(p, dtype, custom=True)
+    assert type(layer.experts).__name__ == "StackedExperts"
+    x = make_input(dtype)
+    mask = padding_mask() if padded else None
+    tol = TOL[dtype]
+    with torch.no_grad():
+        selected = selected_for(strategy, layer, x, mask, k)
+        fast = layer.forward_selected(x, selected, mask, renormalize=renormalize)
+        ref = masked_reference_forward(layer, x, selected, mask, renormalize=renormalize)
+        torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
+        with select_experts(nn.Sequential(layer), k=k, strategy=strategy_arg(strategy, BATCH, N, k),
+                            renormalize=renormalize) as layers:
+            records = capture_selections(layers)
+            out = layer(x, mask)
+        ref_ctx = masked_reference_forward(layer, x, records[id(layer)][0], mask, renormalize=renormalize)
+        torch.testing.assert_close(out, ref_ctx, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("renormalize", [False, True], ids=["raw", "renorm"])
+@pytest.mark.parametrize("p", [1, 2])
+def test_masked_reference_matches_independent_per_input_computation(p, renormalize):
+    """Guards the reference itself: an explicit per-input, per-expert loop of Algorithm 1's step 4."""
+    layer = make_layer(p, torch.float64)
+    x = make_input(torch.float64)
+    mask = padding_mask()
+    selected = torch.tensor([[1, 6, 3], [0, 7, 2], [4, 5, 6]])  # unsorted rows are allowed
+    with torch.no_grad():
+        expected = independent_reference(layer, x, selected, mask, renormalize)
+        torch.testing.assert_close(masked_reference_forward(layer, x, selected, mask, renormalize), expected,
+                                   atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(layer.forward_selected(x, selected, mask, renormalize), expected,
+                                   atol=1e-12, rtol=1e-12)
+
+
+def test_forward_selected_does_not_depend_on_row_order():
+    layer = make_layer(2, torch.float64)
+    x = make_input(torch.float64)
+    selected = torch.tensor([[5, 0, 3], [2, 7, 1], [6, 4, 0]])
+    with torch.no_grad():
+        a = layer.forward_selected(x, selected)
+        b = layer.forward_selected(x, selected.sort(dim=1).values)
+        c = layer.forward_selected(x, selected.flip(1))
+    torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(a, c, atol=1e-12, rtol=1e-12)
+
+
+def test_renormalized_combine_weights_of_kept_slots_sum_to_one():
+    """With renormalize a constant expert output c gives c exactly for every real token (weights sum to 1)."""
+    layer = make_layer(2, torch.float64)
+    with torch.no_grad():
+        layer.experts.weight2.zero_()
+        const = torch.arange(N * DIM, dtype=torch.float64).view(N, DIM) / 10
+        layer.experts.bias2.copy_(const[0].expand(N, DIM))  # every expert outputs const[0]
+        x = make_input(torch.float64)
+        mask = padding_mask()
+        selected = torch.tensor([[0, 3], [2, 5], [1, 7]])
+        out = layer.forward_selected(x, selected, mask, renormalize=True)
+        raw = layer.forward_selected(x, selected, mask, renormalize=False)
+    torch.testing.assert_close(out[mask], const[0].expand(int(mask.sum()), DIM))
+    assert torch.all(out[~mask] == 0)
+    # Without renormalization the kept weights sum to less than one (the paper's semantics).
+    assert torch.all(raw[mask][:, 1:].abs() < const[0][1:].abs())
+
+
+# --------------------------------------------------------------------------------- 2. k = n and "all" = plain
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
+@pytest.mark.parametrize("renormalize", [False, True], ids=["raw", "renorm"])
+@pytest.mark.parametrize("custom", [False, True], ids=["mlp", "custom"])
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("strategy", ["combine", "random"])
+def test_k_equal_n_equals_plain_forward(strategy, p, custom, renormalize, padded):
+    layer = make_layer(p, custom=custom)
+    x = make_input()
+    mask = padding_mask() if padded else None
+    with torch.no_grad():
+        plain = layer(x, mask)
+        with select_experts(layer, k=N, strategy=strategy, renormalize=renormalize):
+            selected_out = layer(x, mask)
+        with select_experts(layer, k=1.0, strategy=strategy, renormalize=renormalize):  # fraction 1.0 = all n
+            fraction_out = layer(x, mask)
+        everything = torch.arange(N).expand(BATCH, N)
+        direct = layer.forward_selected(x, everything, mask, renormalize=renormalize)
+    for out in (selected_out, fraction_out, direct):
+        torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["combine", "random"])
+def test_k_equal_n_equals_plain_forward_when_plain_uses_token_space(strategy):
+    """Few tokens and many slots: the plain forward takes MLPExperts' token-space rewrite; selection must agree."""
+    layer = make_layer(p=4)
+    x = make_input(tokens=1)
+    assert layer._token_space_is_cheaper(x.shape[1])
+    with torch.no_grad():
+        plain = layer(x)
+        with select_experts(layer, k=N, strategy=strategy):
+            out = layer(x)
+    torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("custom", [False, True], ids=["mlp", "custom"])
+def test_strategy_all_is_the_plain_forward(custom, monkeypatch):
+    layer = make_layer(2, custom=custom)
+    x = make_input()
+    mask = padding_mask()
+    with torch.no_grad():
+        plain = layer(x, mask)
+        with select_experts(nn.Sequential(layer), strategy="all") as layers:
+            assert layers == [layer] and layer.selector is None
+
+            def boom(*args, **kwargs):
+                raise AssertionError("strategy 'all' must not take the selection path")
+
+            monkeypatch.setattr(layer, "_selected_forward", boom)
+            out = layer(x, mask)
+        with select_experts(layer, k=3, strategy="all"):  # k is ignored for "all"
+            out_k = layer(x, mask)
+    assert torch.equal(out, plain)
+    assert torch.equal(out_k, plain)
+
+
+# ------------------------------------------------------------------------------------- 3. batch independence
+
+
+@pytest.mark.parametrize("custom", [False, True], ids=["mlp", "custom"])
+@pytest.mark.parametrize("strategy", ["combine", "mask"])
+def test_batch_independence_under_selection(strategy, custom):
+    dtype = torch.float64
+    layer = make_layer(2, dtype, custom=custom)
+    batch, k = 4, 3
+    x = make_input(dtype, batch=batch)
+    mask = torch.ones(batch, TOKENS, dtype=torch.bool)
+    mask[2, 3:] = False
+    other = make_input(dtype, batch=batch, seed=99)
+    x2 = x.clone()
+    x2[1:] = other[1:] * 3.0
+    mask2 = mask.clone()
+    mask2[1:, 1] = False
+    fixed = random_mask(batch, N, k, seed=7)
+    arg = fixed if strategy == "mask" else strategy
+    with torch.no_grad():
+        with select_experts(layer, k=k, strategy=arg):
+            out1 = layer(x, mask)
+            out2 = layer(x2, mask2)
+        arg_alone = fixed[:1] if strategy == "mask" else strategy
+        with select_experts(layer, k=k, strategy=arg_alone):
+            alone = layer(x[:1], mask[:1])
+    torch.testing.assert_close(out1[0], out2[0], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(out1[:1], alone, atol=1e-12, rtol=1e-12)
+    assert not torch.allclose(out1[1:], out2[1:])  # the other examples did change
+
+
+# ------------------------------------------------------------------------ 4. unselected experts do not run
+
+
+def instrument(layer, monkeypatch):
+    """Record run_grouped's counts, the slot tensors built, and forbid every full-expert entry point."""
+    log = {"counts": [], "rows": [], "slots": []}
+    original_grouped = layer.experts.run_grouped
+    original_dispatch = layer.dispatch_slots
+
+    def run_grouped(x, counts):
+        log["counts"].append(counts.clone())
+        log["rows"].append(x.shape[0])
+        return original_grouped(x, counts)
+
+    def dispatch_slots(x, dispatch):
+        out = original_dispatch(x, dispatch)
+        log["slots"].append(tuple(out.shape))
+        return out
+
+    def forbidden(name):
+        def fail(*args, **kwargs):
+            raise AssertionError(f"{name} must not be called under selection")
+
+        return fail
+
+    monkeypatch.setattr(layer.experts, "run_grouped", run_grouped)
+    monkeypatch.setattr(layer, "dispatch_slots", dispatch_slots)
+    monkeypatch.setattr(layer, "run_experts", forbidden("run_experts"))
+    monkeypatch.setattr(layer.experts, "forward", forbidden("experts.forward"))
+    if hasattr(layer.experts, "forward_through_tokens"):
+        monkeypatch.setattr(layer.experts, "forward_through_tokens", forbidden("forward_through_tokens"))
+    return log
+
+
+def expected_counts(selected, n, p):
+    return torch.bincount(selected.reshape(-1), minlength=n) * p
+
+
+@pytest.mark.parametrize("entry", ["forward_selected", "select_experts"])
+@pytest.mark.parametrize("p", [1, 2])
+def test_unselected_experts_do_not_run_mlp(p, entry, monkeypatch):
+    layer = make_layer(p)
+    x = make_input(batch=4)
+    # experts 3 and 6 are chosen by nobody; expert 0 by every input
+    selected = torch.tensor([[0, 1], [0, 2], [0, 5], [0, 7]])
+    keep = mask_from_subsets(selected, N)
+    # the per-expert computation itself: MLPExperts applies its activation once per expert block it runs
+    act_rows = []
+    original_act = layer.experts.act
+
+    def act(h):
+        act_rows.append(h.shape[0])
+        return original_act(h)
+
+    monkeypatch.setattr(layer.experts, "act", act)
+    log = instrument(layer, monkeypatch)
+    with torch.no_grad():
+        if entry == "forward_selected":
+            layer.forward_selected(x, selected)
+        else:
+            with select_experts(layer, strategy=keep):
+                layer(x)
+    assert len(log["counts"]) == 1
+    counts = log["counts"][0]
+    assert counts.tolist() == expected_counts(selected, N, p).tolist() == [4 * p, p, p, 0, 0, p, 0, p]
+    assert log["rows"] == [4 * 2 * p]
+    assert log["slots"] == [(4, 2 * p, DIM)]  # batch * k * p slot rows built, no more
+    assert act_rows == [c for c in counts.tolist() if c > 0]
+
+
+@pytest.mark.parametrize("strategy", ["combine", "random"])
+def test_unselected_experts_do_not_run_custom_expert(strategy, monkeypatch):
+    """Identify which expert's weights actually execute via a forward hook on the shared template's first Linear."""
+    p, k, batch = 2, 2, 3
+    layer = make_layer(p, custom=True)
+    x = make_input(batch=batch)
+    stacked_w = layer.experts.get_parameter("0__weight").detach()
+    ran = []
+
+    def hook(module, inputs, output):
+        w = module.weight.detach()
+        matches = [j for j in range(N) if torch.equal(w, stacked_w[j])]
+        assert len(matches) == 1
+        ran.append((matches[0], inputs[0].shape[0]))
+
+    handle = layer.experts.template[0].register_forward_hook(hook)
+    log = instrument(layer, monkeypatch)
+    try:
+        with torch.no_grad(), select_experts(layer, k=k, strategy=strategy, seed=4) as layers:
+            records = capture_selections(layers)
+            layer(x)
+    finally:
+        handle.remove()
+    (selected,) = records[id(layer)]
+    want = expected_counts(selected, N, p)
+    assert log["counts"][0].tolist() == want.tolist()
+    assert sorted(ran) == [(j, int(c)) for j, c in enumerate(want.tolist()) if c > 0]
+    assert all(want[j] == 0 for j in range(N) if j not in selected.unique().tolist())
+    assert log["slots"] == [(batch, k * p, DIM)]
+
+
+def test_unselected_experts_do_not_run_multi_layer_model(monkeypatch):
+    model = TwoLayerModel()
+    x = make_input(batch=4)
+    logs = [instrument(layer, monkeypatch) for layer in (model.moe_a, model.moe_b)]
+    with torch.no_grad(), select_experts(model, k=0.25) as layers:
+        records = capture_selections(layers)
+        model(x)
+    for layer, log in zip((model.moe_a, model.moe_b), logs):
+        (selected,) = records[id(layer)]
+        k = layer.num_experts // 4
+        assert selected.shape == (4, k)
+        assert log["counts"][0].tolist() == expected_counts(selected, layer.num_experts, layer.slots_per_expert).tolist()
+        assert log["slots"] == [(4, k * layer.slots_per_expert, DIM)]
+
+
+# ------------------------------------------------------------------------- 5. hand-worked Algorithm 1 example
+
+
+def test_algorithm1_by_hand_p1():
+    combine = torch.tensor(
+        [
+            [  # input 0: C_sum = [0.875, 1.0, 0.625, 0.5]
+                [0.5, 0.25, 0.125, 0.125],
+                [0.25, 0.25, 0.25, 0.25],
+                [0.125, 0.5, 0.25, 0.125],
+            ],
+            [  # input 1: C_sum = [0.5, 1.0, 0.5, 1.0]: ties 1 vs 3 and 0 vs 2
+                [0.25, 0.25, 0.25, 0.25],
+                [0.0, 0.5, 0.0, 0.5],
+                [0.25, 0.25, 0.25, 0.25],
+            ],
+        ]
+    ).unsqueeze(-1)  # (batch 2, tokens 3, n 4, p 1)
+    assert torch.equal(combine_scores(combine), torch.tensor([[0.875, 1.0, 0.625, 0.5], [0.5, 1.0, 0.5, 1.0]]))
+    expected = {
+        1: [[1], [1]],
+        2: [[0, 1], [1, 3]],
+        3: [[0, 1, 2], [0, 1, 3]],
+        4: [[0, 1, 2, 3], [0, 1, 2, 3]],
+    }
+    for k, rows in expected.items():
+        got = top_k_by_combine(combine, k)
+        assert got.dtype == torch.int64
+        assert got.tolist() == rows, k
+        assert Selector("combine", k).select(combine).tolist() == rows
+
+
+def test_algorithm1_by_hand_p2():
+    # Units of 1/16; each token's 8 slot weights sum to 16. Layout per token: (e0s0, e0s1, e1s0, e1s1, ..., e3s1).
+    units = torch.tensor(
+        [
+            [  # input 0: expert 0 owns the largest single slot, but expert 1 has the largest sum over its slots
+                [6, 0, 5, 5, 0, 0, 0, 0],
+                [4, 0, 2, 2, 2, 2, 2, 2],
+                [4, 0, 2, 2, 4, 0, 2, 2],
+            ],
+            [  # input 1: uniform, every expert ties
+                [2, 2, 2, 2, 2, 2, 2, 2],
+                [2, 2, 2, 2, 2, 2, 2, 2],
+                [2, 2, 2, 2, 2, 2, 2, 2],
+            ],
+        ],
+        dtype=torch.float32,
+    )
+    combine = (units / 16).view(2, 3, 4, 2)
+    assert torch.equal(combine.sum(dim=(2, 3)), torch.ones(2, 3))
+    scores = combine_scores(combine)
+    assert torch.equal(scores, torch.tensor([[0.875, 1.125, 0.5, 0.5], [0.75, 0.75, 0.75, 0.75]]))
+    assert top_k_by_combine(combine, 1).tolist() == [[1], [0]]
+    assert top_k_by_combine(combine, 2).tolist() == [[0, 1], [0, 1]]
+    assert top_k_by_combine(combine, 3).tolist() == [[0, 1, 2], [0, 1, 2]]  # 2 beats 3 on the tie
+    assert top_k_by_combine(combine, 4).tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    # Per slot (not per expert), the single best slot would be expert 0's: Algorithm 1 must sum the slots.
+    assert combine.sum(dim=1).flatten(1).argmax(dim=1)[0] // 2 == 0
+
+
+def test_algorithm1_tie_break_is_not_by_position_in_a_descending_topk():
+    """Many exact ties, in shuffled positions: always the lowest indices among the tied."""
+    n = 16
+    scores = torch.zeros(1, 1, n, 1)
+    scores[0, 0, [3, 9, 12, 14]] = 0.25  # four tied winners, then twelve tied zeros
+    for k in range(1, n + 1):
+        zeros = [j for j in range(n) if j not in (3, 9, 12, 14)]
+        want = sorted(([3, 9, 12, 14] + zeros)[:k])
+        assert top_k_by_combine(scores, k).tolist() == [want]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 4).flatmap(
+        lambda p: st.tuples(
+            st.just(p),
+            st.integers(1, 10).flatmap(
+                lambda n: st.tuples(
+                    st.just(n),
+                    st.integers(1, n),
+                    st.lists(st.integers(0, 3), min_size=2 * 3 * n * p, max_size=2 * 3 * n * p),
+                )
+            ),
+        )
+    )
+)
+def test_algorithm1_matches_a_python_sort_with_many_ties(case):
+    """Small integer weights (lots of exact ties): top-k by C_sum, ties to the lower index, ascending output."""
+    p, (n, k, values) = case
+    combine = torch.tensor(values, dtype=torch.float64).view(2, 3, n, p) / 8
+    got = top_k_by_combine(combine, k)
+    for b in range(2):
+        sums = [sum(values[((b * 3 + t) * n + j) * p + s] for t in range(3) for s in range(p)) for j in range(n)]
+        want = sorted(sorted(range(n), key=lambda j: (-sums[j], j))[:k])
+        assert got[b].tolist() == want
+
+
+def test_combine_strategy_on_a_layer_is_algorithm1_on_its_combine_weights():
+    layer = make_layer(2)
+    x = make_input(batch=6)
+    mask = padding_mask(batch=6)
+    with torch.no_grad(), select_experts(layer, k=3) as layers:
+        records = capture_selections(layers)
+        layer(x, mask)
+    assert torch.equal(records[id(layer)][0], naive_top_k(layer, x, mask, 3))
+    # the fully padded input has C_sum = 0 everywhere: ties resolve to experts 0, 1, 2
+    assert records[id(layer)][0][2].tolist() == [0, 1, 2]
+
+
+# ----------------------------------------------------------------------------------------- 6. random strategy
+
+
+def test_random_subsets_reproducible_distinct_and_seed_dependent():
+    a = random_subsets(50, N, 3, torch.Generator().manual_seed(123))
+    b = random_subsets(50, N, 3, torch.Generator().manual_seed(123))
+    c = random_subsets(50, N, 3, torch.Generator().manual_seed(124))
+    assert a.dtype == torch.int64 and a.shape == (50, 3)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    for rows in (a, c):
+        assert torch.all((rows >= 0) & (rows < N))
+        assert torch.all(rows.diff(dim=1) > 0)  # ascending, hence distinct
+        assert torch.equal(mask_from_subsets(rows, N).sum(1), torch.full((50,), 3))
+
+
+@pytest.mark.parametrize("n,k", [(8, 1), (8, 2), (8, 6), (5, 3)])
+def test_random_subsets_roughly_uniform(n, k):
+    draws = 20000
+    rows = random_subsets(draws, n, k, torch.Generator().manual_seed(0))
+    freq = torch.bincount(rows.reshape(-1), minlength=n).double() / draws
+    assert torch.all((freq - k / n).abs() < 0.03), freq.tolist()
+    # pairs are uniform too (not, say, always contiguous blocks)
+    if k == 2:
+        pair = rows[:, 0] * n + rows[:, 1]
+        pair_freq = torch.bincount(pair, minlength=n * n).double() / draws
+        valid = torch.tensor([i * n + j for i in range(n) for j in range(i + 1, n)])
+        assert torch.all((pair_freq[valid] - 1 / len(valid)).abs() < 0.012)
+
+
+def test_random_strategy_in_select_experts_is_seeded():
+    model = TwoLayerModel()
+    x = make_input(batch=16)
+
+    def run(**kwargs):
+        with torch.no_grad(), select_experts(model, k=0.5, strategy="random", **kwargs) as layers:
+            records = capture_selections(layers)
+            out = model(x)
+            out_again = model(x)  # the generator advances between calls
+        sel = [torch.cat(records[id(layer)]) for layer in layers]
+        return out, out_again, sel
+
+    out1, again1, sel1 = run(seed=7)
+    out2, again2, sel2 = run(seed=7)
+    out3, _, sel3 = run(seed=8)
+    out4, again4, sel4 = run(generator=torch.Generator().manual_seed(7))
+    assert torch.equal(out1, out2) and torch.equal(again1, again2)
+    assert all(torch.equal(s, t) for s, t in zip(sel1, sel2))
+    assert not torch.equal(out1, out3)
+    assert any(not torch.equal(s, t) for s, t in zip(sel1, sel3))
+    assert not torch.equal(out1, again1)
+    assert torch.equal(out1, out4) and torch.equal(again1, again4)  # seed=s is the same as manual_seed(s)
+    for s, layer in zip(sel1, (model.moe_a, model.moe_b)):
+        assert s.shape[1] == layer.num_experts // 2
+        assert torch.all(s.sort(dim=1).values.diff(dim=1) > 0)
+
+
+# ------------------------------------------------------------------------------------------ 7. whole model
+
+
+class TwoLayerModel(nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.moe_a = SoftMoE(DIM, 4, slots_per_expert=2, expert_hidden=HIDDEN, dtype=dtype)
+        self.mid = nn.Linear(DIM, DIM, dtype=dtype)
+        self.moe_b = SoftMoE(DIM, 8, slots_per_expert=1, expert_hidden=HIDDEN, dtype=dtype)
+        for layer in (self.moe_a, self.moe_b):
+            with torch.no_grad():
+                layer.scale.fill_(4.0)
+
+    def forward(self, x, mask=None):
+        h = x + self.moe_a(x, mask)
+        h = torch.tanh(self.mid(h))
+        return h + self.moe_b(h, mask)
+
+
+@pytest.mark.parametrize("renormalize", [False, True], ids=["raw", "renorm"])
+@pytest.mark.parametrize("container", ["custom", "sequential"])
+def test_whole_model_each_layer_equals_its_masked_reference(container, renormalize):
+    dtype = torch.float64
+    if container == "custom":
+        model = TwoLayerModel(dtype)
+        layers_expected = [model.moe_a, model.moe_b]
+        mask = padding_mask(batch=4)
+        call = lambda x: model(x, mask)  # noqa: E731
+    else:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            SoftMoE(DIM, 4, expert_hidden=HIDDEN, dtype=dtype), nn.Tanh(),
+            SoftMoE(DIM, 8, slots_per_expert=2, expert_hidden=HIDDEN, dtype=dtype),
+        )
+        layers_expected = [model[0], model[2]]
+        mask = None
+        call = model
+    x = make_input(dtype, batch=4)
+    seen = {}
+
+    def hook(module, args, output):
+        seen[id(module)] = (args[0].detach().clone(), output.detach().clone())
+
+    handles = [layer.register_forward_hook(hook) for layer in layers_expected]
+    try:
+        with torch.no_grad(), select_experts(model, k=0.5, renormalize=renormalize) as layers:
+            assert layers == layers_expected
+            assert [layer.selector.k for layer in layers] == [2, 4]  # half of each layer's own n
+            records = capture_selections(layers)
+            out = call(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert out.shape == x.shape
+    for layer in layers_expected:
+        inp, got = seen[id(layer)]
+        k = layer.num_experts // 2
+        (selected,) = records[id(layer)]
+        want_sel = naive_top_k(layer, inp, mask, k)
+        assert torch.equal(selected, want_sel)
+        ref = masked_reference_forward(layer, inp, want_sel, mask, renormalize=renormalize)
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
+        assert layer.selector is None
+
+
+def test_fraction_rounds_per_layer():
+    model = nn.Sequential(SoftMoE(DIM, 3), SoftMoE(DIM, 10), SoftMoE(DIM, 16))
+    with select_experts(model, k=0.5) as layers:
+        # round(1.5) -> 2 (Python rounds halves to even), 5, 8
+        assert [layer.selector.k for layer in layers] == [round(1.5), 5, 8]
+    with select_experts(model, k=2) as layers:  # an int is the same count in every layer
+        assert [layer.selector.k for layer in layers] == [2, 2, 2]
+    assert resolve_k(0.25, 16) == 4 and resolve_k(1.0, 7) == 7 and resolve_k(7, 7) == 7 and resolve_k(0.07, 16) == 1
+
+
+def test_selectors_restored_after_block_and_after_exception():
+    model = TwoLayerModel()
+    x = make_input()
+    with torch.no_grad():
+        plain = model(x)
+    sentinel = Selector("combine", 1)
+    model.moe_b.selector = sentinel
+    with select_experts(model, k=0.5) as layers:
+        assert all(isinstance(layer.selector, Selector) for layer in layers)
+        assert model.moe_b.selector is not sentinel
+        with select_experts(model, k=1, strategy="random"):  # nesting
+            assert [layer.selector.k for layer in layers] == [1, 1]
+        assert [layer.selector.k for layer in layers] == [2, 4]
+    assert model.moe_a.selector is None and model.moe_b.selector is sentinel
+    model.moe_b.selector = None
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        with select_experts(model, k=0.25):
+            assert model.moe_a.selector is not None and model.moe_b.selector is not None
+            model(x)
+            raise Boom
+    assert model.moe_a.selector is None and model.moe_b.selector is None
+    with torch.no_grad():
+        assert torch.equal(model(x), plain)
+
+
+def test_failed_validation_installs_nothing():
+    model = nn.Sequential(SoftMoE(DIM, 8), SoftMoE(DIM, 4))
+    with pytest.raises(ValueError, match=r"\[1, 4\].*got 6"):
+        with select_experts(model, k=6):  # valid for the first layer, not for the second
+            pass
+    assert all(layer.selector is None for layer in soft_moe_layers(model))
+
+
+# ------------------------------------------------------------------------------------------------- 8. errors
+
+
+@pytest.mark.parametrize(
+    "k,pattern",
+    [
+        (0, r"k must lie in \[1, 8\].*got 0"),
+        (-2, r"k must lie in \[1, 8\].*got -2"),
+        (9, r"k must lie in \[1, 8\].*got 9"),
+        (0.0, r"fractional k must lie in \(0, 1\], got 0\.0"),
+        (1.5, r"fractional k must lie in \(0, 1\], got 1\.5"),
+        (-0.1, r"fractional k must lie in \(0, 1\], got -0\.1"),
+        (0.05, r"k = 0\.05 of 8 experts rounds to 0"),
+        (True, r"k must be an int.*got True"),
+        ("2", r"k must be an int.*got '2'"),
+    ],
+)
+@pytest.mark.parametrize("strategy", ["combine", "random"])
+def test_bad_k(k, pattern, strategy):
+    layer = make_layer()
+    with pytest.raises(ValueError, match=pattern):
+        with select_experts(layer, k=k, strategy=strategy):
+            pass
+    assert layer.selector is None
+    with pytest.raises(ValueError, match=pattern):
+        resolve_k(k, N)
+
+
+@pytest.mark.parametrize(
+    "mask,pattern",
+    [
+        (torch.ones(BATCH, N - 1, dtype=torch.bool), r"shape \(batch, 8\), got \(3, 7\)"),
+        (torch.ones(N, dtype=torch.bool), r"shape \(batch, 8\), got \(8,\)"),
+        (torch.ones(1, BATCH, N, dtype=torch.bool), r"shape \(batch, 8\), got \(1, 3, 8\)"),
+        (torch.tensor([[True] * 2 + [False] * 6, [True] * 3 + [False] * 5]), r"same k >= 1.*counts \[2, 3\]"),
+        (torch.zeros(2, N, dtype=torch.bool), r"same k >= 1.*counts \[0, 0\]"),
+        (torch.ones(BATCH, N, dtype=torch.int64), r"bool tensor.*torch\.int64 \(3, 8\)"),
+        (torch.ones(BATCH, N), r"bool tensor.*torch\.float32 \(3, 8\)"),
+    ],
+    ids=["cols", "rank1", "rank3", "uneven", "empty", "int", "float"],
+)
+def test_bad_mask(mask, pattern):
+    layer = make_layer()
+    with pytest.raises(ValueError, match=pattern):
+        with select_experts(layer, strategy=mask):
+            pass
+    assert layer.selector is None
+
+
+def test_mask_batch_mismatch_at_forward_and_k_mismatch():
+    layer = make_layer()
+    keep = random_mask(2, N, 3)
+    with select_experts(layer, strategy=keep):
+        with pytest.raises(ValueError, match=r"expert mask must have shape \(3, 8\), got \(2, 8\)"):
+            layer(make_input(batch=3))
+    assert layer.selector is None
+    with pytest.raises(ValueError, match=r"k = 2 does not match the 3 experts"):
+        with select_experts(layer, k=2, strategy=keep):
+            pass
+    with select_experts(layer, k=3, strategy=keep):  # a matching k is accepted
+        assert layer.selector.k == 3
+
+
+@pytest.mark.parametrize("strategy", ["topk", "Combine", "", 3, None])
+def test_unknown_strategy(strategy):
+    layer = make_layer()
+    with pytest.raises(ValueError, match=r"strategy must be one of .*'combine'.*got " + re.escape(repr(strategy))):
+        with select_experts(layer, k=2, strategy=strategy):
+            pass
+
+
+@pytest.mark.parametrize("strategy", ["combine", "random"])
+def test_strategy_without_k(strategy):
+    layer = make_layer()
+    with pytest.raises(ValueError, match=rf"strategy '{strategy}' needs k.*\[1, 8\]"):
+        with select_experts(layer, strategy=strategy):
+            pass
+
+
+@pytest.mark.parametrize(
+    "selected,pattern",
+    [
+        (torch.tensor([[0, 1], [2, 2], [3, 4]]), r"must not repeat an expert"),
+        (torch.tensor([[5, 1, 5], [0, 1, 2], [3, 4, 6]]), r"must not repeat an expert"),
+        (torch.tensor([[0, 8], [1, 2], [3, 4]]), r"indices must lie in \[0, 8\), got \[\[0, 8\]"),
+        (torch.tensor([[0, -1], [1, 2], [3, 4]]), r"indices must lie in \[0, 8\), got \[\[0, -1\]"),
+        (torch.tensor([[0, 1], [1, 2]]), r"shape \(batch=3, k\), got torch\.int64 \(2, 2\)"),
+        (torch.tensor([[0, 1], [1, 2], [3, 4]], dtype=torch.int32), r"int64.*got torch\.int32 \(3, 2\)"),
+        (torch.tensor([0, 1, 2]), r"shape \(batch=3, k\), got torch\.int64 \(3,\)"),
+    ],
+    ids=["repeat", "repeat-unsorted", "too-big", "negative", "batch", "int32", "rank1"],
+)
+def test_forward_selected_rejects_bad_selections(selected, pattern):
+    layer = make_layer()
+    with pytest.raises(ValueError, match=pattern):
+        layer.forward_selected(make_input(), selected)
+
+
+def test_model_without_soft_moe_layer():
+    with pytest.raises(ValueError, match=r"Sequential contains no SoftMoE layer"):
+        with select_experts(nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU()), k=1):
+            pass
+
+
+# ---------------------------------------------------------------------------------------------- 9. gradients
+
+
+@pytest.mark.parametrize("renormalize", [False, True], ids=["raw", "renorm"])
+@pytest.mark.parametrize("custom", [False, True], ids=["mlp", "custom"])
+def test_gradients_reach_phi_and_only_selected_experts(custom, renormalize):
+    dtype = torch.float64
+    layer = make_layer(2, dtype, custom=custom)
+    x = make_input(dtype).requires_grad_(True)
+    mask = padding_mask()
+    selected = torch.tensor([[0, 2], [2, 5], [5, 0]])  # experts 1, 3, 4, 6, 7 unused
+    unused = [1, 3, 4, 6, 7]
+    target = torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
+
+    def grads(fn):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        (fn() * target).sum().backward()
+        out = {name: param.grad.clone() for name, param in layer.named_parameters()}
+        out["x"] = x.grad.clone()
+        return out
+
+    fast = grads(lambda: layer.forward_selected(x, selected, mask, renormalize=renormalize))
+    with select_experts(layer, strategy=mask_from_subsets(selected, N), renormalize=renormalize):
+        ctx = grads(lambda: layer(x, mask))
+    ref = grads(lambda: masked_reference_forward(layer, x, selected, mask, renormalize=renormalize))
+
+    assert fast["phi"].abs().sum() > 0 and fast["x"].abs().sum() > 0
+    if layer.scale is not None:
+        assert fast["scale"].abs() > 0
+    expert_params = [name for name, _ in layer.experts.named_parameters()]
+    assert expert_params
+    for name in expert_params:
+        g = fast["experts." + name]
+        assert g.shape[0] == N
+        for j in range(N):
+            if j in unused:
+                assert torch.count_nonzero(g[j]) == 0, (name, j)
+            else:
+                assert g[j].abs().sum() > 0, (name, j)
+    for key in fast:
+        torch.testing.assert_close(fast[key], ref[key], atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(ctx[key], ref[key], atol=1e-10, rtol=1e-10)
