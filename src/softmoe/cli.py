@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reproduce.add_argument("--out", type=Path, help="results folder (default: results/<dataset>, or runs/smoke)")
     reproduce.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    reproduce.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="under torchrun: shard each Soft MoE layer's experts across the ranks while training",
+    )
 
     train = commands.add_parser("train", help="train one Soft MoE classifier (resumes if RUN_DIR has epochs)")
     train.add_argument("run_dir", type=Path, help="folder for checkpoints (safetensors + JSON per epoch)")
@@ -69,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default: 1e-3)")
     train.add_argument("--seed", type=int, default=0, help="seed of initialization and shuffling (default: 0)")
     train.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    train.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="under torchrun: shard each Soft MoE layer's experts across the ranks (experts divisible by ranks)",
+    )
 
     evaluate = commands.add_parser("evaluate", help="test accuracy of a trained classifier with k of n experts")
     evaluate.add_argument("run_dir", type=Path, help="a folder written by 'softmoe train'")
@@ -86,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _reproduce(args: argparse.Namespace) -> None:
+    from softmoe.distributed import setup_distributed
     from softmoe.experiments import l2norm, mnist_suite
     from softmoe.report import collect_results, write_report
 
@@ -94,8 +105,14 @@ def _reproduce(args: argparse.Namespace) -> None:
     default_out = Path("runs/smoke") if args.preset == "smoke" else Path("results") / dataset.split(":")[0]
     out = args.out or default_out
     progress = not args.no_progress
-    if args.experiment in ("all", "mnist"):
-        mnist_suite.run_suite(preset, out, dataset=dataset, progress=progress)
+    dist = setup_distributed(expert_parallel=args.expert_parallel)  # a single process without torchrun
+    try:
+        if args.experiment in ("all", "mnist"):
+            mnist_suite.run_suite(preset, out, dataset=dataset, progress=progress, dist=dist)
+    finally:
+        dist.close()
+    if not dist.is_main:
+        return
     if args.experiment in ("all", "l2norm"):
         l2norm.run(preset=args.preset, out_dir=out, progress=progress)
     collect_results(out)
@@ -105,28 +122,36 @@ def _reproduce(args: argparse.Namespace) -> None:
 def _train(args: argparse.Namespace) -> None:
     from softmoe.checkpoint import write_json
     from softmoe.data import load_dataset
+    from softmoe.distributed import setup_distributed
     from softmoe.models import SoftMoEClassifier
     from softmoe.train import TrainConfig, train_classifier
 
-    splits = load_dataset(args.dataset)
-    model_config = {
-        "dataset": args.dataset,
-        "image_shape": list(splits.train.image_shape),
-        "num_experts": args.experts,
-        "num_classes": splits.train.num_classes,
-    }
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    write_json(args.run_dir / "model.json", model_config)
-    config = TrainConfig(args.epochs, args.batch_size, args.lr, args.seed)
-    _, history = train_classifier(
-        lambda: SoftMoEClassifier(tuple(model_config["image_shape"]), args.experts, model_config["num_classes"]),
-        splits,
-        config,
-        args.run_dir,
-        progress=not args.no_progress,
-        description=f"n={args.experts}",
-    )
-    print(json.dumps(history[-1]))
+    dist = setup_distributed(expert_parallel=args.expert_parallel)  # single process without torchrun
+    try:
+        splits = load_dataset(args.dataset)
+        model_config = {
+            "dataset": args.dataset,
+            "image_shape": list(splits.train.image_shape),
+            "num_experts": args.experts,
+            "num_classes": splits.train.num_classes,
+        }
+        if dist.is_main:
+            args.run_dir.mkdir(parents=True, exist_ok=True)
+            write_json(args.run_dir / "model.json", model_config)
+        config = TrainConfig(args.epochs, args.batch_size, args.lr, args.seed)
+        _, history = train_classifier(
+            lambda: SoftMoEClassifier(tuple(model_config["image_shape"]), args.experts, model_config["num_classes"]),
+            splits,
+            config,
+            args.run_dir,
+            progress=not args.no_progress,
+            description=f"n={args.experts}",
+            dist=dist,
+        )
+        if dist.is_main:
+            print(json.dumps(history[-1]))
+    finally:
+        dist.close()
 
 
 def _evaluate(args: argparse.Namespace) -> None:

@@ -18,15 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from softmoe.checkpoint import (
-    load_optimizer_tensors,
-    load_tensors,
-    optimizer_tensors,
-    read_json,
-    save_tensors,
-    write_json,
-)
+from softmoe.checkpoint import load_tensors, read_json, save_tensors, write_json
 from softmoe.data import ImageDataset, Splits, batches
+from softmoe.distributed import (
+    LOCAL,
+    DistContext,
+    full_optimizer_tensors,
+    full_state_dict,
+    load_full_optimizer_tensors,
+    unwrap,
+)
 
 
 @dataclass(frozen=True)
@@ -49,15 +50,18 @@ def epoch_generator(seed: int, epoch: int) -> torch.Generator:
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, data: ImageDataset, batch_size: int = 1024) -> float:
-    """Top-1 accuracy of ``model`` on ``data`` in eval mode (the caller's selection context applies)."""
+def accuracy(model: nn.Module, data: ImageDataset, batch_size: int = 1024, dist: DistContext = LOCAL) -> float:
+    """Top-1 accuracy of ``model`` on ``data`` in eval mode (the caller's selection context applies).
+
+    In a distributed run every rank scores its part of each batch and the counts are summed (collective).
+    """
     was_training = model.training
     model.eval()
     correct = 0
-    for images, labels in batches(data, batch_size):
+    for images, labels, _ in dist.shard_batches(batches(data, batch_size)):
         correct += int((model(images).argmax(dim=1) == labels).sum())
     model.train(was_training)
-    return correct / max(1, len(data))
+    return dist.reduce(correct=correct)["correct"] / max(1, len(data))
 
 
 def finished_epochs(run_dir: str | Path) -> list[dict]:
@@ -84,53 +88,68 @@ def train_classifier(
     run_dir: str | Path,
     progress: bool = True,
     description: str = "train",
+    dist: DistContext | None = None,
 ) -> tuple[nn.Module, list[dict]]:
     """Train (or resume, or just load) a classifier; returns the model at its last epoch and every epoch's metrics.
 
     ``model_factory`` builds the untrained model; it is called after seeding torch with ``config.seed`` so the
     initialization is reproducible. Each epoch's metrics: epoch, train_loss, val_accuracy, test_accuracy, seconds.
+
+    Under torchrun pass ``dist=softmoe.distributed.setup_distributed()``: every rank trains on its part of each
+    global batch of ``config.batch_size`` (DDP, optionally expert parallel), and rank 0 alone reads and writes the
+    run folder, whose checkpoints are those of a single process (so a run resumes with any world size).
     """
+    dist = dist or LOCAL
+    dist.local_batch_size(config.batch_size)  # the global batch must split evenly across ranks
     run_dir = Path(run_dir)
     torch.manual_seed(config.seed)
     model = model_factory()
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    history = finished_epochs(run_dir)
-    if history:
+    history = dist.broadcast_object(finished_epochs(run_dir) if dist.is_main else None)
+    if history and dist.is_main:
         load_epoch(model, run_dir, len(history))
-        if len(history) < config.epochs:
-            load_optimizer_tensors(optimizer, load_tensors(run_dir / f"optimizer_{len(history):03d}.safetensors"))
+    model = dist.prepare(model)  # every rank gets rank 0's weights
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    if history and len(history) < config.epochs:
+        flat = load_tensors(run_dir / f"optimizer_{len(history):03d}.safetensors") if dist.is_main else None
+        load_full_optimizer_tensors(model, optimizer, flat, src=0)
     steps = -(-len(splits.train) // config.batch_size)
     bar = tqdm(
         total=config.epochs * steps,
         initial=len(history) * steps,
         desc=description,
-        disable=not progress,
+        disable=not progress or not dist.is_main,
         leave=False,
     )
     for epoch in range(len(history) + 1, config.epochs + 1):
         started = time.perf_counter()
         model.train()
         total_loss, seen = 0.0, 0
-        for images, labels in batches(splits.train, config.batch_size, True, epoch_generator(config.seed, epoch)):
-            loss = F.cross_entropy(model(images), labels)
+        epoch_batches = batches(splits.train, config.batch_size, True, epoch_generator(config.seed, epoch))
+        for images, labels, count in dist.shard_batches(epoch_batches):
+            loss_sum = F.cross_entropy(model(images), labels, reduction="sum")
+            loss = dist.global_mean(loss_sum, count)  # the plain mean in one process
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            total_loss += float(loss.detach()) * labels.shape[0]
+            total_loss += float(loss_sum.detach())
             seen += labels.shape[0]
             bar.update(1)
+        totals = dist.reduce(loss=total_loss, seen=seen)
         metrics = {
             "epoch": epoch,
-            "train_loss": total_loss / max(1, seen),
-            "val_accuracy": accuracy(model, splits.val),
-            "test_accuracy": accuracy(model, splits.test),
+            "train_loss": totals["loss"] / max(1, totals["seen"]),
+            "val_accuracy": accuracy(model, splits.val, dist=dist),
+            "test_accuracy": accuracy(model, splits.test, dist=dist),
             "seconds": time.perf_counter() - started,
         }
         bar.set_postfix(val=f"{metrics['val_accuracy']:.4f}")
-        save_tensors(run_dir / f"epoch_{epoch:03d}.safetensors", model.state_dict())
-        save_tensors(run_dir / f"optimizer_{epoch:03d}.safetensors", optimizer_tensors(optimizer))
-        write_json(run_dir / f"epoch_{epoch:03d}.json", {**metrics, "config": asdict(config)})
-        (run_dir / f"optimizer_{epoch - 1:03d}.safetensors").unlink(missing_ok=True)
+        weights, optimizer_state = full_state_dict(model), full_optimizer_tensors(model, optimizer)  # collective
+        if dist.is_main:
+            save_tensors(run_dir / f"epoch_{epoch:03d}.safetensors", weights)
+            save_tensors(run_dir / f"optimizer_{epoch:03d}.safetensors", optimizer_state)
+            write_json(run_dir / f"epoch_{epoch:03d}.json", {**metrics, "config": asdict(config)})
+            (run_dir / f"optimizer_{epoch - 1:03d}.safetensors").unlink(missing_ok=True)
+        dist.barrier()
         history.append(metrics)
     bar.close()
-    return model, history
+    return unwrap(model), history

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from softmoe.checkpoint import write_json
 from softmoe.data import Splits, load_dataset
+from softmoe.distributed import LOCAL, DistContext
 from softmoe.models import SoftMoEClassifier
 from softmoe.oracle import DEFAULT_MAX_SUBSETS, check_subset_count, oracle_from_contributions
 from softmoe.selection import select_experts
@@ -130,8 +131,14 @@ def run_suite(
     out_dir: str | Path = "results/mnist",
     dataset: str | None = None,
     progress: bool = True,
-) -> dict:
-    """Train every n (resuming what a previous run finished), evaluate, write ``mnist_suite.json``; return it."""
+    dist: DistContext | None = None,
+) -> dict | None:
+    """Train every n (resuming what a previous run finished), evaluate, write ``mnist_suite.json``; return it.
+
+    Under torchrun (``dist`` from ``softmoe.distributed.setup_distributed``) every rank trains its share of each
+    batch; rank 0 alone evaluates and writes, and the other ranks return None.
+    """
+    dist = dist or LOCAL
     if isinstance(preset, str):
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -146,10 +153,12 @@ def run_suite(
         return lambda: SoftMoEClassifier(image_shape, n, splits.train.num_classes, grid=preset.grid)
 
     histories = {}
-    for n in tqdm(preset.experts, desc="models", disable=not progress):
+    for n in tqdm(preset.experts, desc="models", disable=not progress or not dist.is_main):
         _, histories[n] = train_classifier(
-            factory(n), splits, preset.train, out_dir / "runs" / f"n{n:03d}", progress, f"n={n}"
+            factory(n), splits, preset.train, out_dir / "runs" / f"n{n:03d}", progress, f"n={n}", dist
         )
+    if not dist.is_main:
+        return None
     target, chosen = equal_accuracy_epochs(histories)
     models = {}
     for n in tqdm(preset.experts, desc="evaluate", disable=not progress):
