@@ -107,3 +107,23 @@ def test_atomic_write_keeps_old_file_on_failure(tmp_path):
 def test_bad_config():
     with pytest.raises(ValueError, match="epochs"):
         TrainConfig(epochs=0)
+
+
+class WithAuxiliaryLoss(torch.nn.Module):
+    """A classifier whose training forward exposes an auxiliary loss on a parameter the logits never use."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = factory()
+        self.unused = torch.nn.Parameter(torch.zeros(()))
+        self.auxiliary_loss = None
+
+    def forward(self, images):
+        self.auxiliary_loss = 10.0 * self.unused if self.training else None
+        return self.net(images)
+
+
+def test_training_loop_adds_the_models_auxiliary_loss(tmp_path):
+    model, _ = train_classifier(WithAuxiliaryLoss, tiny_splits(), CONFIG, tmp_path, progress=False)
+    # Only the auxiliary loss has a gradient for `unused`: Adam moves it down by about lr per step.
+    assert float(model.unused.detach()) == pytest.approx(-CONFIG.lr * 4 * CONFIG.epochs, rel=0.05)

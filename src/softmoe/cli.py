@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-EXPERIMENTS = ("all", "mnist", "l2norm")
+EXPERIMENTS = ("all", "mnist", "l2norm", "routers")
 
 
 def _positive_int(text: str) -> int:
@@ -45,7 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
         "L2-norm experiment of Appendix C, then write results.json and report.md with plots. An interrupted run "
         "resumes: finished epochs and models are not trained again.",
     )
-    reproduce.add_argument("experiment", nargs="?", default="all", choices=EXPERIMENTS, help="what to run (default: all)")
+    reproduce.add_argument(
+        "experiment",
+        nargs="?",
+        default="all",
+        choices=EXPERIMENTS,
+        help="all (default) = mnist + l2norm: the paper's MNIST suite and Appendix C; routers: the router study of "
+        "Liu et al. (Fashion-MNIST when installed); each adds its section to the folder's report",
+    )
     reproduce.add_argument(
         "--preset",
         default="default",
@@ -97,11 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _reproduce(args: argparse.Namespace) -> None:
     from softmoe.distributed import setup_distributed
-    from softmoe.experiments import l2norm, mnist_suite
+    from softmoe.experiments import l2norm, mnist_suite, routers
     from softmoe.report import collect_results, write_report
 
     preset = mnist_suite.PRESETS[args.preset]
-    dataset = args.dataset or preset.dataset
+    dataset = args.dataset
+    if dataset is None:
+        dataset = routers.default_dataset()[0] if args.experiment == "routers" else preset.dataset
     default_out = Path("runs/smoke") if args.preset == "smoke" else Path("results") / dataset.split(":")[0]
     out = args.out or default_out
     progress = not args.no_progress
@@ -115,6 +124,8 @@ def _reproduce(args: argparse.Namespace) -> None:
         return
     if args.experiment in ("all", "l2norm"):
         l2norm.run(preset=args.preset, out_dir=out, progress=progress)
+    if args.experiment == "routers":
+        routers.run(preset=args.preset, dataset=dataset, out_dir=out, progress=progress)
     collect_results(out)
     print(f"wrote {write_report(out)} and {out / 'results.json'}")
 

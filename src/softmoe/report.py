@@ -21,6 +21,7 @@ from softmoe.checkpoint import atomic_write, read_json, write_json
 SECTIONS = {
     "mnist_suite": "softmoe.experiments.mnist_suite",
     "l2norm": "softmoe.experiments.l2norm",
+    "routers": "softmoe.experiments.routers",
 }
 
 

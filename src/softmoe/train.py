@@ -94,6 +94,7 @@ def train_classifier(
 
     ``model_factory`` builds the untrained model; it is called after seeding torch with ``config.seed`` so the
     initialization is reproducible. Each epoch's metrics: epoch, train_loss, val_accuracy, test_accuracy, seconds.
+    A model that sets ``auxiliary_loss`` (a scalar tensor) in its training forward has it added to the loss.
 
     Under torchrun pass ``dist=softmoe.distributed.setup_distributed()``: every rank trains on its part of each
     global batch of ``config.batch_size`` (DDP, optionally expert parallel), and rank 0 alone reads and writes the
@@ -128,6 +129,9 @@ def train_classifier(
         for images, labels, count in dist.shard_batches(epoch_batches):
             loss_sum = F.cross_entropy(model(images), labels, reduction="sum")
             loss = dist.global_mean(loss_sum, count)  # the plain mean in one process
+            auxiliary = getattr(unwrap(model), "auxiliary_loss", None)  # e.g. a sparse router's balancing losses
+            if auxiliary is not None:
+                loss = loss + auxiliary
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
