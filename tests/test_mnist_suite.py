@@ -3,11 +3,8 @@
 import pytest
 import torch
 
-from softmoe.experiments.mnist_suite import (
-    equal_accuracy_epochs,
-    random_statistics,
-    selection_ks,
-)
+from softmoe.experiments.common import equal_accuracy_epochs, random_statistics
+from softmoe.experiments.mnist_suite import selection_ks
 from softmoe.models import SoftMoEClassifier
 from softmoe.models.mnist import expert_hidden_for
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from softmoe.experiments import routers as exp
 from softmoe.routing import ROUTERS
@@ -48,14 +47,6 @@ def test_auxiliary_loss_is_exposed_for_training_only():
         model.eval()(images)
     assert model.auxiliary_loss is None
     assert exp.RouterClassifier((1, 8, 8), 10, "soft_moe", 1, SMALL).train()(images) is not None
-
-def test_default_dataset_falls_back(monkeypatch, tmp_path):
-    monkeypatch.setattr(exp, "FASHION_MNIST_DIR", tmp_path / "missing")
-    name, notice = exp.default_dataset()
-    assert name == "mnist5k" and "falling back" in notice and "dataset-fashion-mnist" in notice
-    monkeypatch.setattr(exp, "FASHION_MNIST_DIR", tmp_path)
-    assert exp.default_dataset() == ("fashion-mnist", None)
-
 
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown preset"):

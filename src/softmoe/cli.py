@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-EXPERIMENTS = ("all", "mnist", "l2norm", "routers")
+EXPERIMENTS = ("all", "mnist", "l2norm", "routers", "vit")
 
 
 def _positive_int(text: str) -> int:
@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="all",
         choices=EXPERIMENTS,
         help="all (default) = mnist + l2norm: the paper's MNIST suite and Appendix C; routers: the router study of "
-        "Liu et al. (Fashion-MNIST when installed); each adds its section to the folder's report",
+        "Liu et al.; vit: Soft MoE ViTs with Algorithm 1 across all MoE layers (both on Fashion-MNIST when "
+        "installed); each adds its section to the folder's report",
     )
     reproduce.add_argument(
         "--preset",
@@ -104,13 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _reproduce(args: argparse.Namespace) -> None:
     from softmoe.distributed import setup_distributed
-    from softmoe.experiments import l2norm, mnist_suite, routers
+    from softmoe.experiments import l2norm, mnist_suite, routers, vit
     from softmoe.report import collect_results, write_report
 
     preset = mnist_suite.PRESETS[args.preset]
     dataset = args.dataset
     if dataset is None:
-        dataset = routers.default_dataset()[0] if args.experiment == "routers" else preset.dataset
+        own_default = {"routers": routers.default_dataset, "vit": vit.default_dataset}.get(args.experiment)
+        dataset = own_default()[0] if own_default else preset.dataset
     default_out = Path("runs/smoke") if args.preset == "smoke" else Path("results") / dataset.split(":")[0]
     out = args.out or default_out
     progress = not args.no_progress
@@ -126,6 +128,8 @@ def _reproduce(args: argparse.Namespace) -> None:
         l2norm.run(preset=args.preset, out_dir=out, progress=progress)
     if args.experiment == "routers":
         routers.run(preset=args.preset, dataset=dataset, out_dir=out, progress=progress)
+    if args.experiment == "vit":
+        vit.run(preset=args.preset, dataset=dataset, out_dir=out, progress=progress)
     collect_results(out)
     print(f"wrote {write_report(out)} and {out / 'results.json'}")
 
@@ -168,7 +172,7 @@ def _train(args: argparse.Namespace) -> None:
 def _evaluate(args: argparse.Namespace) -> None:
     from softmoe.checkpoint import read_json
     from softmoe.data import load_dataset
-    from softmoe.experiments.mnist_suite import random_statistics
+    from softmoe.experiments.common import random_statistics
     from softmoe.models import SoftMoEClassifier
     from softmoe.selection import select_experts
     from softmoe.train import accuracy, finished_epochs, load_epoch

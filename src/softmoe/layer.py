@@ -41,6 +41,11 @@ def l2_normalize(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t * torch.rsqrt(t.square().sum(dim=dim, keepdim=True) + NORM_EPS)
 
 
+def autocast_device(x: torch.Tensor) -> str:
+    """The autocast device type of x's device; "meta" (shape-only tensors) counts as "cpu"."""
+    return "cpu" if x.device.type == "meta" else x.device.type
+
+
 def check_tokens(
     x: torch.Tensor, dim: int, mask: torch.Tensor | None = None, dtype: torch.dtype | None = None
 ) -> None:
@@ -56,7 +61,7 @@ def check_tokens(
         raise ValueError(f"x must have shape (batch, tokens, dim={dim}), got rank {x.dim()} shape {tuple(x.shape)}")
     if x.shape[-1] != dim:
         raise ValueError(f"x must have feature size dim={dim}, got {x.shape[-1]} (shape {tuple(x.shape)})")
-    if dtype is not None and x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+    if dtype is not None and x.dtype != dtype and not torch.is_autocast_enabled(autocast_device(x)):
         raise ValueError(f"x has dtype {x.dtype} but the layer's parameters are {dtype}; convert one of them")
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.shape != x.shape[:2]:
@@ -170,7 +175,7 @@ class SoftMoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Routing tensors with the slots flattened: each (batch, tokens, n*p), float32."""
         dtype = torch.promote_types(torch.promote_types(x.dtype, self.phi.dtype), torch.float32)
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with torch.autocast(device_type=autocast_device(x), enabled=False):
             tokens = x.to(dtype)
             phi = self.phi.to(dtype).reshape(self.dim, self.num_slots)
             if self.normalize:

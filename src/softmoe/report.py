@@ -22,6 +22,7 @@ SECTIONS = {
     "mnist_suite": "softmoe.experiments.mnist_suite",
     "l2norm": "softmoe.experiments.l2norm",
     "routers": "softmoe.experiments.routers",
+    "vit": "softmoe.experiments.vit",
 }
 
 

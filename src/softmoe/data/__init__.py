@@ -7,24 +7,34 @@ Every loader returns :class:`Splits` (train / val / test) of :class:`ImageDatase
 * :func:`load_digits` -- scikit-learn's 8x8 digits: 1,259 / 179 / 359.
 * :func:`load_mnist`, :func:`load_fashion_mnist` -- IDX files: 55,000 / 5,000 (last of train) / 10,000.
 * :func:`load_cifar10`, :func:`load_cifar100` -- python pickles: 45,000 / 5,000 (last of train) / 10,000.
+* :func:`load_image_folder` -- one folder of images per class (Pillow), stratified seeded splits.
 * :func:`load_dataset` -- any of them from a spec string such as ``"cifar10:/data/cifar"``.
 * :func:`batches` -- reproducible mini-batches.
 
 Importing this package imports neither scikit-learn nor mlxtend; loaders import them when called.
 """
 
+from softmoe.data.augment import Augment, mixup, random_crop, random_flip
 from softmoe.data.batching import batches, num_batches
 from softmoe.data.cifar import CIFAR_VAL_SIZE, load_cifar10, load_cifar100
 from softmoe.data.dataset import ImageDataset, Splits
 from softmoe.data.digits import load_digits
 from softmoe.data.errors import DatasetError, MissingDependencyError
 from softmoe.data.idx import read_idx
+from softmoe.data.imagefolder import IMAGE_EXTENSIONS, load_image_folder, read_image_folder
 from softmoe.data.mnist import FASHION_MNIST_DIR, MNIST_VAL_SIZE, load_fashion_mnist, load_mnist
 from softmoe.data.mnist5k import load_mnist5k
 from softmoe.data.registry import DATASET_SPECS, load_dataset, parse_spec
 from softmoe.data.splits import SPLIT_SEED
 
 __all__ = [
+    "IMAGE_EXTENSIONS",
+    "Augment",
+    "load_image_folder",
+    "mixup",
+    "random_crop",
+    "random_flip",
+    "read_image_folder",
     "CIFAR_VAL_SIZE",
     "DATASET_SPECS",
     "FASHION_MNIST_DIR",

@@ -18,6 +18,7 @@ from pathlib import Path
 from softmoe.data.cifar import load_cifar10, load_cifar100
 from softmoe.data.dataset import Splits
 from softmoe.data.digits import load_digits
+from softmoe.data.imagefolder import load_image_folder
 from softmoe.data.mnist import load_fashion_mnist, load_mnist
 from softmoe.data.mnist5k import load_mnist5k
 
@@ -29,6 +30,7 @@ DATASET_SPECS: tuple[str, ...] = (
     "mnist:DIR",
     "cifar10:DIR",
     "cifar100:DIR",
+    "imagefolder:DIR",
 )
 """Every accepted form of a spec for :func:`load_dataset`."""
 
@@ -40,6 +42,7 @@ _LOADERS: dict[str, tuple[Callable[[Path | None], Splits], str]] = {
     "mnist": (load_mnist, "required"),
     "cifar10": (load_cifar10, "required"),
     "cifar100": (load_cifar100, "required"),
+    "imagefolder": (load_image_folder, "required"),
 }
 
 

@@ -5,7 +5,6 @@ then Algorithm 1 vs random selection (Figures 1, 2a; Table 10) and the best-subs
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -15,9 +14,16 @@ from tqdm.auto import tqdm
 from softmoe.checkpoint import write_json
 from softmoe.data import Splits, load_dataset
 from softmoe.distributed import LOCAL, DistContext
+from softmoe.experiments.common import (
+    equal_accuracy_epochs,
+    limit_splits,
+    mean_std_pct,
+    num,
+    pct,
+    selection_sweep,
+)
 from softmoe.models import SoftMoEClassifier
 from softmoe.oracle import DEFAULT_MAX_SUBSETS, check_subset_count, oracle_from_contributions
-from softmoe.selection import select_experts
 from softmoe.train import TrainConfig, accuracy, load_epoch, train_classifier
 
 PAPER_EXPERTS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -54,47 +60,10 @@ def selection_ks(num_experts: int) -> list[int]:
     return sorted({num_experts // d for d in (2, 4, 8) if num_experts // d >= 1}, reverse=True)
 
 
-def equal_accuracy_epochs(histories: dict[int, list[dict]]) -> tuple[float, dict[int, int]]:
-    """The paper's protocol: compare every n at (about) the same accuracy.
-
-    The common target is the highest validation accuracy that every model reaches (the minimum over n of each
-    model's best epoch); each n then uses its epoch whose validation accuracy is closest to the target (ties to
-    the earlier epoch). Returns (target, {n: epoch}).
-    """
-    if not histories or any(not h for h in histories.values()):
-        raise ValueError("every model needs at least one finished epoch")
-    target = min(max(e["val_accuracy"] for e in h) for h in histories.values())
-    chosen = {
-        n: min(h, key=lambda e: (abs(e["val_accuracy"] - target), e["epoch"]))["epoch"] for n, h in histories.items()
-    }
-    return target, chosen
-
-
-def random_statistics(accuracies: list[float], algorithm1: float | None = None) -> dict:
-    """Mean and (population) std of the random-selection accuracies, and Algorithm 1's lead in stds (Table 10).
-
-    The lead is None without an Algorithm 1 accuracy or when every seed gave the same accuracy (std 0).
-    """
-    mean = statistics.fmean(accuracies)
-    std = statistics.pstdev(accuracies) if len(accuracies) > 1 else 0.0
-    lead = (algorithm1 - mean) / std if algorithm1 is not None and std > 0 else None
-    return {"accuracies": accuracies, "mean": mean, "std": std, "stds_above_random": lead}
-
-
-@torch.no_grad()
 def evaluate_selection(model: SoftMoEClassifier, splits: Splits, preset: SuitePreset) -> dict:
     """All-experts, Algorithm 1 and random-selection test accuracies of one model for every k of the suite."""
-    n = model.moe.num_experts
-    per_k = {}
-    for k in selection_ks(n):
-        with select_experts(model, k=k, strategy="combine"):
-            algorithm1 = accuracy(model, splits.test)
-        randoms = []
-        for seed in range(preset.random_seeds):
-            with select_experts(model, k=k, strategy="random", seed=seed):
-                randoms.append(accuracy(model, splits.test))
-        per_k[str(k)] = {"k": k, "fraction": k / n, "algorithm1": algorithm1, "random": random_statistics(randoms, algorithm1)}
-    return {"all_experts": accuracy(model, splits.test), "per_k": per_k}
+    ks = selection_ks(model.moe.num_experts)
+    return selection_sweep(model, splits.test, ks, preset.random_seeds, accuracy)
 
 
 @torch.no_grad()
@@ -119,13 +88,6 @@ def evaluate_oracle(model: SoftMoEClassifier, splits: Splits, preset: SuitePrese
     }
 
 
-def limited(splits: Splits, limit: int | None) -> Splits:
-    """At most ``limit`` examples of each split (for the smoke preset)."""
-    if limit is None:
-        return splits
-    return Splits(*(part.subset(slice(0, limit)) for part in splits))
-
-
 def run_suite(
     preset: SuitePreset | str = "default",
     out_dir: str | Path = "results/mnist",
@@ -146,7 +108,8 @@ def run_suite(
     if dataset is not None:
         preset = replace(preset, dataset=dataset)
     out_dir = Path(out_dir)
-    splits = limited(load_dataset(preset.dataset), preset.limit_examples)
+    limit = preset.limit_examples
+    splits = limit_splits(load_dataset(preset.dataset), limit, limit, limit)
     image_shape = splits.train.image_shape
 
     def factory(n: int):
@@ -283,14 +246,6 @@ def write_plots(results: dict, out_dir: str | Path) -> dict[str, str]:
     return paths
 
 
-def _pct(value: float | None) -> str:
-    return "–" if value is None else f"{100 * value:.2f}"
-
-
-def _num(value: float | None) -> str:
-    return "–" if value is None else f"{value:.2f}"
-
-
 def markdown(results: dict, plots: dict[str, str]) -> str:
     """The report section of the suite, our numbers beside the paper's, with an honest comparison."""
     models = results["models"]
@@ -304,7 +259,7 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         f"{preset['train']['batch_size']}, {preset['train']['epochs']} epochs, seed {preset['train']['seed']}; random "
         f"selection over {preset['random_seeds']} seeds.",
         "",
-        f"Equal-accuracy protocol: common validation target {_pct(results['equal_accuracy_target'])}% (the best "
+        f"Equal-accuracy protocol: common validation target {pct(results['equal_accuracy_target'])}% (the best "
         "accuracy every model reaches); each n uses its epoch closest to it. The paper's models all sat at about 97.5%.",
         "",
         "| n | expert hidden | parameters | expert parameters | epoch | val acc (%) | test acc (%) |",
@@ -314,7 +269,7 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         m = models[str(n)]
         lines.append(
             f"| {n} | {m['expert_hidden']} | {m['parameters']:,} | {m['expert_parameters']:,} | {m['epoch']} | "
-            f"{_pct(m['val_accuracy'])} | {_pct(m['test_accuracy'])} |"
+            f"{pct(m['val_accuracy'])} | {pct(m['test_accuracy'])} |"
         )
     lines += ["", "### Table 1: best and random k = n/4 subsets", "", "| n | best k-subset (ours) | best (paper) | random (ours) | random (paper) |", "|---|---|---|---|---|"]
     for n in (4, 8, 16):
@@ -322,18 +277,18 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
             continue
         oracle = models[str(n)]["oracle"]
         cell = _cell(models, n, 0.25)
-        best = _pct(oracle.get("best_subset_accuracy")) if "best_subset_accuracy" in oracle else "skipped"
-        rnd = f"{100 * cell['random']['mean']:.2f} ± {100 * cell['random']['std']:.2f}" if cell else "–"
+        best = pct(oracle.get("best_subset_accuracy")) if "best_subset_accuracy" in oracle else "skipped"
+        rnd = mean_std_pct(cell["random"]) if cell else "–"
         pm, ps = PAPER_TABLE1["random"][n]
         lines.append(f"| {n} | {best} | {PAPER_TABLE1['best'][n]:.2f} | {rnd} | {pm:.2f} ± {ps:.2f} |")
     lines += ["", "### Figures 1 and 2a: accuracy against n", "", f"![accuracy against n]({Path(plots['selection']).name})", ""]
     lines += ["| n | all experts | " + " | ".join(f"Alg. 1 k=n/{round(1 / f)} | random k=n/{round(1 / f)}" for f in FRACTIONS) + " |"]
     lines += ["|---|---|" + "---|---|" * len(FRACTIONS)]
     for n in ns:
-        row = [str(n), _pct(models[str(n)]["selection"]["all_experts"])]
+        row = [str(n), pct(models[str(n)]["selection"]["all_experts"])]
         for f in FRACTIONS:
             cell = _cell(models, n, f)
-            row += [_pct(cell["algorithm1"]), f"{100 * cell['random']['mean']:.2f} ± {100 * cell['random']['std']:.2f}"] if cell else ["–", "–"]
+            row += [pct(cell["algorithm1"]), mean_std_pct(cell["random"])] if cell else ["–", "–"]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "### Table 10: standard deviations by which Algorithm 1 beats random selection", ""]
     lines += ["| k | " + " | ".join(f"n={n} (ours / paper)" for n in ns) + " |", "|---|" + "---|" * len(ns)]
@@ -341,8 +296,8 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         row = [f"n/{round(1 / f)}"]
         for n in ns:
             cell = _cell(models, n, f)
-            ours = _num(cell["random"]["stds_above_random"]) if cell else "–"
-            row.append(f"{ours} / {_num(PAPER_TABLE10[f].get(n))}")
+            ours = num(cell["random"]["stds_above_random"]) if cell else "–"
+            row.append(f"{ours} / {num(PAPER_TABLE10[f].get(n))}")
         lines.append("| " + " | ".join(row) + " |")
     if "distinct_subsets" in plots:
         lines += ["", "### Figure 5: distinct best k = n/4 subsets", "", f"![distinct best subsets]({Path(plots['distinct_subsets']).name})", ""]
@@ -388,7 +343,7 @@ def findings(results: dict) -> list[str]:
         oracle = models.get(str(n), {}).get("oracle", {})
         if "best_subset_accuracy" in oracle:
             diff = 100 * oracle["best_subset_accuracy"] - PAPER_TABLE1["best"][n]
-            out.append(f"Best k = n/4 subset at n = {n}: {_pct(oracle['best_subset_accuracy'])}% vs the paper's {PAPER_TABLE1['best'][n]:.2f}% ({diff:+.2f} points).")
+            out.append(f"Best k = n/4 subset at n = {n}: {pct(oracle['best_subset_accuracy'])}% vs the paper's {PAPER_TABLE1['best'][n]:.2f}% ({diff:+.2f} points).")
     trend = [models[str(n)]["oracle"].get("distinct_best_subsets") for n in ns if "distinct_best_subsets" in models[str(n)]["oracle"]]
     if len(trend) > 1:
         grows = all(a <= b for a, b in zip(trend, trend[1:]))

@@ -24,7 +24,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from softmoe.checkpoint import write_json
-from softmoe.data import FASHION_MNIST_DIR, Splits, load_dataset
+from softmoe.data import Splits, load_dataset
+from softmoe.experiments.common import default_vision_dataset, limit_splits, pct
 from softmoe.models.patches import patchify
 from softmoe.routing import ROUTERS, MoELayer, make_router
 from softmoe.train import TrainConfig, train_classifier
@@ -196,24 +197,6 @@ class RouterClassifier(nn.Module):
         return logits
 
 
-def default_dataset() -> tuple[str, str | None]:
-    """("fashion-mnist", None) when Debian's dataset-fashion-mnist is installed, else ("mnist5k", notice)."""
-    if FASHION_MNIST_DIR.is_dir():
-        return "fashion-mnist", None
-    notice = (
-        f"Fashion-MNIST not found at {FASHION_MNIST_DIR} (apt-get install dataset-fashion-mnist, or pass "
-        "--dataset fashion-mnist:DIR); falling back to the embedded mnist5k digits"
-    )
-    return "mnist5k", notice
-
-
-def _limited(splits: Splits, train: int | None, evaluation: int | None) -> Splits:
-    def cut(part, limit):
-        return part if limit is None else part.subset(slice(0, limit))
-
-    return Splits(cut(splits.train, train), cut(splits.val, evaluation), cut(splits.test, evaluation))
-
-
 def run_key(router: str | None, c: int) -> str:
     return "dense" if router is None else f"{router}_c{c}"
 
@@ -336,10 +319,10 @@ def _run(preset: RoutersPreset, out_dir: str | Path | None, progress: bool) -> d
     notice = None
     name = preset.dataset
     if name is None:
-        name, notice = default_dataset()
+        name, notice = default_vision_dataset()
         if notice:
             log.warning(notice)
-    splits = _limited(load_dataset(name), preset.limit_train, preset.limit_eval)
+    splits = limit_splits(load_dataset(name), preset.limit_train, preset.limit_eval, preset.limit_eval)
     seed = preset.train.seed
     jobs = [(r, c, seed) for c in preset.capacity_factors for r in preset.routers]
     if preset.dense_baseline:
@@ -460,10 +443,6 @@ def write_plots(results: dict, out_dir: str | Path) -> dict[str, str]:
     return paths
 
 
-def _pct(value: float | None) -> str:
-    return "–" if value is None else f"{100 * value:.2f}"
-
-
 def _noise(results: dict) -> float | None:
     """The smallest difference between two single runs that we call clear: 2 x sqrt(2) x the seed std (a two-sigma
     band for the difference of two runs), or None when no spread was measured."""
@@ -487,7 +466,7 @@ def findings(results: dict) -> list[str]:
     if spread and spread.get("std") is not None:
         out.append(
             f"Run-to-run spread: {spread['label']} over seeds {spread['seeds']} gave "
-            f"{', '.join(_pct(a) for a in spread['test_accuracies'])}% (std {100 * spread['std']:.2f} points), so "
+            f"{', '.join(pct(a) for a in spread['test_accuracies'])}% (std {100 * spread['std']:.2f} points), so "
             f"differences below {100 * noise:.2f} points between two single runs are called within the seed noise."
         )
     for c in sorted({r["capacity_factor"] for r in results["runs"].values() if r["router"] is not None}):
@@ -501,7 +480,7 @@ def findings(results: dict) -> list[str]:
             mean_tc = statistics.fmean(acc[t] for t in tc)
             out.append(
                 f"c = {c}: Expert Choice beats Token Choice in {wins} of {len(ec) * len(tc)} pairs; mean "
-                f"{_pct(mean_ec)}% vs {_pct(mean_tc)}% ({100 * (mean_ec - mean_tc):+.2f} points): "
+                f"{pct(mean_ec)}% vs {pct(mean_tc)}% ({100 * (mean_ec - mean_tc):+.2f} points): "
                 f"{_verdict(mean_ec - mean_tc, noise)} (the paper: Expert Choice generally better, by about 2 points "
                 "at c = 1 and 0.5 at c = 2 on JFT B/32)."
             )
@@ -511,8 +490,8 @@ def findings(results: dict) -> list[str]:
             beaten = sum(acc["soft_moe"] > a for a in sparse.values())
             diff = acc["soft_moe"] - sparse[best]
             out.append(
-                f"c = {c}: Soft MoE {_pct(acc['soft_moe'])}% beats {beaten} of {len(sparse)} sparse routers; the best "
-                f"sparse one is {ROUTERS[best]} at {_pct(sparse[best])}% ({100 * diff:+.2f} points): "
+                f"c = {c}: Soft MoE {pct(acc['soft_moe'])}% beats {beaten} of {len(sparse)} sparse routers; the best "
+                f"sparse one is {ROUTERS[best]} at {pct(sparse[best])}% ({100 * diff:+.2f} points): "
                 f"{_verdict(diff, noise)} (the paper: Soft MoE beats every sparse router, by 1.4 points at c = 1 and "
                 "0.9 at c = 2 on JFT B/32)."
             )
@@ -535,7 +514,7 @@ def findings(results: dict) -> list[str]:
         moe = [r for r in results["runs"].values() if r["router"] is not None]
         better = sum(r["final_test_accuracy"] > dense["final_test_accuracy"] for r in moe)
         out.append(
-            f"Dense baseline (the same model with a dense MLP of the expert's size): {_pct(dense['final_test_accuracy'])}%; "
+            f"Dense baseline (the same model with a dense MLP of the expert's size): {pct(dense['final_test_accuracy'])}%; "
             f"{better} of {len(moe)} MoE runs beat it (not in the paper's tables; it shows whether the MoE layer helps at "
             "all at this scale)."
         )
@@ -573,8 +552,8 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         cap = run["capacity_per_group"] if run["capacity_per_group"] is not None else (
             f"{run['slots_per_expert']} per image" if run["slots_per_expert"] else "–")
         lines.append(
-            f"| {run['label']} | {cap} | {_pct(run['final_test_accuracy'])} | {_pct(run['best_val_accuracy'])} | "
-            f"{_pct(run['test_dropped_fraction'])} | {run['train_seconds']:.1f} | {run['train_cpu_seconds']:.1f} | "
+            f"| {run['label']} | {cap} | {pct(run['final_test_accuracy'])} | {pct(run['best_val_accuracy'])} | "
+            f"{pct(run['test_dropped_fraction'])} | {run['train_seconds']:.1f} | {run['train_cpu_seconds']:.1f} | "
             f"{run['step_cpu_ms']:.1f} | "
             + " | ".join("–" if v is None else f"{v:.2f}" for v in paper)
             + " |"
