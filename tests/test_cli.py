@@ -101,3 +101,15 @@ def test_help_explains_options():
     assert proc.returncode == 0
     for option in ("--preset", "--dataset", "--out", "resumes"):
         assert option in proc.stdout
+
+
+def test_routers_and_vit_sections_join_the_report(tmp_path):
+    for experiment in ("routers", "vit"):
+        assert main(["reproduce", experiment, "--preset", "smoke", "--out", str(tmp_path), "--no-progress"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results) == {"provenance", "routers", "vit"}
+    report = (tmp_path / "report.md").read_text()
+    assert "Soft MoE" in report and report.count("![") >= 3
+    for line in report.splitlines():
+        if line.startswith("!["):
+            assert (tmp_path / line.split("(")[1].rstrip(")")).exists()

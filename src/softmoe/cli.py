@@ -106,13 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _reproduce(args: argparse.Namespace) -> None:
     from softmoe.distributed import setup_distributed
     from softmoe.experiments import l2norm, mnist_suite, routers, vit
+    from softmoe.experiments.common import default_vision_dataset
     from softmoe.report import collect_results, write_report
 
     preset = mnist_suite.PRESETS[args.preset]
     dataset = args.dataset
     if dataset is None:
-        own_default = {"routers": routers.default_dataset, "vit": vit.default_dataset}.get(args.experiment)
-        dataset = own_default()[0] if own_default else preset.dataset
+        vision = args.experiment in ("routers", "vit") and args.preset != "smoke"
+        dataset = default_vision_dataset()[0] if vision else preset.dataset
     default_out = Path("runs/smoke") if args.preset == "smoke" else Path("results") / dataset.split(":")[0]
     out = args.out or default_out
     progress = not args.no_progress
@@ -127,9 +128,9 @@ def _reproduce(args: argparse.Namespace) -> None:
     if args.experiment in ("all", "l2norm"):
         l2norm.run(preset=args.preset, out_dir=out, progress=progress)
     if args.experiment == "routers":
-        routers.run(preset=args.preset, dataset=dataset, out_dir=out, progress=progress)
+        routers.run(preset=args.preset, dataset=args.dataset, out_dir=out, progress=progress)
     if args.experiment == "vit":
-        vit.run(preset=args.preset, dataset=dataset, out_dir=out, progress=progress)
+        vit.run(preset=args.preset, dataset=args.dataset, out_dir=out, progress=progress)
     collect_results(out)
     print(f"wrote {write_report(out)} and {out / 'results.json'}")
 
