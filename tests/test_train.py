@@ -127,3 +127,13 @@ def test_training_loop_adds_the_models_auxiliary_loss(tmp_path):
     model, _ = train_classifier(WithAuxiliaryLoss, tiny_splits(), CONFIG, tmp_path, progress=False)
     # Only the auxiliary loss has a gradient for `unused`: Adam moves it down by about lr per step.
     assert float(model.unused.detach()) == pytest.approx(-CONFIG.lr * 4 * CONFIG.epochs, rel=0.05)
+
+
+def test_resuming_a_folder_of_another_model_is_a_clear_error(tmp_path):
+    train_classifier(factory, tiny_splits(), TrainConfig(epochs=1, batch_size=16), tmp_path, progress=False)
+
+    def other():
+        return SoftMoEClassifier((1, 8, 8), num_experts=8, num_classes=3)
+
+    with pytest.raises(ValueError, match="epoch_001.safetensors does not fit this model"):
+        train_classifier(other, tiny_splits(), TrainConfig(epochs=2, batch_size=16), tmp_path, progress=False)

@@ -77,7 +77,14 @@ def finished_epochs(run_dir: str | Path) -> list[dict]:
 
 def load_epoch(model: nn.Module, run_dir: str | Path, epoch: int) -> nn.Module:
     """Load the weights saved at the end of ``epoch`` into ``model`` and return it."""
-    model.load_state_dict(load_tensors(Path(run_dir) / f"epoch_{epoch:03d}.safetensors"))
+    path = Path(run_dir) / f"epoch_{epoch:03d}.safetensors"
+    try:
+        model.load_state_dict(load_tensors(path))
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()[-1].strip()
+        raise ValueError(
+            f"{path} does not fit this model ({first}); it belongs to another configuration: use another folder"
+        ) from None
     return model
 
 

@@ -141,7 +141,9 @@ def build_model(
 def load_splits(preset: VitPreset, dataset: str | None, progress: bool) -> tuple[Splits, str, str | None]:
     """(splits limited by the preset, dataset spec used, notice or None). The default dataset falls back to
     mnist5k, with a notice, when Fashion-MNIST is not installed."""
-    spec, notice = (dataset, None) if dataset is not None else default_vision_dataset()
+    spec, notice = (dataset or preset.dataset), None
+    if dataset is None and spec == "fashion-mnist":
+        spec, notice = default_vision_dataset()
     if notice and progress:
         print(f"softmoe vit: {notice}", file=sys.stderr)
     splits = limit_splits(load_dataset(spec), preset.train_limit, preset.val_limit, preset.test_limit)
