@@ -13,15 +13,6 @@ from softmoe import MLPExperts, StackedExperts
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """These tensors are tiny: one intra-op thread avoids OpenMP start-up and spin costs on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def ref_activation(name: str, t: torch.Tensor) -> torch.Tensor:
     if name == "gelu":
         return 0.5 * t * (1.0 + torch.erf(t / math.sqrt(2.0)))

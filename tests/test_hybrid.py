@@ -19,15 +19,6 @@ from softmoe.models.vit import count_parameters
 from softmoe.selection import random_subsets, top_k_by_combine
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-
 # ---------------------------------------------------------------------------------------------------- paper size
 
 

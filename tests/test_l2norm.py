@@ -17,15 +17,6 @@ from softmoe.theory import NORM_GAP_SLOPE
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tiny models run fastest on one thread (and do not fight other processes for the cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 TINY = l2norm.L2NormPreset(
     "tiny", steps=4, batch_size=200, experts=(1, 2), tokenizations=((5, 2),), seeds=(0,), eval_size=300,
     curve_points=3, witness_sizes=(1.0, 1000.0),

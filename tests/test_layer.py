@@ -37,15 +37,6 @@ GRAD_CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """These tensors are tiny: one intra-op thread avoids OpenMP start-up and spin costs on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The slow, obviously correct reference: explicit Python loops over examples, tokens, experts and slots.
 # ----------------------------------------------------------------------------------------------------------------

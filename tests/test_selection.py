@@ -33,15 +33,6 @@ DIM, HIDDEN, N, BATCH, TOKENS = 6, 12, 8, 3, 5
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: intra-op threads only add contention (a loaded 2-core box runs this file 10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ----------------------------------------------------------------------------------------------------- helpers
 
 

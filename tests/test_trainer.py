@@ -19,14 +19,6 @@ from softmoe.train import finished_epochs, load_epoch
 from softmoe.trainer import TrainerConfig, WarmupCosine, fit, parameter_groups
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_splits(n=80):
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 3, (n,), generator=g)

@@ -24,16 +24,6 @@ from softmoe.models.vit import (
 from softmoe.selection import random_subsets, soft_moe_layers, top_k_by_combine
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: intra-op threads only add contention on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-
 # --------------------------------------------------------------------------------------------- parameter counts
 
 

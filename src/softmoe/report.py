@@ -49,13 +49,25 @@ def code_version() -> str:
         return softmoe.__version__
 
 
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux), else what the platform module knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def provenance() -> dict:
     """When, with what code, and on what machine a result was made."""
     return {
         "code_version": code_version(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {
-            "processor": platform.processor() or platform.machine(),
+            "processor": cpu_model(),
             "python": platform.python_version(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),

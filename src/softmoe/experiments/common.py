@@ -99,6 +99,21 @@ def selection_sweep(
     return result
 
 
+def model_table(models: dict, last_header: str, last_value: Callable[[dict], float]) -> list[str]:
+    """Markdown rows describing each trained model of a suite ({str(n): record}), with one accuracy column."""
+    lines = [
+        f"| n | expert hidden | parameters | expert parameters | epoch | val acc (%) | {last_header} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n in sorted(int(key) for key in models):
+        m = models[str(n)]
+        lines.append(
+            f"| {n} | {m['expert_hidden']} | {m['parameters']:,} | {m['expert_parameters']:,} | {m['epoch']} | "
+            f"{pct(m['val_accuracy'])} | {pct(last_value(m))} |"
+        )
+    return lines
+
+
 def pct(value: float | None) -> str:
     """A fraction as a percentage with two decimals, or an en dash for a missing value."""
     return "–" if value is None else f"{100 * value:.2f}"

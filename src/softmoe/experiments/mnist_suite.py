@@ -18,6 +18,7 @@ from softmoe.experiments.common import (
     equal_accuracy_epochs,
     limit_splits,
     mean_std_pct,
+    model_table,
     num,
     pct,
     selection_sweep,
@@ -262,15 +263,8 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         f"Equal-accuracy protocol: common validation target {pct(results['equal_accuracy_target'])}% (the best "
         "accuracy every model reaches); each n uses its epoch closest to it. The paper's models all sat at about 97.5%.",
         "",
-        "| n | expert hidden | parameters | expert parameters | epoch | val acc (%) | test acc (%) |",
-        "|---|---|---|---|---|---|---|",
+        *model_table(models, "test acc (%)", lambda m: m["test_accuracy"]),
     ]
-    for n in ns:
-        m = models[str(n)]
-        lines.append(
-            f"| {n} | {m['expert_hidden']} | {m['parameters']:,} | {m['expert_parameters']:,} | {m['epoch']} | "
-            f"{pct(m['val_accuracy'])} | {pct(m['test_accuracy'])} |"
-        )
     lines += ["", "### Table 1: best and random k = n/4 subsets", "", "| n | best k-subset (ours) | best (paper) | random (ours) | random (paper) |", "|---|---|---|---|---|"]
     for n in (4, 8, 16):
         if str(n) not in models:
@@ -305,7 +299,8 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         for n in ns:
             o = models[str(n)]["oracle"]
             distinct = o.get("distinct_best_subsets", "skipped (over the cap)")
-            lines.append(f"| {n} | {o['k']} | {o['subsets']:,} | {distinct} | {o.get('distinct_cap', '–')} |")
+            count = f"{o['subsets']:,}" if o["subsets"] < 10**12 else f"{float(o['subsets']):.2e}"
+            lines.append(f"| {n} | {o['k']} | {count} | {distinct} | {o.get('distinct_cap', '–')} |")
     lines += ["", f"![training curves]({Path(plots['training']).name})", "", "### How our numbers compare", ""]
     lines += [f"- {finding}" for finding in findings(results)]
     return "\n".join(lines) + "\n"

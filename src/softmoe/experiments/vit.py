@@ -30,6 +30,7 @@ from softmoe.experiments.common import (
     equal_accuracy_epochs,
     limit_splits,
     mean_std_pct,
+    model_table,
     num,
     pct,
     selection_sweep,
@@ -442,15 +443,8 @@ def _variant_markdown(name: str, variant: dict) -> list[str]:
         f"Equal-accuracy protocol: common validation target {pct(variant['equal_accuracy_target'])}%; each n uses "
         "its epoch closest to it.",
         "",
-        "| n | expert hidden | parameters | expert parameters | epoch | val acc (%) | test acc, all experts (%) |",
-        "|---|---|---|---|---|---|---|",
+        *model_table(models, "test acc, all experts (%)", lambda m: m["selection"]["all_experts"]),
     ]
-    for n in ns:
-        m = models[str(n)]
-        lines.append(
-            f"| {n} | {m['expert_hidden']} | {m['parameters']:,} | {m['expert_parameters']:,} | {m['epoch']} | "
-            f"{pct(m['val_accuracy'])} | {pct(m['selection']['all_experts'])} |"
-        )
     lines += [
         "",
         "| n | k | all experts (%) | Algorithm 1 (%) | random (%) | std above random (ours) | ImageNet (paper) | CIFAR-10 (paper) |",

@@ -359,17 +359,13 @@ def soft_moe_vit(
     ``soft_moe_vit("B/16", num_experts=n, expert_hidden=768 * 64 // n)`` is the paper's ImageNet model
     (about 513M parameters, 454M of them in experts).
     """
-    size, patch = parse_vit_name(name)
-    return ViT(
+    depth = parse_vit_name(name)[0].depth
+    return vit(
+        name,
         image_size=image_size,
-        patch_size=patch,
         num_classes=num_classes,
-        dim=size.dim,
-        depth=size.depth,
-        heads=size.heads,
-        mlp_dim=size.mlp_dim,
         classifier=classifier,
-        moe_blocks=second_half(size.depth) if moe_blocks is None else moe_blocks,
+        moe_blocks=second_half(depth) if moe_blocks is None else moe_blocks,
         num_experts=num_experts,
         slots_per_expert=slots_per_expert,
         expert_hidden=expert_hidden,
