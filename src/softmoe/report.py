@@ -23,6 +23,7 @@ SECTIONS = {
     "l2norm": "softmoe.experiments.l2norm",
     "routers": "softmoe.experiments.routers",
     "vit": "softmoe.experiments.vit",
+    "latency": "softmoe.experiments.latency",
 }
 
 

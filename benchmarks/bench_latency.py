@@ -1,0 +1,114 @@
+"""Table 3 of "Beyond Parameter Count" on this machine: latency of Algorithm 1 through 6 Soft MoE layers.
+
+k = n is the plain forward (all experts, batched); smaller k use ``softmoe.select_experts(strategy="combine")``,
+which does not run unselected experts. All configurations are timed round-robin in the same run after warm-up;
+the table gives the median and std in ms, the speed-up over k = n, and the time as a multiple of the roofline
+of the kept work (see ``softmoe.experiments.latency.work``) with peak FLOP/s and bandwidth measured in this run.
+
+    python benchmarks/bench_latency.py                 # paper-size experts (9 GB of fp32 weights), a few minutes
+    python benchmarks/bench_latency.py --preset small  # hidden 768 * 8, about a minute
+    python benchmarks/bench_latency.py --json results/mnist5k/latency.json   # joins that folder's report
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import (  # noqa: E402
+    environment,
+    machine_limits,
+    measure_interleaved,
+    print_table,
+    roofline_seconds,
+)
+
+import softmoe  # noqa: E402
+from softmoe.checkpoint import write_json  # noqa: E402
+from softmoe.experiments.latency import (  # noqa: E402
+    DIM,
+    EXPERTS,
+    PAPER_MS,
+    PRESETS,
+    TARGET_SPEEDUP,
+    TOKENS,
+    MoEStack,
+    experts_used,
+    work,
+)
+from softmoe.runtime import tune_cpu_allocator  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="paper")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 100])
+    parser.add_argument("--repeats", type=int, help="timed passes per configuration (default: the preset's)")
+    parser.add_argument("--warmup", type=int, help="untimed passes per configuration (default: the preset's)")
+    parser.add_argument("--json", type=Path, help="also write the results as JSON here (latency.json for a report)")
+    args = parser.parse_args()
+    preset = PRESETS[args.preset]
+    repeats = args.repeats or preset["repeats"]
+    warmup = args.warmup if args.warmup is not None else preset["warmup"]
+    tuned = tune_cpu_allocator()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        stack = MoEStack(preset["hidden"]).eval()
+    params = sum(p.numel() for p in stack.parameters())
+    expert_params = sum(p.numel() for layer in stack.layers for p in layer.experts.parameters())
+    env = environment()
+    limits = machine_limits()
+    print(f"# Table 3 on {env['cpu']} ({env['torch_threads']} threads), torch {env['torch']}, {env['date']}")
+    print(
+        f"preset {args.preset}: 6 Soft MoE layers, {EXPERTS} experts of hidden {preset['hidden']}, "
+        f"{params / 1e9:.2f}B parameters ({expert_params / 1e9:.2f}B in experts); fp32; caching allocator "
+        f"{'on' if tuned else 'off'}; measured peak {limits['flops_per_s'] / 1e9:.0f} GFLOP/s, bandwidth "
+        f"{limits['bytes_per_s'] / 1e9:.1f} GB/s; {warmup} warm-up + {repeats} timed passes each, round-robin"
+    )
+    ks = [EXPERTS, 3 * EXPERTS // 4, EXPERTS // 2, EXPERTS // 4]
+    results = {"environment": env, "limits": limits, "preset": args.preset, "hidden": preset["hidden"],
+               "parameters": params, "expert_parameters": expert_params, "batches": {}}
+    rows = []
+    for batch in args.batches:
+        x = torch.randn(batch, TOKENS, DIM)
+
+        def timed(k: int):
+            def run() -> None:
+                with torch.no_grad(), softmoe.select_experts(stack, k=k, strategy="all" if k == EXPERTS else "combine"):
+                    stack(x)
+
+            return run
+
+        used = {k: ([EXPERTS] * len(stack.layers) if k == EXPERTS else experts_used(stack, x, k)) for k in ks}
+        stats = measure_interleaved({str(k): timed(k) for k in ks}, warmup=warmup, repeats=repeats)
+        base = stats[str(EXPERTS)]["median"]
+        results["batches"][str(batch)] = {}
+        for k in ks:
+            s = stats[str(k)]
+            flops, nbytes = work(batch, k, preset["hidden"], used[k])
+            entry = {"k": k, "median_ms": s["median"] * 1e3, "std_ms": s["std"] * 1e3, "min_ms": s["min"] * 1e3,
+                     "speedup_vs_all": base / s["median"],
+                     "x_roofline": s["median"] / roofline_seconds(flops, nbytes, limits),
+                     "experts_run_per_layer": used[k]}
+            results["batches"][str(batch)][str(k)] = entry
+            paper = PAPER_MS.get(batch, {}).get(k)
+            rows.append([batch, k, f"{entry['median_ms']:.1f} ± {entry['std_ms']:.1f}", f"{entry['speedup_vs_all']:.2f}x",
+                         f"{entry['x_roofline']:.2f}", f"{paper[0]:.2f} ± {paper[1]:.2f}" if paper else "–",
+                         f"{PAPER_MS[batch][EXPERTS][0] / paper[0]:.2f}x" if paper else "–"])
+    print_table(["batch", "k", "ours ms (median ± std)", "speed-up vs k=n", "x roofline", "paper ms (2080 Ti)",
+                 "paper speed-up"], rows)
+    for batch in args.batches:
+        quarter = results["batches"][str(batch)][str(EXPERTS // 4)]["speedup_vs_all"]
+        target = TARGET_SPEEDUP.get(batch)
+        verdict = f" (target >= {target}x: {'PASS' if quarter >= target else 'FAIL'})" if target else ""
+        print(f"batch {batch}: k = n/4 is {quarter:.2f}x faster than k = n{verdict}")
+    if args.json:
+        write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,389 @@
+"""Speed of ``softmoe.SoftMoE`` on CPU against a per-expert Python loop, a dense MLP and the machine's roofline.
+
+Usage::
+
+    python benchmarks/bench_layer.py            # full run (a few minutes)
+    python benchmarks/bench_layer.py --quick    # short run (well under a minute)
+    python benchmarks/bench_layer.py --json results.json
+
+It first calls ``softmoe.runtime.tune_cpu_allocator()`` (large tensors from glibc's heap instead of fresh mmap
+pages; see that module) and says whether it was applied. Then, for every shape and in the same run, it times
+the forward pass (under ``torch.no_grad``) and forward+backward (``out.backward(grad)`` with ``x`` requiring
+grad and all gradients reset to None before each step) of:
+
+- ``softmoe.SoftMoE`` itself;
+- ``loop``: the same layer math as the public ports write it, the layer's own routing (``layer._route_flat``)
+  followed by a Python loop over an ``nn.ModuleList`` of ``n`` pairs of ``nn.Linear`` holding the layer's expert
+  weights (its outputs are checked against the layer's);
+- ``dense``: a dense MLP ``nn.Linear(d, h') -> act -> nn.Linear(h', d)`` applied to all ``batch*tokens`` tokens,
+  with ``h' = n*p*hidden / tokens`` so that its FLOPs equal those of the layer's experts;
+
+the three round-robin (one call of each per round; the minimum over rounds is reported), and measures the
+machine's limits (fp32 ``torch.matmul`` 2048^3 GFLOP/s and ``copy_`` bandwidth of 256 MB, read+write bytes).
+
+Definitions (B batch, M tokens, D dim, N experts, P slots per expert, H expert hidden size, fp32 = 4 bytes):
+
+- FLOPs per forward, slot formulation (the useful work, whichever path the layer takes):
+  logits 2*B*M*D*N*P + dispatch 2*B*M*N*P*D + combine 2*B*M*N*P*D + experts 2*B*N*P*(2*D*H).
+  Forward+backward = 3 x forward.
+- Bytes, compulsory traffic: forward reads x and all parameters and writes the output:
+  4*(params + 2*B*M*D). Forward+backward: 4*(3*params + 4*B*M*D) (parameters read twice, gradients written;
+  x and output read/written with their gradients).
+- Roofline time = max(FLOPs / matmul peak, bytes / copy bandwidth); "x roofline" = measured time / roofline.
+- Speed-up vs loop = loop time / layer time; dense-MLP ratio = layer time / dense MLP time (fwd, fwd+bwd).
+- path: "slot" (dispatch, batched experts, combine) or "token" (the exact token-space rewrite), as chosen by
+  ``layer._token_space_is_cheaper``.
+- other load: cores kept busy by other processes while a row was timed (from /proc/stat); above 0.2 the row's
+  multi-threaded timings are inflated and the script says so.
+
+Shapes: the MNIST layer of "Beyond Parameter Count" (batch 256, 4 tokens, dim 196, n = 2, 4, ..., 512 experts
+with 1 slot each, hidden = max(1, 784 // n), relu) and a ViT-S/16 Soft MoE layer (batch 8, 196 tokens, dim 384,
+128 experts, 1 slot, hidden 1536, gelu).
+
+Targets, fp32 (PASS/FAIL per row): ViT-S forward within 1.3x of roofline and forward+backward within 1.6x;
+forward+backward within 2x of roofline at every MNIST shape; faster than the loop (forward and
+forward+backward) at every shape, by at least 1.5x at n >= 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import (  # noqa: E402
+    environment,
+    OtherLoad,
+    machine_limits,
+    measure_interleaved,
+    print_table,
+    roofline_seconds,
+)
+
+import softmoe  # noqa: E402
+from softmoe.runtime import tune_cpu_allocator  # noqa: E402
+
+# Cores kept busy by other processes above which a row's timings are flagged as unreliable.
+OTHER_LOAD_LIMIT = 0.2
+ACTIVATION_MODULES = {"relu": nn.ReLU, "gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh")}
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    batch: int
+    tokens: int
+    dim: int
+    experts: int
+    slots: int
+    hidden: int
+    activation: str
+
+
+def mnist_shapes(ns: list[int]) -> list[Shape]:
+    return [Shape("MNIST", 256, 4, 196, n, 1, max(1, 784 // n), "relu") for n in ns]
+
+
+VIT_S = Shape("ViT-S/16", 8, 196, 384, 128, 1, 1536, "gelu")
+
+
+class LoopSoftMoE(nn.Module):
+    """The layer's math with a Python loop over an ``nn.ModuleList`` of experts (as the public ports do it).
+
+    Routing is the layer's own (``layer._route_flat``: shared ``phi`` and ``scale``); the experts are copies of the
+    layer's expert weights as ``nn.Linear`` pairs, so the output equals the layer's.
+    """
+
+    def __init__(self, layer: softmoe.SoftMoE) -> None:
+        super().__init__()
+        self.__dict__["router"] = layer  # not a submodule: only its routing is used
+        ex = layer.experts
+        self.n, self.p, self.d = layer.num_experts, layer.slots_per_expert, layer.dim
+        self.experts = nn.ModuleList()
+        with torch.no_grad():
+            for j in range(self.n):
+                # Built on the meta device (no random init of weights that are overwritten next), then allocated.
+                first = nn.Linear(ex.dim, ex.hidden, device="meta").to_empty(device=ex.weight1.device)
+                second = nn.Linear(ex.hidden, ex.dim, device="meta").to_empty(device=ex.weight1.device)
+                first.weight.copy_(ex.weight1[j].T)
+                first.bias.copy_(ex.bias1[j])
+                second.weight.copy_(ex.weight2[j].T)
+                second.bias.copy_(ex.bias2[j])
+                self.experts.append(nn.Sequential(first, ACTIVATION_MODULES[ex.activation](), second))
+
+    def routing_parameters(self) -> list[nn.Parameter]:
+        return [p for p in (self.router.phi, self.router.scale) if p is not None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = x.shape[0]
+        _, dispatch, combine = self.router._route_flat(x, None)
+        slots = torch.bmm(dispatch.transpose(1, 2), x).view(batch, self.n, self.p, self.d)
+        # Iterating over a tensor unbinds it (one UnbindBackward, not n full-size zero gradients of a select).
+        outs = [expert(chunk) for expert, chunk in zip(self.experts, slots.transpose(0, 1))]
+        expert_out = torch.stack(outs, dim=1).view(batch, self.n * self.p, self.d)
+        return torch.bmm(combine, expert_out)
+
+
+def dense_mlp(shape: Shape) -> nn.Module:
+    hidden = max(1, round(shape.experts * shape.slots * shape.hidden / shape.tokens))
+    return nn.Sequential(
+        nn.Linear(shape.dim, hidden), ACTIVATION_MODULES[shape.activation](), nn.Linear(hidden, shape.dim)
+    )
+
+
+def layer_flops(s: Shape) -> float:
+    """Forward FLOPs of the slot formulation (see the module docstring)."""
+    b, m, d, n, p, h = s.batch, s.tokens, s.dim, s.experts, s.slots, s.hidden
+    logits = 2 * b * m * d * n * p
+    dispatch = 2 * b * m * n * p * d
+    combine = 2 * b * m * n * p * d
+    experts = 2 * b * n * p * (2 * d * h)
+    return float(logits + dispatch + combine + experts)
+
+
+def layer_bytes(s: Shape, layer: nn.Module, backward: bool) -> float:
+    """Compulsory traffic in bytes (see the module docstring)."""
+    param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    act_bytes = s.batch * s.tokens * s.dim * 4
+    return float(3 * param_bytes + 4 * act_bytes) if backward else float(param_bytes + 2 * act_bytes)
+
+
+def step_fns(module: nn.Module, params: list[torch.Tensor], x: torch.Tensor, grad: torch.Tensor):
+    """(forward under no_grad, forward+backward with gradients reset to None first) for ``module``."""
+    x_req = x.detach().clone().requires_grad_(True)
+    leaves = [*params, x_req]
+
+    def forward() -> None:
+        with torch.no_grad():
+            module(x)
+
+    def forward_backward() -> None:
+        for t in leaves:
+            t.grad = None
+        module(x_req).backward(grad)
+
+    return forward, forward_backward
+
+
+def check_targets(s: Shape, row: dict) -> str:
+    failures = []
+    if s.name == "ViT-S/16":
+        if row["fwd_x_roofline"] > 1.3:
+            failures.append(f"fwd {row['fwd_x_roofline']:.2f}x>1.3")
+        if row["fwdbwd_x_roofline"] > 1.6:
+            failures.append(f"fwd+bwd {row['fwdbwd_x_roofline']:.2f}x>1.6")
+    elif row["fwdbwd_x_roofline"] > 2.0:
+        failures.append(f"fwd+bwd {row['fwdbwd_x_roofline']:.2f}x>2")
+    need = 1.5 if s.experts >= 64 else 1.0
+    for key, label in (("fwd_speedup_vs_loop", "fwd"), ("fwdbwd_speedup_vs_loop", "fwd+bwd")):
+        ok = row[key] >= need if need > 1.0 else row[key] > 1.0
+        if not ok:
+            failures.append(f"{label} vs loop {row[key]:.2f}x<{need}")
+    return "PASS" if not failures else "FAIL: " + "; ".join(failures)
+
+
+def bench_shape(
+    s: Shape, limits: dict, warmup: int, repeats: int, budget_s: float | None = None, seed: int = 0
+) -> dict:
+    torch.manual_seed(seed)
+    layer = softmoe.SoftMoE(s.dim, s.experts, s.slots, expert_hidden=s.hidden, activation=s.activation)
+    loop = LoopSoftMoE(layer)
+    dense = dense_mlp(s)
+    x = torch.randn(s.batch, s.tokens, s.dim)
+    grad = torch.randn(s.batch, s.tokens, s.dim)
+
+    with torch.no_grad():
+        want, got = loop(x), layer(x)
+        error = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    if error > 1e-4:
+        raise AssertionError(f"{s}: loop baseline differs from the layer (relative error {error:.2e})")
+    del want, got
+
+    fns = {}
+    params = {
+        "layer": list(layer.parameters()),
+        "loop": list(loop.parameters()) + loop.routing_parameters(),
+        "dense": list(dense.parameters()),
+    }
+    for name, module in (("layer", layer), ("loop", loop), ("dense", dense)):
+        fns[name] = step_fns(module, params[name], x, grad)
+    fwd = measure_interleaved({k: v[0] for k, v in fns.items()}, warmup, repeats, budget_s)
+    fwdbwd = measure_interleaved({k: v[1] for k, v in fns.items()}, warmup, repeats, budget_s)
+
+    flops = layer_flops(s)
+    row = {
+        "shape": s.name,
+        "batch": s.batch,
+        "tokens": s.tokens,
+        "dim": s.dim,
+        "experts": s.experts,
+        "slots": s.slots,
+        "hidden": s.hidden,
+        "activation": s.activation,
+        "path": "token" if layer._token_space_is_cheaper(s.tokens) else "slot",
+        "dense_hidden": dense[0].out_features,
+        "loop_relative_error": error,
+        "fwd_flops": flops,
+        "fwdbwd_flops": 3 * flops,
+        "fwd_bytes": layer_bytes(s, layer, backward=False),
+        "fwdbwd_bytes": layer_bytes(s, layer, backward=True),
+        "times": {"fwd": fwd, "fwdbwd": fwdbwd},
+    }
+    for key, stats, nflops in (("fwd", fwd, flops), ("fwdbwd", fwdbwd, 3 * flops)):
+        t = stats["layer"]["min"]
+        row[f"{key}_ms"] = 1e3 * t
+        row[f"{key}_gflops"] = nflops / t / 1e9
+        row[f"{key}_speedup_vs_loop"] = stats["loop"]["min"] / t
+        row[f"{key}_dense_ratio"] = t / stats["dense"]["min"]
+    add_roofline(s, row, limits)
+    return row
+
+
+def add_roofline(s: Shape, row: dict, limits: dict) -> None:
+    """Set the roofline times, the measured/roofline ratios and the PASS/FAIL verdict of ``row``."""
+    for key in ("fwd", "fwdbwd"):
+        roof = roofline_seconds(row[f"{key}_flops"], row[f"{key}_bytes"], limits)
+        row[f"{key}_roofline_ms"] = 1e3 * roof
+        row[f"{key}_x_roofline"] = row[f"{key}_ms"] / 1e3 / roof
+    row["targets"] = check_targets(s, row)
+
+
+HEADERS = [
+    "shape",
+    "n",
+    "h",
+    "path",
+    "fwd ms",
+    "fwd GFLOP/s",
+    "fwd x roofline",
+    "fwd speed-up vs loop",
+    "fwd+bwd ms",
+    "fwd+bwd GFLOP/s",
+    "fwd+bwd x roofline",
+    "fwd+bwd speed-up vs loop",
+    "dense-MLP ratio fwd / fwd+bwd",
+    "other load",
+    "targets",
+]
+
+
+def table_row(r: dict) -> list[str]:
+    return [
+        r["shape"],
+        str(r["experts"]),
+        str(r["hidden"]),
+        r["path"],
+        f"{r['fwd_ms']:.2f}",
+        f"{r['fwd_gflops']:.0f}",
+        f"{r['fwd_x_roofline']:.2f}",
+        f"{r['fwd_speedup_vs_loop']:.1f}x",
+        f"{r['fwdbwd_ms']:.2f}",
+        f"{r['fwdbwd_gflops']:.0f}",
+        f"{r['fwdbwd_x_roofline']:.2f}",
+        f"{r['fwdbwd_speedup_vs_loop']:.1f}x",
+        f"{r['fwd_dense_ratio']:.2f} / {r['fwdbwd_dense_ratio']:.2f}",
+        "n/a" if r["other_load"] is None else f"{r['other_load']:.2f}",
+        r["targets"],
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats (well under a minute)")
+    parser.add_argument("--json", metavar="PATH", help="also write all results as JSON to PATH")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    parser.add_argument("--shapes", choices=["all", "mnist", "vit"], default="all")
+    args = parser.parse_args(argv)
+
+    tuned = tune_cpu_allocator()
+    print(
+        "softmoe.runtime.tune_cpu_allocator(): "
+        + ("applied (glibc mallopt: M_MMAP_MAX=0, M_TRIM_THRESHOLD=2**31-1)" if tuned else "not applied (not glibc)"),
+        flush=True,
+    )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    env = environment()
+    limits = machine_limits(repeats=3 if args.quick else 10)
+    print(
+        f"{env['date']} | {env['cpu']} | {env['cores']} cores, torch {env['torch']} with {env['torch_threads']} "
+        f"threads | fp32 | matmul peak {limits['flops_per_s'] / 1e9:.0f} GFLOP/s ({limits['matmul']}) | "
+        f"copy bandwidth {limits['bytes_per_s'] / 1e9:.1f} GB/s ({limits['copy']})",
+        flush=True,
+    )
+
+    ns = [2, 16, 128, 512] if args.quick else [2**k for k in range(1, 10)]
+    shapes = []
+    if args.shapes in ("all", "mnist"):
+        shapes += mnist_shapes(ns)
+    if args.shapes in ("all", "vit"):
+        shapes.append(VIT_S)
+
+    rows = []
+    for s in shapes:
+        small = s.name == "MNIST"
+        # (warm-up rounds, max rounds, seconds of timing after which rounds stop, per pass)
+        if args.quick:
+            warmup, repeats, budget = (1, 5, 0.5) if small else (1, 3, 2.0)
+        else:
+            warmup, repeats, budget = (3, 15, 3.0) if small else (2, 9, 12.0)
+        with OtherLoad() as other:
+            rows.append(bench_shape(s, limits, warmup, repeats, budget))
+        rows[-1]["other_load"] = other.value
+        r = rows[-1]
+        print(
+            f"  {s.name} n={s.experts}: fwd {r['fwd_ms']:.2f} ms, fwd+bwd {r['fwdbwd_ms']:.2f} ms ({r['path']})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    # The load on a shared machine varies: keep the best of the limits measured before and after the shapes.
+    after = machine_limits(repeats=3 if args.quick else 10)
+    for key in ("flops_per_s", "bytes_per_s"):
+        limits[key] = max(limits[key], after[key])
+    for s, r in zip(shapes, rows):
+        add_roofline(s, r, limits)
+    print(
+        f"limits used (best of before/after): matmul peak {limits['flops_per_s'] / 1e9:.0f} GFLOP/s, "
+        f"copy bandwidth {limits['bytes_per_s'] / 1e9:.1f} GB/s"
+    )
+    print()
+    print(
+        "Times: min over round-robin repeats after warm-up; FLOPs: slot formulation, per forward "
+        "2BMDNP (logits) + 2BMNPD (dispatch) + 2BMNPD (combine) + 2BNP(2DH) (experts), fwd+bwd = 3x fwd; "
+        "bytes (compulsory): fwd 4(params + 2BMD), fwd+bwd 4(3 params + 4BMD); x roofline = time / "
+        "max(FLOPs/peak, bytes/bandwidth); speed-up vs loop = nn.ModuleList-loop time / layer time; dense-MLP ratio "
+        "= layer time / time of a dense MLP with the experts' FLOPs; path: slot formulation or token-space rewrite; "
+        "other load: cores kept busy by other processes while the row was timed (> 0.2: timings inflated)."
+    )
+    print()
+    print_table(HEADERS, [table_row(r) for r in rows], align="lrrl" + "r" * 10 + "l")
+    passed = sum(r["targets"] == "PASS" for r in rows)
+    print(f"\nTargets met on {passed}/{len(rows)} rows.")
+    busy = [f"{r['shape']} n={r['experts']}" for r in rows if (r["other_load"] or 0.0) > OTHER_LOAD_LIMIT]
+    if busy:
+        print(
+            f"WARNING: other processes kept more than {OTHER_LOAD_LIMIT} cores busy while timing {', '.join(busy)}: "
+            "those multi-threaded timings are inflated; rerun on an idle machine."
+        )
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"allocator_tuned": tuned, "environment": env, "limits": limits, "quick": args.quick, "rows": rows},
+                f,
+                indent=2,
+            )
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

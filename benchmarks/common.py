@@ -1,0 +1,200 @@
+"""Shared helpers for the benchmark scripts: timing, the machine's measured limits, a roofline, markdown tables.
+
+All times are in seconds. Timings on a shared CPU are noisy: report the minimum (or the median) of several
+repeats taken after a warm-up, and time the things being compared round-robin in the same run
+(:func:`measure_interleaved`) so that a change of load affects them alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+MATMUL_SIZE = 2048
+COPY_BYTES = 256 * 2**20
+
+
+def _stats(times: Sequence[float]) -> dict[str, float]:
+    return {
+        "min": min(times),
+        "median": statistics.median(times),
+        "std": statistics.pstdev(times) if len(times) > 1 else 0.0,
+        "repeats": len(times),
+    }
+
+
+def measure(fn: Callable[[], object], warmup: int = 2, repeats: int = 10) -> dict[str, float]:
+    """Run ``fn`` ``warmup`` times untimed, then ``repeats`` timed times -> dict(min, median, std, repeats) in seconds.
+
+    The result of each call is dropped before the next one starts, so freed memory can be reused.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return _stats(times)
+
+
+def measure_interleaved(
+    fns: Mapping[str, Callable[[], object]],
+    warmup: int = 2,
+    repeats: int = 10,
+    budget_s: float | None = None,
+    min_repeats: int = 3,
+) -> dict[str, dict[str, float]]:
+    """Like :func:`measure` for several functions timed round-robin (one call of each per round).
+
+    Returns ``{name: dict(min, median, std, repeats)}``. Interleaving makes the comparison fair when the load
+    on the machine changes during the run. With ``budget_s``, rounds stop once that many seconds have been spent
+    timing (after at least ``min_repeats`` rounds), so slow cases cannot stretch a run.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    spent = 0.0
+    for done in range(repeats):
+        if budget_s is not None and done >= min_repeats and spent >= budget_s:
+            break
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            times[name].append(elapsed)
+            spent += elapsed
+    return {name: _stats(t) for name, t in times.items()}
+
+
+def machine_limits(repeats: int = 5, matmul_size: int = MATMUL_SIZE, copy_bytes: int = COPY_BYTES) -> dict:
+    """The machine's fp32 limits, measured now with torch's current thread count.
+
+    - ``flops_per_s``: ``torch.matmul`` of two (2048, 2048) fp32 matrices into a preallocated output,
+      2*2048^3 FLOPs over the minimum time of ``repeats``.
+    - ``bytes_per_s``: ``copy_`` between two preallocated 256 MB fp32 tensors, counting the bytes read plus the
+      bytes written (2 * 256 MB) over the minimum time.
+    """
+    a = torch.randn(matmul_size, matmul_size)
+    b = torch.randn(matmul_size, matmul_size)
+    c = torch.empty(matmul_size, matmul_size)
+    mm = measure(lambda: torch.matmul(a, b, out=c), warmup=2, repeats=repeats)
+    numel = copy_bytes // 4
+    src = torch.randn(numel)
+    dst = torch.empty(numel)
+    cp = measure(lambda: dst.copy_(src), warmup=2, repeats=repeats)
+    flops = 2.0 * matmul_size**3
+    return {
+        "flops_per_s": flops / mm["min"],
+        "bytes_per_s": 2.0 * copy_bytes / cp["min"],
+        "matmul": f"fp32 torch.matmul {matmul_size}^3, min of {repeats}",
+        "copy": f"copy_ of {copy_bytes // 2**20} MiB fp32, read+write bytes, min of {repeats}",
+        "threads": torch.get_num_threads(),
+    }
+
+
+def roofline_seconds(flops: float, nbytes: float, limits: Mapping[str, float]) -> float:
+    """The roofline time: ``max(flops / peak FLOP/s, bytes / copy bandwidth)``, with limits from :func:`machine_limits`."""
+    return max(flops / limits["flops_per_s"], nbytes / limits["bytes_per_s"])
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux, else ``platform.processor()``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment() -> dict:
+    """Machine, software and date, for the header of a benchmark report."""
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "load_average_1min": load_average(),
+    }
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where unavailable)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds spent busy by all processes since boot, from /proc/stat (None off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """Context manager measuring how many cores *other* processes kept busy meanwhile (Linux; else None).
+
+    ``value`` = (CPU seconds busy machine-wide - this process's CPU seconds) / wall seconds. Above about 0.2 the
+    multi-threaded timings taken meanwhile are inflated: every parallel region waits for descheduled threads.
+    """
+
+    def __enter__(self) -> "OtherLoad":
+        self.value: float | None = None
+        self._busy, self._own, self._wall = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy = _busy_cpu_seconds()
+        wall = time.perf_counter() - self._wall
+        if busy is None or self._busy is None or wall <= 0:
+            return
+        own = time.process_time() - self._own
+        self.value = max(0.0, (busy - self._busy - own) / wall)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]], align: str | None = None) -> str:
+    """A GitHub markdown table; ``align`` is one character per column, 'l' or 'r' (default: all right)."""
+    align = align or "r" * len(headers)
+    if len(align) != len(headers):
+        raise ValueError("align must have one character per column")
+    cells = [[str(c) for c in row] for row in rows]
+    for row in cells:
+        if len(row) != len(headers):
+            raise ValueError(f"row {row} has {len(row)} cells, expected {len(headers)}")
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        padded = [v.ljust(w) if a == "l" else v.rjust(w) for v, w, a in zip(values, widths, align)]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if a == "r" else (":" + "-" * (w + 1)) for w, a in zip(widths, align)) + "|"
+    return "\n".join([line(headers), rule, *(line(r) for r in cells)])
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], align: str | None = None) -> None:
+    print(markdown_table(headers, rows, align), flush=True)
