@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from softmoe.runtime import cpu_model
+
 MATMUL_SIZE = 2048
 COPY_BYTES = 256 * 2**20
 
@@ -107,18 +109,6 @@ def machine_limits(repeats: int = 5, matmul_size: int = MATMUL_SIZE, copy_bytes:
 def roofline_seconds(flops: float, nbytes: float, limits: Mapping[str, float]) -> float:
     """The roofline time: ``max(flops / peak FLOP/s, bytes / copy bandwidth)``, with limits from :func:`machine_limits`."""
     return max(flops / limits["flops_per_s"], nbytes / limits["bytes_per_s"])
-
-
-def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo on Linux, else ``platform.processor()``)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def environment() -> dict:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from reference import ref_activation
 from torch import nn
 
 from softmoe import MLPExperts, StackedExperts
@@ -13,14 +14,6 @@ from softmoe import MLPExperts, StackedExperts
 F64 = torch.float64
 
 
-def ref_activation(name: str, t: torch.Tensor) -> torch.Tensor:
-    if name == "gelu":
-        return 0.5 * t * (1.0 + torch.erf(t / math.sqrt(2.0)))
-    if name == "gelu_tanh":
-        return 0.5 * t * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (t + 0.044715 * t**3)))
-    if name == "relu":
-        return torch.where(t > 0, t, torch.zeros_like(t))
-    raise AssertionError(name)
 
 
 def ref_expert(experts: MLPExperts, j: int, rows: torch.Tensor) -> torch.Tensor:

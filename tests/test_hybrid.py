@@ -18,7 +18,6 @@ from softmoe.models.hybrid import (
 from softmoe.models.vit import count_parameters
 from softmoe.selection import random_subsets, top_k_by_combine
 
-
 # ---------------------------------------------------------------------------------------------------- paper size
 
 

@@ -15,8 +15,6 @@ import torch
 from softmoe.experiments import l2norm
 from softmoe.theory import NORM_GAP_SLOPE
 
-
-
 TINY = l2norm.L2NormPreset(
     "tiny", steps=4, batch_size=200, experts=(1, 2), tokenizations=((5, 2),), seeds=(0,), eval_size=300,
     curve_points=3, witness_sizes=(1.0, 1000.0),

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import ref_activation
 from torch import nn
 
 from softmoe import MLPExperts, Routing, SoftMoE, StackedExperts
@@ -42,14 +43,6 @@ GRAD_CONFIGS = {
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def ref_activation(name: str, t: torch.Tensor) -> torch.Tensor:
-    if name == "gelu":
-        return 0.5 * t * (1.0 + torch.erf(t / math.sqrt(2.0)))
-    if name == "gelu_tanh":
-        return 0.5 * t * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (t + 0.044715 * t**3)))
-    if name == "relu":
-        return torch.where(t > 0, t, torch.zeros_like(t))
-    raise AssertionError(name)
 
 
 def ref_normalize(v: torch.Tensor) -> torch.Tensor:

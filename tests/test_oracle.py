@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from softmoe.models import SoftMoEClassifier, patchify
-from softmoe.oracle import all_subsets, check_subset_count, oracle_by_forward, oracle_from_contributions
+from softmoe.oracle import (
+    all_subsets,
+    check_subset_count,
+    oracle_by_forward,
+    oracle_from_contributions,
+)
 from softmoe.selection import masked_reference_forward, select_experts
 
 

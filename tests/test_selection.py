@@ -12,9 +12,9 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.nn.functional as F
 from torch import nn
 
 from softmoe import SoftMoE, masked_reference_forward, select_experts

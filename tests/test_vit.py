@@ -23,7 +23,6 @@ from softmoe.models.vit import (
 )
 from softmoe.selection import random_subsets, soft_moe_layers, top_k_by_combine
 
-
 # --------------------------------------------------------------------------------------------- parameter counts
 
 

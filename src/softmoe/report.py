@@ -17,6 +17,7 @@ import torch
 
 import softmoe
 from softmoe.checkpoint import atomic_write, read_json, write_json
+from softmoe.runtime import cpu_model
 
 SECTIONS = {
     "mnist_suite": "softmoe.experiments.mnist_suite",
@@ -48,18 +49,6 @@ def code_version() -> str:
         return f"{softmoe.__version__}+g{commit}{'.dirty' if dirty else ''}"
     except (OSError, subprocess.SubprocessError):
         return softmoe.__version__
-
-
-def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo on Linux), else what the platform module knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def provenance() -> dict:

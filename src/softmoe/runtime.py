@@ -39,10 +39,11 @@ do not combine the two, the combination took 650 ms).
 from __future__ import annotations
 
 import ctypes
+import platform
 import sys
 from collections.abc import Callable
 
-__all__ = ["tune_cpu_allocator"]
+__all__ = ["cpu_model", "tune_cpu_allocator"]
 
 # glibc's <malloc.h> parameter numbers.
 M_TRIM_THRESHOLD = -1
@@ -80,3 +81,15 @@ def tune_cpu_allocator() -> bool:
     trim_ok = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     mmap_ok = mallopt(M_MMAP_MAX, 0) == 1
     return trim_ok and mmap_ok
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux), else what the platform module knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

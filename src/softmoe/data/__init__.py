@@ -21,8 +21,17 @@ from softmoe.data.dataset import ImageDataset, Splits
 from softmoe.data.digits import load_digits
 from softmoe.data.errors import DatasetError, MissingDependencyError
 from softmoe.data.idx import read_idx
-from softmoe.data.imagefolder import IMAGE_EXTENSIONS, load_image_folder, read_image_folder
-from softmoe.data.mnist import FASHION_MNIST_DIR, MNIST_VAL_SIZE, load_fashion_mnist, load_mnist
+from softmoe.data.imagefolder import (
+    IMAGE_EXTENSIONS,
+    load_image_folder,
+    read_image_folder,
+)
+from softmoe.data.mnist import (
+    FASHION_MNIST_DIR,
+    MNIST_VAL_SIZE,
+    load_fashion_mnist,
+    load_mnist,
+)
 from softmoe.data.mnist5k import load_mnist5k
 from softmoe.data.registry import DATASET_SPECS, load_dataset, parse_spec
 from softmoe.data.splits import SPLIT_SEED

@@ -24,7 +24,11 @@ from softmoe.experiments.common import (
     selection_sweep,
 )
 from softmoe.models import SoftMoEClassifier
-from softmoe.oracle import DEFAULT_MAX_SUBSETS, check_subset_count, oracle_from_contributions
+from softmoe.oracle import (
+    DEFAULT_MAX_SUBSETS,
+    check_subset_count,
+    oracle_from_contributions,
+)
 from softmoe.train import TrainConfig, accuracy, load_epoch, train_classifier
 
 PAPER_EXPERTS = (2, 4, 8, 16, 32, 64, 128, 256, 512)

@@ -1,9 +1,24 @@
 """Models built from SoftMoE layers: the paper's MNIST classifier, the (Soft MoE) ViT, the hybrid conv-transformer."""
 
-from softmoe.models.hybrid import HYBRID_CONFIGS, HybridConfig, HybridConvTransformer, astroformer_expert_hidden, hybrid
+from softmoe.models.hybrid import (
+    HYBRID_CONFIGS,
+    HybridConfig,
+    HybridConvTransformer,
+    astroformer_expert_hidden,
+    hybrid,
+)
 from softmoe.models.mnist import SoftMoEClassifier
 from softmoe.models.patches import patchify
-from softmoe.models.vit import VIT_SIZES, ViT, ViTSize, count_parameters, parse_vit_name, second_half, soft_moe_vit, vit
+from softmoe.models.vit import (
+    VIT_SIZES,
+    ViT,
+    ViTSize,
+    count_parameters,
+    parse_vit_name,
+    second_half,
+    soft_moe_vit,
+    vit,
+)
 
 __all__ = [
     "HYBRID_CONFIGS",

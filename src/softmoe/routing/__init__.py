@@ -19,14 +19,24 @@ any router with the project's batched experts. Modules, one concept each:
 
 from softmoe.routing.capacity import buffer_capacity
 from softmoe.routing.expert_choice import ExpertChoiceRouter, expert_choice_allocation
-from softmoe.routing.formulation import DenseRouting, Router, SparseRouting, dense_moe, sparse_moe
+from softmoe.routing.formulation import (
+    DenseRouting,
+    Router,
+    SparseRouting,
+    dense_moe,
+    sparse_moe,
+)
 from softmoe.routing.gate import LinearGate
 from softmoe.routing.layer import MoELayer
 from softmoe.routing.losses import importance_loss, load_loss, squared_cv
 from softmoe.routing.registry import ROUTERS, make_router
 from softmoe.routing.sinkhorn import sinkhorn_plan, sinkhorn_potentials
 from softmoe.routing.soft import SoftMoERouter
-from softmoe.routing.sparse_ot import sparse_plan, sparse_plan_columns, sparse_simplex_projection
+from softmoe.routing.sparse_ot import (
+    sparse_plan,
+    sparse_plan_columns,
+    sparse_simplex_projection,
+)
 from softmoe.routing.token_choice import TokenChoiceRouter, token_choice_allocation
 
 __all__ = [

@@ -13,7 +13,13 @@ from torch import nn
 
 from softmoe.experts import MLPExperts
 from softmoe.layer import SoftMoE, check_tokens
-from softmoe.routing.formulation import DenseRouting, Router, SparseRouting, dense_moe, sparse_moe
+from softmoe.routing.formulation import (
+    DenseRouting,
+    Router,
+    SparseRouting,
+    dense_moe,
+    sparse_moe,
+)
 
 
 class MoELayer(nn.Module):
