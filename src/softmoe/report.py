@@ -87,8 +87,9 @@ def write_report(results_dir: str | Path) -> Path:
     parts = [
         "# softmoe reproduction of \"Beyond Parameter Count: Implicit Bias in Soft Mixture of Experts\"",
         "",
-        f"Made {prov['created']} with softmoe {prov['code_version']}, torch {prov['machine']['torch']}, "
-        f"{prov['machine']['threads']} threads on {prov['machine']['processor']}. Every number below is in "
+        f"Assembled {prov['created']} with softmoe {prov['code_version']}, torch {prov['machine']['torch']}, "
+        f"{prov['machine']['threads']} threads on {prov['machine']['processor']}, from the experiments' JSON files "
+        "in this folder (each made by `softmoe reproduce` or the Table 3 benchmark). Every number below is in "
         "`results.json` beside this file.",
         "",
     ]
