@@ -194,7 +194,8 @@ class SoftMoE(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (batch, tokens, dim), mask: optional bool (batch, tokens), True for real tokens -> (batch, tokens, dim).
 
-        Padded tokens get a zero output; a fully padded input gives zeros.
+        Padded tokens get a zero output; a fully padded input gives zeros. Inside ``softmoe.select_experts`` (which
+        sets ``self.selector``) only each input's selected experts are computed, as in :meth:`forward_selected`.
         """
         check_tokens(x, self.dim, mask, self.phi.dtype)
         _, dispatch, combine = self._route_flat(x, mask)
