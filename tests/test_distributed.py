@@ -426,6 +426,99 @@ def test_bad_configurations_raise_on_every_rank(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The recipe trainer (softmoe.trainer.fit) under data parallelism
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def fit_splits():
+    from softmoe.data import ImageDataset, Splits
+
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 3, (56,), generator=g)
+    images = torch.rand(56, 1, 8, 8, generator=g) * 0.5
+    images[:, 0, labels.tolist(), :] += 0.5
+    data = ImageDataset(images.clamp(0, 1), labels, 3, "tiny")
+    return Splits(data.subset(slice(0, 24)), data.subset(slice(24, 40)), data.subset(slice(40, 56)))
+
+
+class _Float64(nn.Module):
+    """A float64 model on float32 images: sharded and whole batches then agree to rounding (1e-16), not 1e-7,
+    which Adam would amplify on gradients that are zero in exact arithmetic (the key bias of attention)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model.double()
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images.double())
+
+
+def fit_factory():
+    from softmoe.models.vit import ViT
+
+    return _Float64(
+        ViT(
+            image_size=8, patch_size=4, in_channels=1, num_classes=3, dim=8, depth=2, heads=2, mlp_dim=8,
+            classifier="gap", moe_blocks=(1,), num_experts=4, expert_hidden=4, dropout=0.0,
+        )
+    )
+
+
+def fit_config():
+    from softmoe.trainer import TrainerConfig
+
+    # Shuffling, crop, flip, mixup, label smoothing and clipping at once (no dropout: its draws depend on the shard).
+    return TrainerConfig(
+        epochs=2, batch_size=8, lr=1e-2, warmup_epochs=0.5, label_smoothing=0.1, mixup_alpha=0.4, crop_padding=1,
+        flip=True, clip_norm=0.5, seed=3,
+    )
+
+
+def _worker_fit(rank: int, world: int, out_dir: Path) -> dict:
+    import softmoe.trainer as trainer
+
+    train_epoch = trainer._train_epoch
+
+    def first_epoch_only(*args, **kwargs):  # an interruption after epoch 1, on every rank
+        if args[6] > 1:
+            raise _Interrupted
+        return train_epoch(*args, **kwargs)
+
+    trainer._train_epoch = first_epoch_only
+    try:
+        trainer.fit(fit_factory, fit_splits(), fit_config(), out_dir / "run", progress=False, dist=DistContext(rank, world))
+    except _Interrupted:
+        pass
+    return {"files": sorted(p.name for p in (out_dir / "run").iterdir()) if rank == 0 else None}
+
+
+def test_fit_two_ranks_match_one_process_and_resume(tmp_path):
+    from softmoe.train import finished_epochs, load_epoch
+    from softmoe.trainer import fit
+
+    results = run_ranks(_worker_fit, tmp_path)
+    assert results[0]["files"] == [
+        "epoch_001.json", "epoch_001.safetensors", "metrics.csv", "optimizer_001.safetensors"
+    ]
+    reference, reference_history = fit(fit_factory, fit_splits(), fit_config(), tmp_path / "reference", progress=False)
+    after_one = load_epoch(fit_factory(), tmp_path / "reference", 1).state_dict()
+    saved = load_tensors(tmp_path / "run" / "epoch_001.safetensors")
+    assert saved.keys() == after_one.keys()
+    for key, value in after_one.items():
+        _close(saved[key], value, 1e-5, f"epoch 1 on two ranks: {key}")
+    two_rank_epoch = finished_epochs(tmp_path / "run")[0]
+    assert two_rank_epoch["train_loss"] == pytest.approx(reference_history[0]["train_loss"], abs=1e-5)
+    assert two_rank_epoch["val_accuracy"] == pytest.approx(reference_history[0]["val_accuracy"])
+    resumed, history = fit(fit_factory, fit_splits(), fit_config(), tmp_path / "run", progress=False)
+    assert len(history) == 2
+    for key, value in reference.state_dict().items():
+        _close(resumed.state_dict()[key], value, 1e-5, f"resumed in one process: {key}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Single-process behaviour (no process group)
 
 

@@ -121,16 +121,16 @@ def _reproduce(args: argparse.Namespace) -> None:
     try:
         if args.experiment in ("all", "mnist"):
             mnist_suite.run_suite(preset, out, dataset=dataset, progress=progress, dist=dist)
+        if args.experiment == "routers":
+            routers.run(preset=args.preset, dataset=args.dataset, out_dir=out, progress=progress, dist=dist)
+        if args.experiment == "vit":
+            vit.run(preset=args.preset, dataset=args.dataset, out_dir=out, progress=progress, dist=dist)
     finally:
         dist.close()
     if not dist.is_main:
         return
-    if args.experiment in ("all", "l2norm"):
+    if args.experiment in ("all", "l2norm"):  # single process, after the group is gone
         l2norm.run(preset=args.preset, out_dir=out, progress=progress)
-    if args.experiment == "routers":
-        routers.run(preset=args.preset, dataset=args.dataset, out_dir=out, progress=progress)
-    if args.experiment == "vit":
-        vit.run(preset=args.preset, dataset=args.dataset, out_dir=out, progress=progress)
     collect_results(out)
     print(f"wrote {write_report(out)} and {out / 'results.json'}")
 

@@ -762,7 +762,12 @@ class DistContext:
         return loss_sum / (global_count / self.world_size)
 
     def reduce(self, **sums: float | int) -> dict[str, float | int]:
-        """:func:`reduce_metrics` on this context's device: ``ctx.reduce(loss=..., seen=...)``."""
+        """:func:`reduce_metrics` on this context's device: ``ctx.reduce(loss=..., seen=...)``.
+
+        The identity for a single-process context, even inside a process group (rank 0 working alone).
+        """
+        if not self.is_distributed:
+            return dict(sums)
         return reduce_metrics(sums, self.device if self.backend == "nccl" else None)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:

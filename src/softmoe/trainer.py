@@ -41,6 +41,14 @@ from softmoe.checkpoint import (
 )
 from softmoe.data import Splits, batches
 from softmoe.data.augment import Augment, mixup
+from softmoe.distributed import (
+    LOCAL,
+    DistContext,
+    full_optimizer_tensors,
+    full_state_dict,
+    load_full_optimizer_tensors,
+    unwrap,
+)
 from softmoe.train import accuracy, epoch_generator, finished_epochs, load_epoch
 
 METRICS = ("epoch", "lr", "train_loss", "val_accuracy", "test_accuracy", "seconds")
@@ -163,26 +171,39 @@ def _stream_seed(seed: int, epoch: int, stream: int) -> int:
 
 
 class _OnDevice(nn.Module):
-    """Evaluation wrapper: moves each batch to ``device`` under the autocast setting, returns CPU float32 logits."""
+    """Evaluation wrapper: moves each batch to ``device`` under the autocast setting, returns float32 logits on
+    ``out_device`` (the CPU by default)."""
 
-    def __init__(self, model: nn.Module, device: torch.device, bf16: bool) -> None:
+    def __init__(
+        self, model: nn.Module, device: torch.device, bf16: bool, out_device: torch.device | str = "cpu"
+    ) -> None:
         super().__init__()
-        self.model, self.device, self.bf16 = model, device, bf16
+        self.model, self.device, self.bf16, self.out_device = model, device, bf16, torch.device(out_device)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         with _autocast(self.device, self.bf16):
-            return self.model(images.to(self.device)).float().cpu()
+            return self.model(images.to(self.device)).float().to(self.out_device)
 
 
 def _autocast(device: torch.device, bf16: bool):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
 
-def evaluate_accuracy(model: nn.Module, data, config: TrainerConfig) -> float:
-    """Top-1 accuracy with the config's device, autocast and eval batch size (``softmoe.train.accuracy``)."""
-    wrapped = _OnDevice(model, torch.device(config.device), config.bf16)
+def evaluate_accuracy(model: nn.Module, data, config: TrainerConfig, dist: DistContext | None = None) -> float:
+    """Top-1 accuracy with the config's device, autocast and eval batch size (``softmoe.train.accuracy``).
+
+    With a distributed ``dist`` every rank scores its part of each eval batch on ``dist.device`` and the counts are
+    summed over ranks (collective: every rank must call it).
+    """
+    dist = dist or LOCAL
+    if not dist.is_distributed:
+        wrapped = _OnDevice(model, torch.device(config.device), config.bf16)
+        wrapped.train(model.training)
+        return accuracy(wrapped, data, config.eval_batch_size)
+    # The bare module: no DDP forward (and its buffer broadcast) for a no-grad pass.
+    wrapped = _OnDevice(unwrap(model), dist.device, config.bf16, dist.device)
     wrapped.train(model.training)
-    return accuracy(wrapped, data, config.eval_batch_size)
+    return accuracy(wrapped, data, config.eval_batch_size, dist=dist)
 
 
 def write_metrics_csv(path: Path, history: list[dict]) -> None:
@@ -225,68 +246,101 @@ def fit(
     run_dir: str | Path,
     progress: bool = True,
     description: str = "train",
+    dist: DistContext | None = None,
 ) -> tuple[nn.Module, list[dict]]:
     """Train (or resume, or just load) a classifier with the recipe; returns the model at its last epoch (in eval
     mode) and every epoch's metrics (epoch, lr, train_loss, val_accuracy, test_accuracy, seconds).
 
     ``model_factory`` builds the untrained model on the CPU; it runs right after ``torch.manual_seed(config.seed)``.
 
+    Under torchrun pass ``dist=softmoe.distributed.setup_distributed()``: ``config.batch_size`` is the global batch
+    (divisible by the number of ranks). Every rank draws the same global batch, augmentation and mixup (the same
+    generators), then trains on its part of it (DDP on ``dist.device``, which replaces ``config.device``), so the
+    update is that of one process on the whole batch. Rank 0 alone reads and writes the run folder, whose files are
+    those of a single process (a run resumes with any world size). Dropout draws differ from a single process.
+
     Raises:
         ValueError: ``run_dir`` already holds epochs trained with a different config.
     """
+    dist = dist or LOCAL
+    distributed = dist.is_distributed
+    dist.local_batch_size(config.batch_size)  # the global batch must split evenly across ranks
     run_dir = Path(run_dir)
-    device = torch.device(config.device)
+    device = dist.device if distributed else torch.device(config.device)
     torch.manual_seed(config.seed)
-    model = model_factory().to(device)
+    model = model_factory()
+    history = dist.broadcast_object(finished_epochs(run_dir) if dist.is_main else None)
+    if history:
+        _check_resumable(run_dir, history, config)  # every rank has the history: all raise together
+        if dist.is_main:
+            load_epoch(model, run_dir, len(history))
+    model = dist.prepare(model) if distributed else model.to(device)  # every rank gets rank 0's weights
     optimizer = torch.optim.AdamW(parameter_groups(model, config.weight_decay), lr=config.lr)
     steps = -(-len(splits.train) // config.batch_size)
     schedule = WarmupCosine(
         config.lr, config.epochs * steps, round(config.warmup_epochs * steps), config.warmup_lr, config.min_lr
     )
-    history = finished_epochs(run_dir)
     if history:
-        _check_resumable(run_dir, history, config)
-        load_epoch(model, run_dir, len(history))
         if len(history) < config.epochs:
-            state = load_tensors(run_dir / f"optimizer_{len(history):03d}.safetensors")
-            load_optimizer_tensors(optimizer, {k: v.to(device) for k, v in state.items()})
+            path = run_dir / f"optimizer_{len(history):03d}.safetensors"
+            if distributed:
+                load_full_optimizer_tensors(model, optimizer, load_tensors(path) if dist.is_main else None, src=0)
+            else:
+                state = load_tensors(path)
+                load_optimizer_tensors(optimizer, {k: v.to(device) for k, v in state.items()})
         schedule.load_state_dict(history[-1]["schedule"])
-        write_metrics_csv(run_dir / "metrics.csv", history)
+        if dist.is_main:
+            write_metrics_csv(run_dir / "metrics.csv", history)
     augment = Augment(config.crop_padding, config.flip)
-    board = _tensorboard_writer(run_dir) if config.tensorboard and len(history) < config.epochs else None
+    board = (
+        _tensorboard_writer(run_dir)
+        if config.tensorboard and len(history) < config.epochs and dist.is_main
+        else None
+    )
     bar = tqdm(
-        total=config.epochs * steps, initial=len(history) * steps, desc=description, disable=not progress, leave=False
+        total=config.epochs * steps,
+        initial=len(history) * steps,
+        desc=description,
+        disable=not progress or not dist.is_main,
+        leave=False,
     )
     try:
         for epoch in range(len(history) + 1, config.epochs + 1):
-            metrics = _train_epoch(model, optimizer, schedule, splits, config, augment, epoch, device, bar)
-            metrics["val_accuracy"] = evaluate_accuracy(model, splits.val, config)
+            metrics = _train_epoch(model, optimizer, schedule, splits, config, augment, epoch, device, bar, dist)
+            metrics["val_accuracy"] = evaluate_accuracy(model, splits.val, config, dist)
             last = epoch == config.epochs
             metrics["test_accuracy"] = (
-                evaluate_accuracy(model, splits.test, config) if config.test_each_epoch or last else None
+                evaluate_accuracy(model, splits.test, config, dist) if config.test_each_epoch or last else None
             )
             metrics["seconds"] = time.perf_counter() - metrics.pop("started")
             bar.set_postfix(loss=f"{metrics['train_loss']:.3f}", val=f"{metrics['val_accuracy']:.4f}")
-            save_tensors(run_dir / f"epoch_{epoch:03d}.safetensors", model.state_dict())
-            save_tensors(run_dir / f"optimizer_{epoch:03d}.safetensors", optimizer_tensors(optimizer))
+            if distributed:
+                weights, optimizer_state = full_state_dict(model), full_optimizer_tensors(model, optimizer)  # collective
+            else:
+                weights, optimizer_state = model.state_dict(), optimizer_tensors(optimizer)
             history.append(metrics)
-            write_metrics_csv(run_dir / "metrics.csv", history)
-            write_json(
-                run_dir / f"epoch_{epoch:03d}.json",
-                {**metrics, "schedule": schedule.state_dict(), "config": config.to_json()},
-            )
-            (run_dir / f"optimizer_{epoch - 1:03d}.safetensors").unlink(missing_ok=True)
-            if not config.keep_all_epochs:
-                (run_dir / f"epoch_{epoch - 1:03d}.safetensors").unlink(missing_ok=True)
-            if board is not None:
-                for name in METRICS[1:]:
-                    if metrics[name] is not None:
-                        board.add_scalar(name, metrics[name], epoch)
-                board.flush()
+            if dist.is_main:
+                save_tensors(run_dir / f"epoch_{epoch:03d}.safetensors", weights)
+                save_tensors(run_dir / f"optimizer_{epoch:03d}.safetensors", optimizer_state)
+                write_metrics_csv(run_dir / "metrics.csv", history)
+                write_json(
+                    run_dir / f"epoch_{epoch:03d}.json",
+                    {**metrics, "schedule": schedule.state_dict(), "config": config.to_json()},
+                )
+                (run_dir / f"optimizer_{epoch - 1:03d}.safetensors").unlink(missing_ok=True)
+                if not config.keep_all_epochs:
+                    (run_dir / f"epoch_{epoch - 1:03d}.safetensors").unlink(missing_ok=True)
+                if board is not None:
+                    for name in METRICS[1:]:
+                        if metrics[name] is not None:
+                            board.add_scalar(name, metrics[name], epoch)
+                    board.flush()
+            dist.barrier()
     finally:
         bar.close()
         if board is not None:
             board.close()
+    model = unwrap(model)
     model.eval()
     return model, [{k: h[k] for k in METRICS if k in h} for h in history]
 
@@ -301,6 +355,7 @@ def _train_epoch(
     epoch: int,
     device: torch.device,
     bar,
+    dist: DistContext = LOCAL,
 ) -> dict:
     started = time.perf_counter()
     torch.manual_seed(_stream_seed(config.seed, epoch, 2))  # dropout and anything else on the global RNG
@@ -308,27 +363,72 @@ def _train_epoch(
     model.train()
     total_loss, seen, rate = 0.0, 0, schedule.rate(schedule.step_count)
     for images, labels in batches(splits.train, config.batch_size, True, epoch_generator(config.seed, epoch)):
-        images, labels = images.to(device), labels.to(device)
-        if augment.enabled:
-            images = augment(images, draws)
-        with _autocast(device, config.bf16):
-            if config.mixup_alpha > 0:
-                images, labels_a, labels_b, lam = mixup(images, labels, config.mixup_alpha, draws)
-                logits = model(images).float()
-                loss = lam * F.cross_entropy(logits, labels_a, label_smoothing=config.label_smoothing) + (
-                    1.0 - lam
-                ) * F.cross_entropy(logits, labels_b, label_smoothing=config.label_smoothing)
-            else:
-                logits = model(images).float()
-                loss = F.cross_entropy(logits, labels, label_smoothing=config.label_smoothing)
+        if dist.is_distributed:
+            loss, loss_sum, count = _distributed_loss(model, images, labels, config, augment, draws, device, dist)
+            total_loss += float(loss_sum.detach())
+        else:
+            images, labels = images.to(device), labels.to(device)
+            if augment.enabled:
+                images = augment(images, draws)
+            with _autocast(device, config.bf16):
+                if config.mixup_alpha > 0:
+                    images, labels_a, labels_b, lam = mixup(images, labels, config.mixup_alpha, draws)
+                    logits = model(images).float()
+                    loss = lam * F.cross_entropy(logits, labels_a, label_smoothing=config.label_smoothing) + (
+                        1.0 - lam
+                    ) * F.cross_entropy(logits, labels_b, label_smoothing=config.label_smoothing)
+                else:
+                    logits = model(images).float()
+                    loss = F.cross_entropy(logits, labels, label_smoothing=config.label_smoothing)
+            count = labels.shape[0]
+            total_loss += float(loss.detach()) * count
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # DDP averages the gradients over the ranks here
         if config.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
         rate = schedule.apply(optimizer)
         optimizer.step()
         schedule.step()
-        total_loss += float(loss.detach()) * labels.shape[0]
-        seen += labels.shape[0]
+        seen += count
         bar.update(1)
+    if dist.is_distributed:
+        totals = dist.reduce(loss=total_loss, seen=seen)
+        total_loss, seen = totals["loss"], totals["seen"]
     return {"epoch": epoch, "lr": rate, "train_loss": total_loss / max(1, seen), "started": started}
+
+
+def _distributed_loss(
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    config: TrainerConfig,
+    augment: Augment,
+    draws: torch.Generator,
+    device: torch.device,
+    dist: DistContext,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(loss to backpropagate, this rank's loss sum, this rank's example count) of one global batch.
+
+    Augmentation and mixup act on the global batch with the shared generator (as in one process), then each rank
+    keeps its part; the loss is the sum over its part scaled by :meth:`DistContext.global_mean`.
+    """
+    global_count = images.shape[0]
+    if augment.enabled:
+        images = augment(images, draws)
+    smoothing = config.label_smoothing
+    if config.mixup_alpha > 0:
+        images, labels_a, labels_b, lam = mixup(images, labels, config.mixup_alpha, draws)
+        images, labels_a, labels_b = dist.shard(images, labels_a, labels_b)
+        with _autocast(device, config.bf16):
+            logits = model(images).float()
+            loss_sum = lam * F.cross_entropy(logits, labels_a, reduction="sum", label_smoothing=smoothing) + (
+                1.0 - lam
+            ) * F.cross_entropy(logits, labels_b, reduction="sum", label_smoothing=smoothing)
+        count = labels_a.shape[0]
+    else:
+        images, labels = dist.shard(images, labels)
+        with _autocast(device, config.bf16):
+            logits = model(images).float()
+            loss_sum = F.cross_entropy(logits, labels, reduction="sum", label_smoothing=smoothing)
+        count = labels.shape[0]
+    return dist.global_mean(loss_sum, global_count), loss_sum, count

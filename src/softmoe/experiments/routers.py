@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from softmoe.checkpoint import write_json
 from softmoe.data import Splits, load_dataset
+from softmoe.distributed import LOCAL, DistContext
 from softmoe.experiments.common import default_vision_dataset, limit_splits, pct
 from softmoe.models.patches import patchify
 from softmoe.routing import ROUTERS, MoELayer, make_router
@@ -252,9 +253,16 @@ def _resolve(preset: RoutersPreset | str, dataset: str | None) -> RoutersPreset:
 
 
 def _train_one(
-    preset: RoutersPreset, splits: Splits, router: str | None, c: int, seed: int, run_dir: Path, progress: bool
-) -> dict:
-    """Train one model (resuming finished epochs in ``run_dir``) and measure it."""
+    preset: RoutersPreset,
+    splits: Splits,
+    router: str | None,
+    c: int,
+    seed: int,
+    run_dir: Path,
+    progress: bool,
+    dist: DistContext = LOCAL,
+) -> dict | None:
+    """Train one model (resuming finished epochs in ``run_dir``) and measure it (rank 0 only: None elsewhere)."""
     image_shape, num_classes = splits.train.image_shape, splits.train.num_classes
 
     def factory() -> RouterClassifier:
@@ -262,8 +270,10 @@ def _train_one(
 
     config = replace(preset.train, seed=seed)
     cpu = time.process_time()
-    model, history = train_classifier(factory, splits, config, run_dir, progress, run_dir.name)
+    model, history = train_classifier(factory, splits, config, run_dir, progress, run_dir.name, dist=dist)
     cpu = time.process_time() - cpu
+    if not dist.is_main:
+        return None
     history = [{k: v for k, v in epoch.items() if k != "config"} for epoch in history]  # resumed epochs carry it
     batch = min(preset.train.batch_size, len(splits.train))
     timing_model = factory()
@@ -300,27 +310,34 @@ def run(
     dataset: str | None = None,
     out_dir: str | Path | None = None,
     progress: bool = True,
-) -> dict:
+    dist: DistContext | None = None,
+) -> dict | None:
     """Train the model with every router at every c (resuming finished epochs in ``out_dir/runs/routers``), measure
     accuracy, training time, step time and token dropping; write ``out_dir/routers.json`` when ``out_dir`` is given.
+
+    Under torchrun pass ``dist=softmoe.distributed.setup_distributed()``: every rank trains data parallel
+    (``softmoe.train.train_classifier``), then rank 0 alone measures and writes; the other ranks return None.
     """
+    dist = dist or LOCAL
     preset = _resolve(preset, dataset)
     previous_threads = torch.get_num_threads()
     if preset.threads is not None:
         torch.set_num_threads(preset.threads)
     try:
-        return _run(preset, out_dir, progress)
+        return _run(preset, out_dir, progress, dist)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _run(preset: RoutersPreset, out_dir: str | Path | None, progress: bool) -> dict:
+def _run(
+    preset: RoutersPreset, out_dir: str | Path | None, progress: bool, dist: DistContext = LOCAL
+) -> dict | None:
     started, started_cpu = time.perf_counter(), time.process_time()
     notice = None
     name = preset.dataset
     if name is None:
         name, notice = default_vision_dataset()
-        if notice:
+        if notice and dist.is_main:
             log.warning(notice)
     splits = limit_splits(load_dataset(name), preset.limit_train, preset.limit_eval, preset.limit_eval)
     seed = preset.train.seed
@@ -332,13 +349,15 @@ def _run(preset: RoutersPreset, out_dir: str | Path | None, progress: bool) -> d
     runs, repeats = {}, {}
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(out_dir) / "runs" / "routers" if out_dir is not None else Path(scratch)
-        for router, c, job_seed in tqdm(jobs, desc="routers", disable=not progress):
+        for router, c, job_seed in tqdm(jobs, desc="routers", disable=not progress or not dist.is_main):
             key = run_key(router, c)
             if job_seed == seed:
-                runs[key] = _train_one(preset, splits, router, c, job_seed, root / key, progress)
+                runs[key] = _train_one(preset, splits, router, c, job_seed, root / key, progress, dist)
             else:
                 key = f"{key}_seed{job_seed}"
-                repeats[key] = _train_one(preset, splits, router, c, job_seed, root / key, progress)
+                repeats[key] = _train_one(preset, splits, router, c, job_seed, root / key, progress, dist)
+    if not dist.is_main:
+        return None
     results = {
         "preset": {**asdict(preset), "train": asdict(preset.train), "model": asdict(preset.model)},
         "data": {

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from softmoe.checkpoint import write_json
 from softmoe.data import Splits, load_dataset
+from softmoe.distributed import LOCAL, DistContext
 from softmoe.experiments.common import (
     default_vision_dataset,
     equal_accuracy_epochs,
@@ -178,7 +179,8 @@ def run(
     dataset: str | None = None,
     out_dir: str | Path | None = None,
     progress: bool = True,
-) -> dict:
+    dist: DistContext | None = None,
+) -> dict | None:
     """Train every (variant, n) (resuming finished epochs), pick equal-accuracy epochs per variant, evaluate
     selection; write ``vit.json`` atomically and return the results.
 
@@ -188,7 +190,10 @@ def run(
         dataset: a dataset spec overriding the preset's (see ``softmoe.data.load_dataset``).
         out_dir: results folder (default ``results/vit`` or ``runs/smoke-vit``); checkpoints go to ``out_dir/vit_runs``.
         progress: tqdm bars (and the fallback notice on stderr).
+        dist: under torchrun, ``softmoe.distributed.setup_distributed()``: every rank trains data parallel
+            (``softmoe.trainer.fit``), then rank 0 alone evaluates and writes; the other ranks return None.
     """
+    dist = dist or LOCAL
     preset = _preset_by_name(preset)
     if out_dir is None:
         out_dir = Path("runs/smoke-vit") if preset.name == "smoke" else Path("results/vit")
@@ -198,14 +203,18 @@ def run(
     if preset.threads is not None:
         torch.set_num_threads(preset.threads)
     try:
-        results = _run(preset, dataset, out_dir, progress, started)
+        results = _run(preset, dataset, out_dir, progress, started, dist)
     finally:
         torch.set_num_threads(threads)
+    if results is None:  # not the main rank
+        return None
     write_json(out_dir / "vit.json", results)
     return results
 
 
-def _run_variant(preset: VitPreset, splits: Splits, moe_residual: bool, folder: Path, progress: bool) -> dict:
+def _run_variant(
+    preset: VitPreset, splits: Splits, moe_residual: bool, folder: Path, progress: bool, dist: DistContext = LOCAL
+) -> dict | None:
     image_shape, num_classes = splits.train.image_shape, splits.train.num_classes
     name = VARIANTS[moe_residual]
 
@@ -214,11 +223,15 @@ def _run_variant(preset: VitPreset, splits: Splits, moe_residual: bool, folder: 
 
     histories, train_seconds = {}, {}
     started = time.perf_counter()
-    for n in tqdm(preset.experts, desc=f"vit {name}", disable=not progress):
+    for n in tqdm(preset.experts, desc=f"vit {name}", disable=not progress or not dist.is_main):
         (_, history), seconds = _timed(
-            lambda: fit(factory(n), splits, preset.trainer, folder / f"n{n:03d}", progress, f"{name} n={n}")
+            lambda: fit(
+                factory(n), splits, preset.trainer, folder / f"n{n:03d}", progress, f"{name} n={n}", dist=dist
+            )
         )
         histories[n], train_seconds[n] = history, seconds
+    if not dist.is_main:
+        return None
     target, chosen = equal_accuracy_epochs(histories)
     trained = time.perf_counter()
     models = {}
@@ -248,15 +261,21 @@ def _run_variant(preset: VitPreset, splits: Splits, moe_residual: bool, folder: 
     }
 
 
-def _run(preset: VitPreset, dataset: str | None, out_dir: Path, progress: bool, started: float) -> dict:
-    splits, spec, notice = load_splits(preset, dataset, progress)
+def _run(
+    preset: VitPreset, dataset: str | None, out_dir: Path, progress: bool, started: float, dist: DistContext = LOCAL
+) -> dict | None:
+    splits, spec, notice = load_splits(preset, dataset, progress and dist.is_main)
     if spec != preset.dataset:
         preset = replace(preset, dataset=spec)
     image_shape = splits.train.image_shape
     variants = {
-        VARIANTS[residual]: _run_variant(preset, splits, residual, out_dir / "vit_runs" / VARIANTS[residual], progress)
+        VARIANTS[residual]: _run_variant(
+            preset, splits, residual, out_dir / "vit_runs" / VARIANTS[residual], progress, dist
+        )
         for residual in preset.moe_residuals
     }
+    if not dist.is_main:
+        return None
     return {
         "preset": {**asdict(preset), "trainer": preset.trainer.to_json()},
         "data": {
