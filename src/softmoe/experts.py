@@ -130,13 +130,21 @@ class MLPExperts(nn.Module):
         batch, tokens, dim = x.shape
         n, hidden = self.num_experts, self.hidden
         projected = (x @ self.weight1.transpose(0, 1).reshape(dim, n * hidden)).view(batch, tokens, n, hidden)
-        h = torch.einsum("bmnp,bmnh->bnph", dispatch.to(x.dtype), projected)
+        dispatch, combine = dispatch.to(x.dtype), combine.to(x.dtype)
+        if dispatch.shape[-1] == 1:  # one slot per expert: plain broadcasts beat einsum's many tiny matmuls
+            h = (dispatch * projected).sum(dim=1).unsqueeze(2)
+        else:
+            h = torch.einsum("bmnp,bmnh->bnph", dispatch, projected)
         if self.bias1 is not None:
             h = h + self.bias1.unsqueeze(1)
-        mixed = torch.einsum("bmnp,bnph->bmnh", combine.to(x.dtype), self.act(h))
+        activated = self.act(h)
+        if combine.shape[-1] == 1:
+            mixed = combine * activated.squeeze(2).unsqueeze(1)
+        else:
+            mixed = torch.einsum("bmnp,bnph->bmnh", combine, activated)
         out = mixed.reshape(batch, tokens, n * hidden) @ self.weight2.reshape(n * hidden, dim)
         if self.bias2 is not None:
-            out = out + combine.to(x.dtype).sum(-1) @ self.bias2
+            out = out + combine.sum(-1) @ self.bias2
         return out
 
     def run_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
