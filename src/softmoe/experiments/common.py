@@ -27,6 +27,15 @@ def default_vision_dataset() -> tuple[str, str | None]:
     return FALLBACK_DATASET, notice
 
 
+def pick_preset(presets: dict, preset):
+    """``presets[preset]`` for a name, the preset itself otherwise; a ValueError listing the names if unknown."""
+    if not isinstance(preset, str):
+        return preset
+    if preset not in presets:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(presets)}")
+    return presets[preset]
+
+
 def limit_splits(splits: Splits, train: int | None = None, val: int | None = None, test: int | None = None) -> Splits:
     """The first ``train`` / ``val`` / ``test`` examples of each split (None keeps a split whole)."""
 

@@ -21,6 +21,7 @@ from softmoe.experiments.common import (
     model_table,
     num,
     pct,
+    pick_preset,
     selection_sweep,
 )
 from softmoe.models import SoftMoEClassifier
@@ -106,10 +107,7 @@ def run_suite(
     batch; rank 0 alone evaluates and writes, and the other ranks return None.
     """
     dist = dist or LOCAL
-    if isinstance(preset, str):
-        if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-        preset = PRESETS[preset]
+    preset = pick_preset(PRESETS, preset)
     if dataset is not None:
         preset = replace(preset, dataset=dataset)
     out_dir = Path(out_dir)

@@ -26,7 +26,12 @@ from tqdm.auto import tqdm
 from softmoe.checkpoint import write_json
 from softmoe.data import Splits, load_dataset
 from softmoe.distributed import LOCAL, DistContext
-from softmoe.experiments.common import default_vision_dataset, limit_splits, pct
+from softmoe.experiments.common import (
+    default_vision_dataset,
+    limit_splits,
+    pct,
+    pick_preset,
+)
 from softmoe.models.patches import patchify
 from softmoe.routing import ROUTERS, MoELayer, make_router
 from softmoe.train import TrainConfig, train_classifier
@@ -245,10 +250,7 @@ def step_milliseconds(model: nn.Module, images: torch.Tensor, labels: torch.Tens
 
 
 def _resolve(preset: RoutersPreset | str, dataset: str | None) -> RoutersPreset:
-    if isinstance(preset, str):
-        if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-        preset = PRESETS[preset]
+    preset = pick_preset(PRESETS, preset)
     return preset if dataset is None else replace(preset, dataset=dataset)
 
 

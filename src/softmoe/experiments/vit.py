@@ -34,6 +34,7 @@ from softmoe.experiments.common import (
     model_table,
     num,
     pct,
+    pick_preset,
     selection_sweep,
 )
 from softmoe.models.vit import ViT, count_parameters, second_half
@@ -166,14 +167,6 @@ def evaluate_selection(model: ViT, splits: Splits, preset: VitPreset) -> dict:
     )
 
 
-def _preset_by_name(preset: VitPreset | str) -> VitPreset:
-    if isinstance(preset, VitPreset):
-        return preset
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[preset]
-
-
 def run(
     preset: VitPreset | str = "default",
     dataset: str | None = None,
@@ -194,7 +187,7 @@ def run(
             (``softmoe.trainer.fit``), then rank 0 alone evaluates and writes; the other ranks return None.
     """
     dist = dist or LOCAL
-    preset = _preset_by_name(preset)
+    preset = pick_preset(PRESETS, preset)
     if out_dir is None:
         out_dir = Path("runs/smoke-vit") if preset.name == "smoke" else Path("results/vit")
     out_dir = Path(out_dir)
