@@ -9,6 +9,7 @@ import torch
 from reference import ref_activation
 from torch import nn
 
+import softmoe.experts as experts_module
 from softmoe import MLPExperts, StackedExperts
 
 F64 = torch.float64
@@ -120,6 +121,64 @@ def test_mlp_run_grouped_gradients():
         assert experts.weight1.grad[j].abs().sum() > 0
         assert experts.weight2.grad[j].abs().sum() > 0
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+@pytest.fixture
+def large_experts_on_two_threads(monkeypatch):
+    """Every expert counts as large (the fast single-expert kernels of MLPExperts.run_one apply) on 2 threads."""
+    monkeypatch.setattr(experts_module, "LARGE_EXPERT", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def kernels_called(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {event.key for event in prof.key_averages()}
+
+
+@pytest.mark.parametrize("hidden", [16, 7])  # 16: 8 hidden blocks on 2 threads; 7: not divisible, one block
+@pytest.mark.parametrize("bias", [True, False])
+def test_mlp_run_one_hidden_blocks_exact_with_gradients(large_experts_on_two_threads, hidden, bias):
+    experts = make_mlp(hidden=hidden, bias=bias)
+    x = torch.randn(3, 5, dtype=F64, requires_grad=True)
+    assert "mkldnn::_linear_pointwise" not in kernels_called(lambda: experts.run_one(x, 2))  # float64, gradients
+    out = experts.run_one(x, 2)
+    assert (out - ref_expert(experts, 2, x.detach())).abs().max().item() < 1e-12
+    out.square().sum().backward()
+    grads = {"x": x.grad.clone()} | {name: p.grad[2].clone() for name, p in experts.named_parameters()}
+    x.grad = None
+    ref = {name: p[2].detach().clone().requires_grad_() for name, p in experts.named_parameters()}
+    h = x @ ref["weight1"] + (ref["bias1"] if bias else 0)
+    y = ref_activation(experts.activation, h) @ ref["weight2"] + (ref["bias2"] if bias else 0)
+    y.square().sum().backward()
+    expected = {"x": x.grad} | {name: t.grad for name, t in ref.items()}
+    assert grads.keys() == expected.keys()
+    for name, want in expected.items():
+        assert (grads[name] - want).abs().max().item() < 1e-10, name
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_mlp_run_one_onednn_inference_kernel(large_experts_on_two_threads, activation, bias):
+    torch.manual_seed(0)
+    experts = MLPExperts(3, 12, 40, activation, bias)
+    x = torch.randn(experts_module.ONEDNN_MIN_ROWS + 2, 12)
+    with torch.no_grad():
+        assert "mkldnn::_linear_pointwise" in kernels_called(lambda: experts.run_one(x, 1))
+        out = experts.run_one(x, 1)
+    want = ref_expert(experts.double(), 1, x.double())
+    assert (out.double() - want).abs().max().item() < 1e-5
+    experts.float()
+    few = x[: experts_module.ONEDNN_MIN_ROWS - 1]
+    with torch.no_grad():
+        assert "mkldnn::_linear_pointwise" not in kernels_called(lambda: experts.run_one(few, 1))
+    # with gradients needed, the differentiable kernels run and the gradient reaches the weights
+    assert "mkldnn::_linear_pointwise" not in kernels_called(lambda: experts.run_one(x, 1).sum().backward())
+    assert experts.weight1.grad[1].abs().sum() > 0 and experts.weight1.grad[0].abs().sum() == 0
 
 
 @pytest.mark.parametrize("kind", ["mlp", "stacked"])

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import softmoe.experts as experts_module
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.selection import (
     Selector,
@@ -387,7 +388,7 @@ def test_unselected_experts_do_not_run_mlp(p, entry, monkeypatch):
     original_act = layer.experts.act
 
     def act(h):
-        act_rows.append(h.shape[0])
+        act_rows.append(h.shape[-2])  # h: (hidden blocks, rows, hidden / blocks)
         return original_act(h)
 
     monkeypatch.setattr(layer.experts, "act", act)
@@ -879,3 +880,23 @@ def test_gradients_reach_phi_and_only_selected_experts(custom, renormalize):
     for key in fast:
         torch.testing.assert_close(fast[key], ref[key], atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(ctx[key], ref[key], atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("k", [2, 6])
+@pytest.mark.parametrize("batch", [1, 12])  # one row per expert (hidden blocks) and several (oneDNN in inference)
+def test_fast_path_with_large_expert_kernels_equals_masked_reference(k, batch, monkeypatch):
+    """The kernels MLPExperts.run_one uses for large experts on several CPU threads keep Algorithm 1 exact."""
+    monkeypatch.setattr(experts_module, "LARGE_EXPERT", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        layer = SoftMoE(12, 8, expert_hidden=32, activation="gelu_tanh").eval()
+        x = torch.randn(batch, 10, 12)
+        with torch.no_grad():
+            selected = top_k_by_combine(layer.route(x).combine, k)
+            fast = layer.forward_selected(x, selected)
+            ref = masked_reference_forward(layer, x, selected)
+    finally:
+        torch.set_num_threads(threads)
+    assert (fast - ref).abs().max().item() < 1e-5

@@ -19,6 +19,7 @@ import math
 from typing import NamedTuple, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from softmoe.experts import MLPExperts, StackedExperts
@@ -39,6 +40,25 @@ class Routing(NamedTuple):
 def l2_normalize(t: torch.Tensor, dim: int) -> torch.Tensor:
     """``t * rsqrt(sum(t^2) + 1e-6)`` over ``dim``: the authors' normalization (the epsilon is inside the rsqrt)."""
     return t * torch.rsqrt(t.square().sum(dim=dim, keepdim=True) + NORM_EPS)
+
+
+def soft_moe_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Logits X phi of x (batch, tokens, dim) and phi (dim, slots) -> (batch, tokens, slots), float32 or wider.
+
+    ``scale=None`` is equation (1) as written; with the learnable scalar ``scale`` the tokens and the columns of phi
+    are L2-normalized first (:func:`l2_normalize`) and the logits multiplied by ``scale``. Computed outside autocast.
+    The tokens' normalization is applied to the product, ``(x / |x|) phi = (x phi) / |x|``, which saves writing a
+    normalized copy of the tokens; phi enters as a (slots, dim) row-major matrix, the faster CPU operand layout.
+    """
+    dtype = torch.promote_types(torch.promote_types(x.dtype, phi.dtype), torch.float32)
+    with torch.autocast(device_type=autocast_device(x), enabled=False):
+        tokens, phi = x.to(dtype), phi.to(dtype)
+        if scale is not None:
+            phi = l2_normalize(phi, dim=0) * scale.to(dtype)
+        logits = F.linear(tokens, phi.t().contiguous())
+        if scale is None:
+            return logits
+        return logits * torch.rsqrt(tokens.square().sum(dim=-1, keepdim=True) + NORM_EPS)
 
 
 def autocast_device(x: torch.Tensor) -> str:
@@ -174,22 +194,15 @@ class SoftMoE(nn.Module):
         self, x: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Routing tensors with the slots flattened: each (batch, tokens, n*p), float32."""
-        dtype = torch.promote_types(torch.promote_types(x.dtype, self.phi.dtype), torch.float32)
-        with torch.autocast(device_type=autocast_device(x), enabled=False):
-            tokens = x.to(dtype)
-            phi = self.phi.to(dtype).reshape(self.dim, self.num_slots)
-            if self.normalize:
-                tokens = l2_normalize(tokens, dim=-1)
-                phi = l2_normalize(phi, dim=0) * self.scale.to(dtype)
-            logits = tokens @ phi
-            if mask is None:
-                return logits, logits.softmax(dim=1), logits.softmax(dim=-1)
-            keep = mask.unsqueeze(-1)
-            # A finite fill keeps a fully padded input finite (uniform softmax), then the mask zeroes it.
-            filled = logits.masked_fill(~keep, torch.finfo(logits.dtype).min)
-            dispatch = filled.softmax(dim=1) * keep
-            combine = logits.softmax(dim=-1) * keep
-            return logits, dispatch, combine
+        logits = soft_moe_logits(x, self.phi.reshape(self.dim, self.num_slots), self.scale)
+        if mask is None:
+            return logits, logits.softmax(dim=1), logits.softmax(dim=-1)
+        keep = mask.unsqueeze(-1)
+        # A finite fill keeps a fully padded input finite (uniform softmax), then the mask zeroes it.
+        filled = logits.masked_fill(~keep, torch.finfo(logits.dtype).min)
+        dispatch = filled.softmax(dim=1) * keep
+        combine = logits.softmax(dim=-1) * keep
+        return logits, dispatch, combine
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (batch, tokens, dim), mask: optional bool (batch, tokens), True for real tokens -> (batch, tokens, dim).

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from softmoe.layer import SoftMoE, l2_normalize
+from softmoe.layer import SoftMoE, soft_moe_logits
 from softmoe.routing.formulation import DenseRouting, Router
 
 
@@ -54,14 +54,7 @@ class SoftMoERouter(Router):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x (G, T, d) -> Z (G, T, E*C) in float32 or wider."""
-        dtype = torch.promote_types(torch.promote_types(x.dtype, self.phi.dtype), torch.float32)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            tokens = x.to(dtype)
-            phi = self.phi.to(dtype).reshape(self.dim, -1)
-            if self.normalize:
-                tokens = l2_normalize(tokens, dim=-1)
-                phi = l2_normalize(phi, dim=0) * self.scale.to(dtype)
-            return tokens @ phi
+        return soft_moe_logits(x, self.phi.reshape(self.dim, -1), self.scale)
 
     def forward(self, x: torch.Tensor) -> DenseRouting:
         z = self.logits(x)
