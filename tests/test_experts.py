@@ -133,17 +133,23 @@ def large_experts_on_two_threads(monkeypatch):
     torch.set_num_threads(threads)
 
 
+def test_row_block_matmul_sums_blocks_exactly():
+    x, w = torch.randn(3, 12, dtype=F64), torch.randn(12, 5, dtype=F64)
+    for blocks in (1, 2, 3, 4, 5):  # 5 does not divide 12: plain matmul
+        assert (experts_module.row_block_matmul(x, w, blocks) - x @ w).abs().max().item() < 1e-12
+
+
 def kernels_called(fn) -> set[str]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
     return {event.key for event in prof.key_averages()}
 
 
-@pytest.mark.parametrize("hidden", [16, 7])  # 16: 8 hidden blocks on 2 threads; 7: not divisible, one block
+@pytest.mark.parametrize("dim, hidden", [(6, 16), (5, 7)])  # both weights in 2 row blocks; neither divisible
 @pytest.mark.parametrize("bias", [True, False])
-def test_mlp_run_one_hidden_blocks_exact_with_gradients(large_experts_on_two_threads, hidden, bias):
-    experts = make_mlp(hidden=hidden, bias=bias)
-    x = torch.randn(3, 5, dtype=F64, requires_grad=True)
+def test_mlp_run_one_row_blocks_exact_with_gradients(large_experts_on_two_threads, dim, hidden, bias):
+    experts = make_mlp(dim=dim, hidden=hidden, bias=bias)
+    x = torch.randn(3, dim, dtype=F64, requires_grad=True)
     assert "mkldnn::_linear_pointwise" not in kernels_called(lambda: experts.run_one(x, 2))  # float64, gradients
     out = experts.run_one(x, 2)
     assert (out - ref_expert(experts, 2, x.detach())).abs().max().item() < 1e-12

@@ -388,7 +388,7 @@ def test_unselected_experts_do_not_run_mlp(p, entry, monkeypatch):
     original_act = layer.experts.act
 
     def act(h):
-        act_rows.append(h.shape[-2])  # h: (hidden blocks, rows, hidden / blocks)
+        act_rows.append(h.shape[0])
         return original_act(h)
 
     monkeypatch.setattr(layer.experts, "act", act)
@@ -883,7 +883,7 @@ def test_gradients_reach_phi_and_only_selected_experts(custom, renormalize):
 
 
 @pytest.mark.parametrize("k", [2, 6])
-@pytest.mark.parametrize("batch", [1, 12])  # one row per expert (hidden blocks) and several (oneDNN in inference)
+@pytest.mark.parametrize("batch", [1, 12])  # one row per expert (row blocks) and several (oneDNN in inference)
 def test_fast_path_with_large_expert_kernels_equals_masked_reference(k, batch, monkeypatch):
     """The kernels MLPExperts.run_one uses for large experts on several CPU threads keep Algorithm 1 exact."""
     monkeypatch.setattr(experts_module, "LARGE_EXPERT", 1)
