@@ -48,7 +48,7 @@ def soft_moe_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor | No
     ``scale=None`` is equation (1) as written; with the learnable scalar ``scale`` the tokens and the columns of phi
     are L2-normalized first (:func:`l2_normalize`) and the logits multiplied by ``scale``. Computed outside autocast.
     The tokens' normalization is applied to the product, ``(x / |x|) phi = (x phi) / |x|``, which saves writing a
-    normalized copy of the tokens; phi enters as a (slots, dim) row-major matrix, the faster CPU operand layout.
+    normalized copy (or squares) of the tokens; phi enters as a (slots, dim) row-major matrix, the faster CPU operand layout.
     """
     dtype = torch.promote_types(torch.promote_types(x.dtype, phi.dtype), torch.float32)
     with torch.autocast(device_type=autocast_device(x), enabled=False):
@@ -58,7 +58,8 @@ def soft_moe_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor | No
         logits = F.linear(tokens, phi.t().contiguous())
         if scale is None:
             return logits
-        return logits * torch.rsqrt(tokens.square().sum(dim=-1, keepdim=True) + NORM_EPS)
+        norm = torch.linalg.vector_norm(tokens, dim=-1, keepdim=True)
+        return logits * torch.rsqrt(norm.square() + NORM_EPS)
 
 
 def autocast_device(x: torch.Tensor) -> str:
