@@ -13,3 +13,10 @@ def ref_activation(name: str, t: torch.Tensor) -> torch.Tensor:
     if name == "relu":
         return torch.where(t > 0, t, torch.zeros_like(t))
     raise AssertionError(name)
+
+
+def kernels_called(fn) -> set[str]:
+    """The names of the operators that ``fn()`` ran (torch profiler), e.g. "mkldnn::_linear_pointwise"."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {event.key for event in prof.key_averages()}

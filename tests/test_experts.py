@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from reference import ref_activation
+from reference import kernels_called, ref_activation
 from torch import nn
 
 import softmoe.experts as experts_module
@@ -139,12 +139,6 @@ def test_row_block_matmul_sums_blocks_exactly():
         assert (experts_module.row_block_matmul(x, w, blocks) - x @ w).abs().max().item() < 1e-12
 
 
-def kernels_called(fn) -> set[str]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return {event.key for event in prof.key_averages()}
-
-
 @pytest.mark.parametrize("dim, hidden", [(6, 16), (5, 7)])  # both weights in 2 row blocks; neither divisible
 @pytest.mark.parametrize("bias", [True, False])
 def test_mlp_run_one_row_blocks_exact_with_gradients(large_experts_on_two_threads, dim, hidden, bias):
@@ -166,7 +160,6 @@ def test_mlp_run_one_row_blocks_exact_with_gradients(large_experts_on_two_thread
         assert (grads[name] - want).abs().max().item() < 1e-10, name
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_mlp_run_one_onednn_inference_kernel(large_experts_on_two_threads, activation, bias):

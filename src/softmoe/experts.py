@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from softmoe.kernels import onednn_applies, onednn_linear
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
@@ -59,7 +61,6 @@ def check_groups(x: torch.Tensor, counts: torch.Tensor, num_experts: int) -> Non
 # (activation fused) for inference on >= ONEDNN_MIN_ROWS float32 rows, else row blocks (see MLPExperts.run_one).
 LARGE_EXPERT = 1 << 20
 ONEDNN_MIN_ROWS = 4
-ONEDNN_ACTIVATIONS = {"gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
 
 
 def row_block_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
@@ -188,8 +189,7 @@ class MLPExperts(nn.Module):
         reference machine's 2 cores. So a large expert on CPU takes one of two faster kernels, chosen per call:
 
         - inference (no gradient needed) on at least ONEDNN_MIN_ROWS float32 rows: oneDNN's linear with bias and
-          activation fused (``torch.ops.mkldnn._linear_pointwise``, the kernel torch.compile's CPU inference
-          uses), 1.5-2x MKL's FLOP rate at 8-100 rows; it has no backward, hence the inference-only condition;
+          activation fused (:mod:`softmoe.kernels`), 1.5-2x MKL's FLOP rate at 8-100 rows;
         - otherwise each weight is cut into one block of rows per thread (:func:`row_block_matmul`): every thread
           streams its own contiguous part, 1.2-1.5x faster (one row: 28-35 GB/s).
 
@@ -198,13 +198,9 @@ class MLPExperts(nn.Module):
         large = x.device.type == "cpu" and self.dim * self.hidden >= LARGE_EXPERT
         bias1 = None if self.bias1 is None else self.bias1[expert]
         bias2 = None if self.bias2 is None else self.bias2[expert]
-        inference = not (torch.is_grad_enabled() and (x.requires_grad or self.weight1.requires_grad))
-        float32 = x.dtype == self.weight1.dtype == torch.float32
-        if large and inference and float32 and x.shape[0] >= ONEDNN_MIN_ROWS and torch.backends.mkldnn.is_available():
-            linear = torch.ops.mkldnn._linear_pointwise
-            attr, algorithm = ONEDNN_ACTIVATIONS[self.activation]
-            h = linear(x, self.weight1[expert].t(), bias1, attr, [], algorithm)
-            return linear(h, self.weight2[expert].t(), bias2, "none", [], "")
+        if large and x.shape[0] >= ONEDNN_MIN_ROWS and onednn_applies(x, self.weight1):
+            h = onednn_linear(x, self.weight1[expert], bias1, self.activation)
+            return onednn_linear(h, self.weight2[expert], bias2)
         blocks = torch.get_num_threads() if large else 1
         h = row_block_matmul(x, self.weight1[expert], blocks)
         if bias1 is not None:
