@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="default",
         choices=("default", "paper", "smoke"),
         help="default: the paper's recipe and n = 2..512 on the embedded MNIST digits (about 2.5 minutes on 2 "
-        "cores; Fashion-MNIST about 14); paper: the same with the paper's 500-epoch L2-norm run and a larger oracle cap; smoke: a one-minute check",
+        "cores; Fashion-MNIST about 14); paper: the same with the paper's 500-epoch L2-norm run and a larger "
+        "oracle cap; smoke: a one-minute check",
     )
     reproduce.add_argument(
         "--dataset",
