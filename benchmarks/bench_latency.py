@@ -5,7 +5,8 @@ timed both as the plain forward (all experts in batched matmuls) and through the
 expert kept (one call per expert, the kernels of ``MLPExperts.run_one``); the faster of the two is the baseline
 of the speed-ups, so they measure skipped work, not a kernel difference. All configurations are timed
 round-robin in the same run after warm-up; the table gives the median and std in ms, the speed-up over k = n,
-and the time as a multiple of the roofline of the kept work (see ``softmoe.experiments.latency.work``) with peak FLOP/s and bandwidth measured in this run.
+and the time as a multiple of the roofline of the kept work (see ``softmoe.experiments.latency.work``) with peak
+FLOP/s and bandwidth measured in this run.
 
     python benchmarks/bench_latency.py                 # paper-size experts (9 GB of fp32 weights), a few minutes
     python benchmarks/bench_latency.py --preset small  # hidden 768 * 8, about a minute

@@ -141,8 +141,8 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         full = entries[str(EXPERTS)]
         if "batched_ms" in full:
             lines.append(
-                f"- k = n at batch {batch}: the plain forward (experts in batched matmuls) took {full['batched_ms']:.1f} "
-                f"ms, every expert through the selection path (one call per expert) {full['grouped_ms']:.1f} ms; the "
+                f"- k = n at batch {batch}: the plain forward (experts in batched matmuls) took "
+                f"{full['batched_ms']:.1f} ms, every expert through the selection path (one call per expert) {full['grouped_ms']:.1f} ms; the "
                 "faster of the two is the baseline of the speed-ups."
             )
     lines += ["", f"![speed-up against k]({Path(plots['speedup']).name})", ""]
