@@ -1,0 +1,355 @@
+/* Batched float32 matmuls for experts that see few rows each (softmoe.native builds and loads this file).
+ *
+ * With E experts, each with its own weight, and M rows per expert:
+ *
+ *   expert_matmul     out[e] = x[e] @ w[e] (+ bias[e])   x (E, M, K), w (E, K, N), bias (E, N), out (E, M, N)
+ *   expert_matmul_nt  out[e] = g[e] @ w[e]^T             g (E, M, N), w (E, K, N),            out (E, M, K)
+ *   expert_matmul_tn  out[e] = xt[e]^T @ g[e]            xt (E, M, K), g (E, M, N),           out (E, K, N)
+ *
+ * All tensors are contiguous, row-major. With few rows (M around 8) these products read every weight once and do
+ * only 2*M FLOPs per weight: they are bound by memory bandwidth, which BLAS libraries tuned for large products do
+ * not reach here (MKL reads the weights at about 12 GB/s on the reference 2-core machine, which can copy at 32).
+ * The kernels below keep the whole (rows x 48 columns) output tile in registers, walk the weight in panels of
+ * PANEL rows and prefetch the next panel linearly while computing on the current one, so the memory system streams
+ * while the FMA units work. The weight gradient is written with non-temporal stores where rows are 64-byte aligned
+ * (no read of the destination before it is overwritten). Threads: OpenMP, work split over (expert, column range)
+ * items, as many threads as torch uses. Built with -fopenmp, the library binds to the libgomp.so.1 that torch has
+ * already loaded, so both share one thread pool (a second pool would compete with torch's spinning threads).
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stddef.h>
+#if defined(__AVX512F__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define LANES 16
+#define MAX_ROWS 8
+#elif defined(__AVX__)
+#define LANES 8
+#define MAX_ROWS 4
+#else
+#define LANES 4
+#define MAX_ROWS 4
+#endif
+
+typedef float vec __attribute__((vector_size(LANES * 4), aligned(4)));
+
+#define TILE_VECS 3                     /* output tile width in vectors */
+#define TILE_COLS (TILE_VECS * LANES)
+#define PANEL 32                        /* weight rows per panel */
+#define LINE 64
+
+static inline vec load(const float *p) { return *(const vec *)p; }
+static inline void store(float *p, vec v) { *(vec *)p = v; }
+
+static inline void store_stream(float *p, vec v)
+{
+#if defined(__AVX512F__)
+    _mm512_stream_ps(p, (__m512)v);
+#elif defined(__AVX__)
+    _mm256_stream_ps(p, (__m256)v);
+#else
+    store(p, v);
+#endif
+}
+
+static inline void stream_fence(void)
+{
+#if defined(__AVX512F__) || defined(__AVX__)
+    _mm_sfence();
+#endif
+}
+
+/* ---- work splitting -------------------------------------------------------------------------------------- */
+
+typedef struct job job_t;
+typedef void (*item_fn)(const job_t *, long expert, long begin, long end);
+
+struct job {
+    const float *a, *b, *bias;
+    float *out;
+    long M, K, N;
+    long units, splits;  /* units (tiles or rows) per expert, split into `splits` ranges */
+    int stream;          /* non-temporal stores allowed */
+    item_fn fn;
+};
+
+static void run_items(const job_t *j, long first, long last)
+{
+    for (long item = first; item < last; item++) {
+        long e = item / j->splits, s = item % j->splits;
+        long begin = j->units * s / j->splits, end = j->units * (s + 1) / j->splits;
+        if (begin < end) j->fn(j, e, begin, end);
+    }
+}
+
+/* Items are (expert, range of units); with fewer experts than threads each expert's units are split. */
+static void run_parallel(job_t job, long experts, int threads)
+{
+    if (threads < 1) threads = 1;
+    job.splits = experts >= threads ? 1 : (threads + experts - 1) / experts;
+    if (job.splits > job.units) job.splits = job.units > 0 ? job.units : 1;
+    const long items = experts * job.splits;
+    if (threads > items) threads = (int)items;
+#pragma omp parallel num_threads(threads)
+    {
+        const long t = omp_get_thread_num(), count = omp_get_num_threads();
+        run_items(&job, items * t / count, items * (t + 1) / count);
+    }
+}
+
+/* ---- out = x @ w (+ bias) ---------------------------------------------------------------------------------- */
+
+/* out[R, V*LANES] += x[R, kn] @ w[kn, V*LANES]; also prefetches the same rows of `ahead` (a tile further down w). */
+static inline __attribute__((always_inline)) void nn_tile(const float *x, long ldx, const float *w, long ldw,
+                                                         float *out, long ldo, long kn, const int R, const int V,
+                                                         const char *ahead)
+{
+    vec acc[MAX_ROWS][TILE_VECS];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) acc[r][v] = load(out + r * ldo + v * LANES);
+    for (long k = 0; k < kn; k++) {
+        const float *wk = w + k * ldw;
+        if (ahead)
+            for (int q = 0; q < V * LANES * 4; q += LINE) __builtin_prefetch(ahead + k * ldw * 4 + q, 0, 2);
+        vec wv[TILE_VECS];
+        for (int v = 0; v < V; v++) wv[v] = load(wk + v * LANES);
+        for (int r = 0; r < R; r++) {
+            float s = x[r * ldx + k];
+            for (int v = 0; v < V; v++) acc[r][v] += s * wv[v];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) store(out + r * ldo + v * LANES, acc[r][v]);
+}
+
+#define ROW_CASES(call)          \
+    switch (R) {                 \
+    case 1: call(1); break;      \
+    case 2: call(2); break;      \
+    case 3: call(3); break;      \
+    case 4: call(4); break;      \
+    ROW_CASES_WIDE(call)         \
+    }
+#if MAX_ROWS == 8
+#define ROW_CASES_WIDE(call) \
+    case 5: call(5); break;  \
+    case 6: call(6); break;  \
+    case 7: call(7); break;  \
+    case 8: call(8); break;
+#else
+#define ROW_CASES_WIDE(call)
+#endif
+
+static void nn_tile_any(const float *x, long ldx, const float *w, long ldw, float *out, long ldo, long kn, int R,
+                        int V, const char *ahead)
+{
+#define NN_WIDE(r) nn_tile(x, ldx, w, ldw, out, ldo, kn, r, TILE_VECS, ahead)
+#define NN_ONE(r) nn_tile(x, ldx, w, ldw, out, ldo, kn, r, 1, ahead)
+    if (V == TILE_VECS) {
+        ROW_CASES(NN_WIDE)
+    } else {
+        ROW_CASES(NN_ONE)
+    }
+#undef NN_WIDE
+#undef NN_ONE
+}
+
+/* One expert, output column tiles [begin, end) (the last tile may be narrower). */
+static void nn_item(const job_t *j, long e, long begin, long end)
+{
+    const long M = j->M, K = j->K, N = j->N;
+    const float *x = j->a + e * M * K, *w = j->b + e * K * N;
+    const float *bias = j->bias ? j->bias + e * N : NULL;
+    float *out = j->out + e * M * N;
+    const long c0 = begin * TILE_COLS, c1 = end * TILE_COLS < N ? end * TILE_COLS : N;
+    const long vec_end = c0 + (c1 - c0) / LANES * LANES;
+    for (long r = 0; r < M; r++)
+        for (long c = c0; c < c1; c++) out[r * N + c] = bias ? bias[c] : 0.0f;
+    for (long k0 = 0; k0 < K; k0 += PANEL) {
+        const long kn = K - k0 < PANEL ? K - k0 : PANEL;
+        for (long c = c0; c < vec_end;) {
+            const int V = vec_end - c >= TILE_COLS ? TILE_VECS : 1;
+            /* While a tile runs over this panel, the same tile of the next panel is prefetched, row for row; after
+               the last panel that is the first panel of the next expert (a prefetch past the end is only a hint). */
+            const char *ahead = (const char *)(w + (k0 + kn) * N + c);
+            for (long r = 0; r < M; r += MAX_ROWS) {
+                const int R = M - r < MAX_ROWS ? (int)(M - r) : MAX_ROWS;
+                nn_tile_any(x + r * K + k0, K, w + k0 * N + c, N, out + r * N + c, N, kn, R, V,
+                            r == 0 ? ahead : NULL);
+            }
+            c += V * LANES;
+        }
+        for (long r = 0; r < M; r++)
+            for (long c = vec_end; c < c1; c++) {
+                float s = out[r * N + c];
+                for (long k = k0; k < k0 + kn; k++) s += x[r * K + k] * w[k * N + c];
+                out[r * N + c] = s;
+            }
+    }
+}
+
+void expert_matmul(const float *x, const float *w, const float *bias, float *out, long E, long M, long K, long N,
+                   int threads)
+{
+    job_t j = {.a = x, .b = w, .bias = bias, .out = out, .M = M, .K = K, .N = N,
+               .units = (N + TILE_COLS - 1) / TILE_COLS, .fn = nn_item};
+    run_parallel(j, E, threads);
+}
+
+/* ---- out = g @ w^T ----------------------------------------------------------------------------------------- */
+
+#define NT_KROWS 2
+#define NT_AHEAD (PANEL * TILE_COLS)   /* prefetch distance along w, in floats (w is read linearly) */
+#define NT_SUMS (MAX_ROWS * NT_KROWS)
+
+/* sums[i] = the sum of the lanes of v[i], for i < NT_SUMS. With 16 lanes (and 16 vectors) a tree of 15 pairwise
+   shuffle-adds leaves the 16 sums in one vector, instead of 16 scalar reductions. */
+static inline void lane_sums(const vec *v, float *sums)
+{
+#if LANES == 16 && NT_SUMS == 16
+    typedef int32_t mask __attribute__((vector_size(64)));
+    const mask lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const mask hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const mask lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const mask hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const mask lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const mask hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const mask lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const mask hi1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    vec a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) a[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo8) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi8);
+    for (int i = 0; i < 4; i++) b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo4) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi4);
+    for (int i = 0; i < 2; i++) c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo2) + __builtin_shuffle(b[2 * i], b[2 * i + 1], hi2);
+    const vec all = __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
+    for (int i = 0; i < 16; i++) sums[i] = all[i];
+#else
+    for (int i = 0; i < NT_SUMS; i++) {
+        float s = 0.0f;
+        for (int l = 0; l < LANES; l++) s += v[i][l];
+        sums[i] = s;
+    }
+#endif
+}
+
+/* out[r, i] = sum_n g[r, n] w[i, n] for R rows of g and KR rows of w: dot products along contiguous rows of w,
+   which is read linearly and prefetched NT_AHEAD floats ahead (past the end of w that is only a hint). */
+static inline __attribute__((always_inline)) void nt_tile(const float *g, long ldg, const float *w, long N,
+                                                         float *out, long ldo, const int R, const int KR)
+{
+    vec acc[NT_SUMS];
+    for (int i = 0; i < NT_SUMS; i++) acc[i] = (vec){0};
+    const long vec_end = N / LANES * LANES;
+    for (long n = 0; n < vec_end; n += LANES) {
+        vec wv[NT_KROWS];
+        for (int i = 0; i < KR; i++) {
+            __builtin_prefetch(w + i * N + n + NT_AHEAD, 0, 2);
+            wv[i] = load(w + i * N + n);
+        }
+        for (int r = 0; r < R; r++) {
+            vec gv = load(g + r * ldg + n);
+            for (int i = 0; i < KR; i++) acc[r * NT_KROWS + i] += gv * wv[i];
+        }
+    }
+    float sums[NT_SUMS];
+    lane_sums(acc, sums);
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < KR; i++) {
+            float s = sums[r * NT_KROWS + i];
+            for (long n = vec_end; n < N; n++) s += g[r * ldg + n] * w[i * N + n];
+            out[r * ldo + i] = s;
+        }
+}
+
+static void nt_tile_any(const float *g, long ldg, const float *w, long N, float *out, long ldo, int R, int KR)
+{
+#define NT_WIDE(r) nt_tile(g, ldg, w, N, out, ldo, r, NT_KROWS)
+#define NT_ONE(r) nt_tile(g, ldg, w, N, out, ldo, r, 1)
+    if (KR == NT_KROWS) {
+        ROW_CASES(NT_WIDE)
+    } else {
+        ROW_CASES(NT_ONE)
+    }
+#undef NT_WIDE
+#undef NT_ONE
+}
+
+/* One expert, weight rows (output columns) [begin, end). */
+static void nt_item(const job_t *j, long e, long begin, long end)
+{
+    const long M = j->M, K = j->K, N = j->N;
+    const float *g = j->a + e * M * N, *w = j->b + e * K * N;
+    float *out = j->out + e * M * K;
+    for (long k = begin; k < end;) {
+        const int KR = end - k >= NT_KROWS ? NT_KROWS : 1;
+        for (long r = 0; r < M; r += MAX_ROWS) {
+            const int R = M - r < MAX_ROWS ? (int)(M - r) : MAX_ROWS;
+            nt_tile_any(g + r * N, N, w + k * N, N, out + r * K + k, K, R, KR);
+        }
+        k += KR;
+    }
+}
+
+void expert_matmul_nt(const float *g, const float *w, float *out, long E, long M, long K, long N, int threads)
+{
+    job_t j = {.a = g, .b = w, .out = out, .M = M, .K = K, .N = N, .units = K, .fn = nt_item};
+    run_parallel(j, E, threads);
+}
+
+/* ---- out = xt^T @ g ---------------------------------------------------------------------------------------- */
+
+/* out[k, c:c+V*LANES] = sum_r xt[r, k] g[r, c:c+V*LANES] for every k of [0, K). */
+static inline __attribute__((always_inline)) void tn_tile(const float *xt, long K, const float *g, long N, long M,
+                                                         float *out, const int V, int stream)
+{
+    for (long k = 0; k < K; k++) {
+        vec acc[TILE_VECS];
+        for (int v = 0; v < V; v++) acc[v] = (vec){0};
+        for (long r = 0; r < M; r++) {
+            const float s = xt[r * K + k];
+            for (int v = 0; v < V; v++) acc[v] += s * load(g + r * N + v * LANES);
+        }
+        float *o = out + k * N;
+        if (stream)
+            for (int v = 0; v < V; v++) store_stream(o + v * LANES, acc[v]);
+        else
+            for (int v = 0; v < V; v++) store(o + v * LANES, acc[v]);
+    }
+}
+
+/* One expert, output column tiles [begin, end). */
+static void tn_item(const job_t *j, long e, long begin, long end)
+{
+    const long M = j->M, K = j->K, N = j->N;
+    const float *xt = j->a + e * M * K, *g = j->b + e * M * N;
+    float *out = j->out + e * K * N;
+    const long c0 = begin * TILE_COLS, c1 = end * TILE_COLS < N ? end * TILE_COLS : N;
+    const long vec_end = c0 + (c1 - c0) / LANES * LANES;
+    for (long c = c0; c < vec_end;) {
+        if (vec_end - c >= TILE_COLS) {
+            tn_tile(xt, K, g + c, N, M, out + c, TILE_VECS, j->stream);
+            c += TILE_COLS;
+        } else {
+            tn_tile(xt, K, g + c, N, M, out + c, 1, j->stream);
+            c += LANES;
+        }
+    }
+    for (long k = 0; k < K; k++)
+        for (long c = vec_end; c < c1; c++) {
+            float s = 0.0f;
+            for (long r = 0; r < M; r++) s += xt[r * K + k] * g[r * N + c];
+            out[k * N + c] = s;
+        }
+    if (j->stream) stream_fence();
+}
+
+void expert_matmul_tn(const float *xt, const float *g, float *out, long E, long M, long K, long N, int threads)
+{
+    /* Non-temporal stores need every output row to start on a 64-byte boundary. */
+    const int stream = ((uintptr_t)out % LINE == 0) && ((N * 4) % LINE == 0);
+    job_t j = {.a = xt, .b = g, .out = out, .M = M, .K = K, .N = N,
+               .units = (N + TILE_COLS - 1) / TILE_COLS, .stream = stream, .fn = tn_item};
+    run_parallel(j, E, threads);
+}
