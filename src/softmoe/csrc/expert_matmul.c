@@ -202,7 +202,7 @@ void expert_matmul(const float *x, const float *w, const float *bias, float *out
 /* ---- out = g @ w^T ----------------------------------------------------------------------------------------- */
 
 #define NT_KROWS 2
-#define NT_AHEAD (PANEL * TILE_COLS)   /* prefetch distance along w, in floats (w is read linearly) */
+#define NT_AHEAD_ROWS 8                 /* prefetch distance down w, in rows */
 #define NT_SUMS (MAX_ROWS * NT_KROWS)
 
 /* sums[i] = the sum of the lanes of v[i], for i < NT_SUMS. With 16 lanes (and 16 vectors) a tree of 15 pairwise
@@ -234,8 +234,8 @@ static inline void lane_sums(const vec *v, float *sums)
 #endif
 }
 
-/* out[r, i] = sum_n g[r, n] w[i, n] for R rows of g and KR rows of w: dot products along contiguous rows of w,
-   which is read linearly and prefetched NT_AHEAD floats ahead (past the end of w that is only a hint). */
+/* out[r, i] = sum_n g[r, n] w[i, n] for R rows of g and KR rows of w: dot products along contiguous rows of w, each
+   prefetched NT_AHEAD_ROWS rows ahead (past the end of w that is only a hint). */
 static inline __attribute__((always_inline)) void nt_tile(const float *g, long ldg, const float *w, long N,
                                                          float *out, long ldo, const int R, const int KR)
 {
@@ -245,7 +245,7 @@ static inline __attribute__((always_inline)) void nt_tile(const float *g, long l
     for (long n = 0; n < vec_end; n += LANES) {
         vec wv[NT_KROWS];
         for (int i = 0; i < KR; i++) {
-            __builtin_prefetch(w + i * N + n + NT_AHEAD, 0, 2);
+            __builtin_prefetch(w + (i + NT_AHEAD_ROWS) * N + n, 0, 2);
             wv[i] = load(w + i * N + n);
         }
         for (int r = 0; r < R; r++) {
