@@ -133,6 +133,15 @@ static inline __attribute__((always_inline)) void nn_tile(const float *x, long l
     case 4: call(4); break;      \
     ROW_CASES_WIDE(call)         \
     }
+/* A tile kernel compiled for each row count (1..MAX_ROWS) and both widths, so that its loops unroll fully. */
+#define SPECIALIZE(wide, call_wide, call_narrow) \
+    do {                                         \
+        if (wide) {                              \
+            ROW_CASES(call_wide)                 \
+        } else {                                 \
+            ROW_CASES(call_narrow)               \
+        }                                        \
+    } while (0)
 #if MAX_ROWS == 8
 #define ROW_CASES_WIDE(call) \
     case 5: call(5); break;  \
@@ -148,11 +157,7 @@ static void nn_tile_any(const float *x, long ldx, const float *w, long ldw, floa
 {
 #define NN_WIDE(r) nn_tile(x, ldx, w, ldw, out, ldo, kn, r, TILE_VECS, ahead)
 #define NN_ONE(r) nn_tile(x, ldx, w, ldw, out, ldo, kn, r, 1, ahead)
-    if (V == TILE_VECS) {
-        ROW_CASES(NN_WIDE)
-    } else {
-        ROW_CASES(NN_ONE)
-    }
+    SPECIALIZE(V == TILE_VECS, NN_WIDE, NN_ONE);
 #undef NN_WIDE
 #undef NN_ONE
 }
@@ -267,11 +272,7 @@ static void nt_tile_any(const float *g, long ldg, const float *w, long N, float 
 {
 #define NT_WIDE(r) nt_tile(g, ldg, w, N, out, ldo, r, NT_KROWS)
 #define NT_ONE(r) nt_tile(g, ldg, w, N, out, ldo, r, 1)
-    if (KR == NT_KROWS) {
-        ROW_CASES(NT_WIDE)
-    } else {
-        ROW_CASES(NT_ONE)
-    }
+    SPECIALIZE(KR == NT_KROWS, NT_WIDE, NT_ONE);
 #undef NT_WIDE
 #undef NT_ONE
 }
