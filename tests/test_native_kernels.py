@@ -76,6 +76,22 @@ def test_expert_matmul_and_gradients_match_float64(library, shape, bias, threads
         assert relative_error(b.grad, gb) < 1e-5
 
 
+@pytest.mark.parametrize(
+    "shape", [(0, 3, 5, 7), (2, 0, 5, 7), (2, 3, 0, 7), (2, 3, 5, 0)], ids=["experts", "rows", "K", "N"]
+)
+def test_empty_dimensions(library, shape):
+    experts, rows, k, n = shape
+    x = torch.randn(experts, rows, k, requires_grad=True)
+    w = torch.randn(experts, k, n, requires_grad=True)
+    b = torch.randn(experts, n, requires_grad=True)
+    out = expert_matmul(x, w, b)
+    out.backward(torch.ones_like(out))
+    assert out.shape == (experts, rows, n)
+    assert torch.equal(out, b.detach().unsqueeze(1).expand(experts, rows, n)) if k == 0 else out.numel() == 0
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w.grad, torch.zeros_like(w))
+    assert torch.equal(b.grad, torch.full_like(b, float(rows)))
+
+
 def test_weight_gradient_streams_into_aligned_rows_and_plain_stores_elsewhere(library):
     # N % 16 == 0 with a 64-byte aligned output takes non-temporal stores; N = 20 does not: both must be exact.
     torch.manual_seed(1)

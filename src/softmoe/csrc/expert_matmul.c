@@ -88,6 +88,7 @@ static void run_items(const job_t *j, long first, long last)
 /* Items are (expert, range of units); with fewer experts than threads each expert's units are split. */
 static void run_parallel(job_t job, long experts, int threads)
 {
+    if (experts <= 0) return;
     if (threads < 1) threads = 1;
     job.splits = experts >= threads ? 1 : (threads + experts - 1) / experts;
     if (job.splits > job.units) job.splits = job.units > 0 ? job.units : 1;
