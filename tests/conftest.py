@@ -1,7 +1,12 @@
 """Suite-wide settings."""
 
+import shutil
+import sys
+
 import pytest
 import torch
+
+from softmoe.kernels import native_library
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -12,3 +17,14 @@ def _single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def library():
+    """The built native kernels. On Linux (CI included) a C compiler is part of the supported set-up, so none is a
+    failure."""
+    if sys.platform.startswith("linux"):
+        assert shutil.which("cc") or shutil.which("gcc"), "a C compiler (cc) is needed to build softmoe's kernels"
+    lib = native_library()
+    assert lib is not None, "softmoe could not build its native kernels (csrc/*.c)"
+    return lib

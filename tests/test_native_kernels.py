@@ -1,28 +1,19 @@
-"""softmoe.kernels' native expert matmuls (csrc/expert_matmul.c): build, exactness, gradients, and where they run."""
+"""softmoe.kernels' native kernels: their build and cache, and the batched expert matmuls (csrc/expert_matmul.c):
+exactness, gradients, and where they run."""
 
 from __future__ import annotations
 
 import shutil
-import sys
 
 import pytest
 import torch
+from reference import relative_error
 
 import softmoe.experts as experts_module
 import softmoe.kernels as kernels
 from softmoe import SoftMoE
 from softmoe.experts import MLPExperts
 from softmoe.kernels import expert_matmul, native_applies, native_library
-
-
-@pytest.fixture(scope="module")
-def library():
-    """The built kernels. On Linux (CI included) a C compiler is part of the supported set-up, so none is a failure."""
-    if sys.platform.startswith("linux"):
-        assert shutil.which("cc") or shutil.which("gcc"), "a C compiler (cc) is needed to build softmoe's kernels"
-    lib = native_library()
-    assert lib is not None, "softmoe could not build csrc/expert_matmul.c"
-    return lib
 
 
 def reference(x, w, b, g):
@@ -32,10 +23,6 @@ def reference(x, w, b, g):
     out = torch.bmm(x64, w64) + (0 if b64 is None else b64.unsqueeze(1))
     out.backward(g.double())
     return out.detach(), x64.grad, w64.grad, None if b64 is None else b64.grad
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 # Rows 1..9 and 16 cover every register tile height (8 rows a tile with AVX-512, 4 without) and a second tile;
@@ -217,7 +204,7 @@ def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
     native_library.cache_clear()
     try:
-        with pytest.warns(UserWarning, match="building expert_matmul.c failed"):
+        with pytest.warns(UserWarning, match="building the native kernels failed"):
             assert native_library() is None
         assert not native_applies(torch.empty(4, 8, 64), torch.empty(4, 64, 4096))
         assert list(tmp_path.iterdir()) == []  # nothing half-written is left in the cache
@@ -234,11 +221,11 @@ def test_build_goes_to_the_cache_directory(library, monkeypatch, tmp_path):
     native_library.cache_clear()
     try:
         assert native_library() is not None
-        built = list(tmp_path.glob("expert_matmul-*.so"))
+        built = list(tmp_path.glob("softmoe_native-*.so"))
         assert len(built) == 1
         native_library.cache_clear()
         assert native_library() is not None  # reused, not rebuilt
-        assert list(tmp_path.glob("expert_matmul-*.so")) == built
+        assert list(tmp_path.glob("softmoe_native-*.so")) == built
     finally:
         native_library.cache_clear()
 

@@ -23,7 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from softmoe.experts import MLPExperts, StackedExperts
-from softmoe.kernels import onednn_applies, onednn_linear
+from softmoe.kernels import (
+    native_mixing_applies,
+    onednn_applies,
+    onednn_linear,
+    soft_moe_mixing,
+)
 
 NORM_EPS = 1e-6
 # Inference inputs of at least this many elements compute their logits with oneDNN (see soft_moe_logits).
@@ -217,6 +222,8 @@ class SoftMoE(nn.Module):
 
         Padded tokens get a zero output; a fully padded input gives zeros. Inside ``softmoe.select_experts`` (which
         sets ``self.selector``) only each input's selected experts are computed, as in :meth:`forward_selected`.
+        Many small relu experts on few float32 CPU tokens run in one native pass (:func:`softmoe.kernels.soft_moe_mixing`);
+        otherwise the cost model picks the slot formulation or its token-space rewrite.
         """
         check_tokens(x, self.dim, mask, self.phi.dtype)
         _, dispatch, combine = self._route_flat(x, mask)
@@ -224,6 +231,11 @@ class SoftMoE(nn.Module):
         if self.selector is not None:
             selected = self.selector.select(combine.view(shape))
             return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize)
+        experts = self.experts
+        if isinstance(experts, MLPExperts) and native_mixing_applies(x, experts.hidden, experts.activation):
+            return soft_moe_mixing(
+                x, dispatch, combine, experts.weight1, experts.bias1, experts.weight2, experts.bias2
+            )
         if self._token_space_is_cheaper(x.shape[1]):
             return self.experts.forward_through_tokens(x, dispatch.view(shape), combine.view(shape))
         slots = self.dispatch_slots(x, dispatch)

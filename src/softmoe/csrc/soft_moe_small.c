@@ -1,0 +1,440 @@
+/* The whole Soft MoE mixing C f(D^T X) in one pass, for layers of many small relu MLP experts.
+ *
+ * For S = n * P slots (P per expert; slot s belongs to expert j = s / P), each expert an MLP Dm -> Hd -> Dm with
+ * weights w1[j] (Dm, Hd), b1[j], w2[j] (Hd, Dm), b2[j], and one input of M tokens x[t] (Dm):
+ *
+ *   slot[s]  = sum_t dispatch[t, s] x[t]                 (Dm)
+ *   pre[s]   = slot[s] @ w1[j] + b1[j]                   (Hd)   saved for the backward pass
+ *   y[s]     = relu(pre[s]) @ w2[j] + b2[j]              (Dm)
+ *   out[t]   = sum_s combine[t, s] y[s]                  (Dm)
+ *
+ * With small experts (the "Beyond Parameter Count" MNIST layer: 4 tokens, Dm = 196, n = 32..512, Hd = 784 / n)
+ * torch runs this as a chain of thin batched matmuls (contractions over 4 tokens, outputs of width Hd) that write
+ * (batch, S, Dm) slot and output tensors to memory (100 MB each at n = 512). Here the inputs are processed in
+ * groups of LANES, one input per vector lane: a group's tokens are gathered into a "grouped" buffer (M * Dm vectors,
+ * the group's inputs side by side), so a slot vector of a group is Dm vectors that stay in a thread's cache, the
+ * routing weights of a (slot, token) are one vector, the expert weights are scalars broadcast to all lanes, and no
+ * step needs a sum across lanes except the weight gradients (one per weight and block of GROUP_BLOCK groups).
+ * Every slot runs dispatch, both expert layers and the combine back to back, KBLOCK hidden units at a time.
+ *
+ * Threads (OpenMP, sharing torch's libgomp pool): the forward pass splits the groups (each thread owns its groups'
+ * outputs); the backward pass splits the experts (each thread owns its experts' weight gradients and writes its
+ * input gradient into its own partial sum, which the caller adds up).
+ */
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define LANES 16
+#define IOTA {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
+#elif defined(__AVX__)
+#define LANES 8
+#define IOTA {0, 1, 2, 3, 4, 5, 6, 7}
+#else
+#define LANES 4
+#define IOTA {0, 1, 2, 3}
+#endif
+#define KBLOCK 4       /* hidden units per register block */
+#define GROUP_BLOCK 4  /* groups whose slot vectors and gradients a thread keeps while it runs through its experts */
+#define INLINE static inline __attribute__((always_inline))
+
+typedef float vec __attribute__((vector_size(LANES * 4)));
+typedef int ivec __attribute__((vector_size(LANES * 4)));
+
+int soft_moe_small_lanes(void) { return LANES; }
+
+INLINE vec relu(vec v) { return (vec)((ivec)v & (v > 0)); }
+INLINE vec relu_slope(vec v) { return (vec)((ivec)((vec){0} + 1.0f) & (v > 0)); }
+
+#define MAX_TOKENS 8 /* tokens per input the kernels accept; their routing weights stay in registers */
+
+/* CALL(k, kb, first, last) for the blocks of Hd hidden units (k the block's first unit, kb <= KBLOCK its width,
+ * first / last whether it is the first / last block), with kb, first and last constants so that loops unroll and
+ * the branches on first and last fold away. */
+#define BLOCK_SWITCH(rem, CALL, k, first, last)                                                                      \
+    switch (rem) {                                                                                                    \
+    case 1: CALL(k, 1, first, last); break;                                                                           \
+    case 2: CALL(k, 2, first, last); break;                                                                           \
+    case 3: CALL(k, 3, first, last); break;                                                                           \
+    default: CALL(k, KBLOCK, first, last); break;                                                                     \
+    }
+#define FOR_BLOCKS(Hd, CALL)                                                                                          \
+    if ((Hd) <= KBLOCK) {                                                                                             \
+        BLOCK_SWITCH(Hd, CALL, 0, 1, 1)                                                                               \
+    } else {                                                                                                          \
+        CALL(0, KBLOCK, 1, 0);                                                                                        \
+        long k_ = KBLOCK;                                                                                             \
+        for (; k_ + KBLOCK < (Hd); k_ += KBLOCK) CALL(k_, KBLOCK, 0, 0);                                              \
+        BLOCK_SWITCH((Hd) - k_, CALL, k_, 0, 1)                                                                       \
+    }
+
+/* ---- forward ------------------------------------------------------------------------------------------------ */
+
+/* h[kk] = sum_d slot[d] w1[d * Hd + kk] for kk < kb. On the first block slot = sum_t ds[t] xg[t] is computed here
+ * (and kept in `keep` unless it is also the last block); later blocks read it from `keep`. */
+INLINE void layer1_block(vec *restrict h, const vec *restrict xg, const vec *restrict ds, vec *restrict keep,
+                         const float *restrict w1, long Hd, long M, long Dm, const int kb, const int first,
+                         const int last)
+{
+    vec acc[KBLOCK] = {{0}}, dsv[MAX_TOKENS];
+    for (long t = 0; t < M; t++) dsv[t] = ds[t];
+    for (long d = 0; d < Dm; d++) {
+        vec sv;
+        if (first) {
+            sv = dsv[0] * xg[d];
+            for (long t = 1; t < M; t++) sv += dsv[t] * xg[t * Dm + d];
+            if (!last) keep[d] = sv;
+        } else {
+            sv = keep[d];
+        }
+        for (int kk = 0; kk < kb; kk++) acc[kk] += sv * w1[d * Hd + kk];
+    }
+    for (int kk = 0; kk < kb; kk++) h[kk] = acc[kk];
+}
+
+/* y[d] (+)= sum_kk a[kk] w2[kk * Dm + d] (starting from b2[d] or 0 on the first block); on the last block the
+ * finished y is spread into the outputs instead, og[t * Dm + d] += cs[t] y[d]. */
+INLINE void layer2_block(vec *restrict og, const vec *restrict cs, vec *restrict y, const vec *restrict a,
+                         const float *restrict w2, const float *restrict b2, long M, long Dm, const int kb,
+                         const int first, const int last)
+{
+    vec av[KBLOCK], csv[MAX_TOKENS];
+    for (int kk = 0; kk < kb; kk++) av[kk] = a[kk];
+    for (long t = 0; t < M; t++) csv[t] = cs[t];
+    for (long d = 0; d < Dm; d++) {
+        vec v = first ? (vec){0} + (b2 ? b2[d] : 0.0f) : y[d];
+        for (int kk = 0; kk < kb; kk++) v += av[kk] * w2[kk * Dm + d];
+        if (last)
+            for (long t = 0; t < M; t++) og[t * Dm + d] += csv[t] * v;
+        else
+            y[d] = v;
+    }
+}
+
+/* One slot of one group: dispatch, both expert layers, combine into og; pre-activations to ps. */
+INLINE void forward_slot(vec *restrict og, vec *restrict ps, const vec *restrict xg, const vec *restrict ds,
+                         const vec *restrict cs, const float *restrict w1, const float *restrict b1,
+                         const float *restrict w2, const float *restrict b2, vec *restrict buf, vec *restrict a,
+                         long M, long Hd, long Dm)
+{
+#define LAYER1(k, kb, first, last) layer1_block(ps + (k), xg, ds, buf, w1 + (k), Hd, M, Dm, kb, first, last)
+    FOR_BLOCKS(Hd, LAYER1)
+#undef LAYER1
+    for (long k = 0; k < Hd; k++) {
+        ps[k] += b1 ? b1[k] : 0.0f;
+        a[k] = relu(ps[k]);
+    }
+#define LAYER2(k, kb, first, last) layer2_block(og, cs, buf, a + (k), w2 + (k) * Dm, b2, M, Dm, kb, first, last)
+    FOR_BLOCKS(Hd, LAYER2)
+#undef LAYER2
+}
+
+/* ---- layouts ------------------------------------------------------------------------------------------------ */
+
+/* Group g holds inputs LANES * g ... LANES * g + lanes - 1 (lanes < LANES only in the last group). */
+typedef struct {
+    long first, lanes;
+} group_t;
+
+static group_t group_of(long g, long B)
+{
+    const group_t grp = {g * LANES, B - g * LANES < LANES ? B - g * LANES : LANES};
+    return grp;
+}
+
+/* dst[e][l] = src[(grp.first + l) * stride + e] for e < count (zero in lanes past the group's inputs) */
+static void gather(vec *restrict dst, const float *restrict src, group_t grp, long stride, long count)
+{
+    if (grp.lanes < LANES) memset(dst, 0, count * sizeof(vec));
+    for (long l = 0; l < grp.lanes; l++) {
+        const float *row = src + (grp.first + l) * stride;
+        for (long e = 0; e < count; e++) dst[e][l] = row[e];
+    }
+}
+
+/* dst[(grp.first + l) * stride + e] (+)= src[e][l] for e < count and the group's lanes */
+static void scatter(float *restrict dst, const vec *restrict src, group_t grp, long stride, long count, int add)
+{
+    for (long l = 0; l < grp.lanes; l++) {
+        float *row = dst + (grp.first + l) * stride;
+        if (add)
+            for (long e = 0; e < count; e++) row[e] += src[e][l];
+        else
+            for (long e = 0; e < count; e++) row[e] = src[e][l];
+    }
+}
+
+/* v[t][l] = routing[(grp.first + l) * M * S + t * S + s] for t < M: slot s's weights, token by token */
+static void gather_slot(vec *restrict v, const float *restrict routing, group_t grp, long s, long M, long S)
+{
+    for (long t = 0; t < M; t++) v[t] = (vec){0};
+    for (long l = 0; l < grp.lanes; l++)
+        for (long t = 0; t < M; t++) v[t][l] = routing[((grp.first + l) * M + t) * S + s];
+}
+
+static void scatter_slot(float *restrict routing, const vec *restrict v, group_t grp, long s, long M, long S)
+{
+    for (long l = 0; l < grp.lanes; l++)
+        for (long t = 0; t < M; t++) routing[((grp.first + l) * M + t) * S + s] = v[t][l];
+}
+
+INLINE void forward_group(vec *restrict og, vec *restrict pg, const vec *restrict xg, const float *dispatch,
+                          const float *combine, group_t grp, const float *w1, const float *b1, const float *w2,
+                          const float *b2, vec *restrict buf, vec *restrict a, long M, long S, long P, long Hd,
+                          long Dm)
+{
+    vec ds[MAX_TOKENS], cs[MAX_TOKENS];
+    memset(og, 0, M * Dm * sizeof(vec));
+    for (long s = 0; s < S; s++) {
+        const long j = s / P;
+        gather_slot(ds, dispatch, grp, s, M, S);
+        gather_slot(cs, combine, grp, s, M, S);
+        forward_slot(og, pg + s * Hd, xg, ds, cs, w1 + j * Dm * Hd, b1 ? b1 + j * Hd : NULL, w2 + j * Hd * Dm,
+                     b2 ? b2 + j * Dm : NULL, buf, a, M, Hd, Dm);
+    }
+}
+
+/* x, out (B, M, Dm); dispatch, combine (B, M, S); pre (G, S, Hd, LANES) with G = ceil(B / LANES), the
+ * pre-activations of every group, lane l of group g for input LANES * g + l. Weights as the layer holds them:
+ * w1 (n, Dm, Hd), b1 (n, Hd), w2 (n, Hd, Dm), b2 (n, Dm); b1 and b2 may be NULL. Returns 0, or 1 when M is
+ * outside 1..MAX_TOKENS (nothing is written then). */
+int soft_moe_small_forward(const float *x, const float *dispatch, const float *combine, const float *w1,
+                           const float *b1, const float *w2, const float *b2, float *out, float *pre, long B, long M,
+                           long S, long P, long Hd, long Dm, int threads)
+{
+    const long G = (B + LANES - 1) / LANES;
+    if (M < 1 || M > MAX_TOKENS) return 1;
+    if (G <= 0) return 0;
+    if (threads > G) threads = (int)G;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        vec *xg = aligned_alloc(sizeof(vec), (2 * M * Dm + Dm + Hd) * sizeof(vec));
+        vec *og = xg + M * Dm, *buf = og + M * Dm, *a = buf + Dm;
+        const long t = omp_get_thread_num(), count = omp_get_num_threads();
+        for (long g = G * t / count; g < G * (t + 1) / count; g++) {
+            const group_t grp = group_of(g, B);
+            vec *pg = (vec *)pre + g * S * Hd;
+            gather(xg, x, grp, M * Dm, M * Dm);
+            if (M == 4)
+                forward_group(og, pg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, 4, S, P, Hd, Dm);
+            else
+                forward_group(og, pg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, M, S, P, Hd, Dm);
+            scatter(out, og, grp, M * Dm, M * Dm, 0);
+        }
+        free(xg);
+    }
+    return 0;
+}
+
+/* ---- backward ----------------------------------------------------------------------------------------------- */
+
+/* Through the second layer and the combine, one block of hidden units: gy = sum_t cs[t] gog[t] (computed and kept
+ * in `gy` on the first block, read after), y = (b2 +) sum_kk a[kk] w2[kk], gcs[t] += gog[t] . y over d,
+ * gpre[kk] = gy . w2[kk] over d. */
+INLINE void layer2_back_block(vec *restrict gcs, vec *restrict gpre, vec *restrict gy, const vec *restrict gog,
+                              const vec *restrict cs, const vec *restrict a, const float *restrict w2,
+                              const float *restrict b2, long M, long Dm, const int kb, const int first)
+{
+    vec acc[KBLOCK] = {{0}}, av[KBLOCK], csv[MAX_TOKENS], gc[MAX_TOKENS];
+    for (int kk = 0; kk < kb; kk++) av[kk] = a[kk];
+    for (long t = 0; t < M; t++) csv[t] = cs[t], gc[t] = gcs[t];
+    for (long d = 0; d < Dm; d++) {
+        vec g;
+        if (first) {
+            g = csv[0] * gog[d];
+            for (long t = 1; t < M; t++) g += csv[t] * gog[t * Dm + d];
+            gy[d] = g;
+        } else {
+            g = gy[d];
+        }
+        vec v = first ? (vec){0} + (b2 ? b2[d] : 0.0f) : (vec){0};
+        for (int kk = 0; kk < kb; kk++) {
+            const float w = w2[kk * Dm + d];
+            v += av[kk] * w;
+            acc[kk] += g * w;
+        }
+        for (long t = 0; t < M; t++) gc[t] += gog[t * Dm + d] * v;
+    }
+    for (int kk = 0; kk < kb; kk++) gpre[kk] = acc[kk];
+    for (long t = 0; t < M; t++) gcs[t] = gc[t];
+}
+
+/* Through the first layer and the dispatch, one block of hidden units: gslot (+)= sum_kk gpre[kk] w1[., kk]; the
+ * first block also computes slot = sum_t ds[t] xg[t] into `slot`; the last one adds gds[t] = xg[t] . gslot and
+ * gxg[t] += ds[t] gslot (earlier blocks keep the partial gslot in `gslot`). */
+INLINE void layer1_back_block(vec *restrict gds, vec *restrict gxg, vec *restrict slot, vec *restrict gslot,
+                              const vec *restrict xg, const vec *restrict ds, const vec *restrict gpre,
+                              const float *restrict w1, long Hd, long M, long Dm, const int kb, const int first,
+                              const int last)
+{
+    vec gp[KBLOCK], dsv[MAX_TOKENS], gd[MAX_TOKENS];
+    for (int kk = 0; kk < kb; kk++) gp[kk] = gpre[kk];
+    for (long t = 0; t < M; t++) dsv[t] = ds[t], gd[t] = (vec){0};
+    for (long d = 0; d < Dm; d++) {
+        if (first) {
+            vec sv = dsv[0] * xg[d];
+            for (long t = 1; t < M; t++) sv += dsv[t] * xg[t * Dm + d];
+            slot[d] = sv;
+        }
+        vec g = first ? (vec){0} : gslot[d];
+        for (int kk = 0; kk < kb; kk++) g += gp[kk] * w1[d * Hd + kk];
+        if (last) {
+            for (long t = 0; t < M; t++) {
+                gd[t] += xg[t * Dm + d] * g;
+                gxg[t * Dm + d] += dsv[t] * g;
+            }
+        } else {
+            gslot[d] = g;
+        }
+    }
+    if (last)
+        for (long t = 0; t < M; t++) gds[t] = gd[t];
+}
+
+/* One slot of one group, backward: gradients of its routing weights (gcs, gds) and of its tokens (added to gxg);
+ * keeps gy, slot, a = relu(pre) and gpre for the weight gradients. */
+INLINE void backward_slot(vec *restrict gcs, vec *restrict gds, vec *restrict gxg, vec *restrict gy,
+                          vec *restrict slot, vec *restrict a, vec *restrict gpre, vec *restrict gslot,
+                          const vec *restrict gog, const vec *restrict xg, const vec *restrict ds,
+                          const vec *restrict cs, const vec *restrict ps, const float *restrict w1,
+                          const float *restrict w2, const float *restrict b2, long M, long Hd, long Dm)
+{
+    for (long k = 0; k < Hd; k++) a[k] = relu(ps[k]);
+    for (long t = 0; t < M; t++) gcs[t] = (vec){0};
+#define LAYER2(k, kb, first, last)                                                                                    \
+    layer2_back_block(gcs, gpre + (k), gy, gog, cs, a + (k), w2 + (k) * Dm, b2, M, Dm, kb, first)
+    FOR_BLOCKS(Hd, LAYER2)
+#undef LAYER2
+    for (long k = 0; k < Hd; k++) gpre[k] *= relu_slope(ps[k]);
+#define LAYER1(k, kb, first, last)                                                                                    \
+    layer1_back_block(gds, gxg, slot, gslot, xg, ds, gpre + (k), w1 + (k), Hd, M, Dm, kb, first, last)
+    FOR_BLOCKS(Hd, LAYER1)
+#undef LAYER1
+}
+
+/* ---- weight gradients -------------------------------------------------------------------------------------- */
+
+/* r[i] = sum of the lanes of v[i], for i < LANES (v is overwritten): pairs of vectors are folded LANES/2, then
+ * LANES/4, ... lanes at a time, one shuffle taking the lower and one the upper half of every group of lanes. */
+INLINE vec lane_sums(vec *v)
+{
+    const ivec iota = IOTA, half = iota % (LANES / 2), second = (ivec)(iota >= LANES / 2) & LANES;
+    int count = LANES;
+#pragma GCC unroll 4
+    for (int w = LANES; w > 1; w /= 2, count /= 2) {
+        const ivec lo = half / (w / 2) * w + half % (w / 2) + second, hi = lo + w / 2;
+#pragma GCC unroll 8
+        for (int i = 0; i < count / 2; i++)
+            v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi);
+    }
+    return v[0];
+}
+
+typedef float uvec __attribute__((vector_size(LANES * 4), aligned(4))); /* a vector at any float address */
+
+/* row[d] += sum over groups g < ng and lanes of coef[g * cs] * rows[g * Dm + d] (coef NULL: 1), for d < Dm */
+static void add_lane_sums(float *restrict row, const vec *restrict coef, long cs, const vec *restrict rows, long ng,
+                          long Dm)
+{
+    vec c[GROUP_BLOCK], part[LANES];
+    for (long g = 0; g < ng; g++) c[g] = coef ? coef[g * cs] : (vec){0} + 1.0f;
+    for (long d0 = 0; d0 < Dm; d0 += LANES) {
+        const long width = Dm - d0 < LANES ? Dm - d0 : LANES;
+        for (long dd = 0; dd < LANES; dd++) {
+            vec acc = {0};
+            if (dd < width)
+                for (long g = 0; g < ng; g++) acc += c[g] * rows[g * Dm + d0 + dd];
+            part[dd] = acc;
+        }
+        const vec r = lane_sums(part);
+        if (width == LANES)
+            *(uvec *)(row + d0) += r;
+        else
+            for (long dd = 0; dd < width; dd++) row[d0 + dd] += r[dd];
+    }
+}
+
+/* The gradients of expert j's weights from one slot of a block of ng groups: gy, slot (ng * Dm vectors), a, gpre
+ * (ng * Hd vectors), group after group, as kept by backward_slot. */
+static void add_weight_grads(float *gw1t, float *gb1, float *gw2, float *gb2, const vec *a, const vec *gpre,
+                             const vec *gy, const vec *slot, long ng, long Hd, long Dm)
+{
+    for (long k = 0; k < Hd; k++) {
+        add_lane_sums(gw2 + k * Dm, a + k, Hd, gy, ng, Dm);
+        add_lane_sums(gw1t + k * Dm, gpre + k, Hd, slot, ng, Dm);
+    }
+    if (gb1) add_lane_sums(gb1, NULL, 0, gpre, ng, Hd);
+    if (gb2) add_lane_sums(gb2, NULL, 0, gy, ng, Dm);
+}
+
+/* Gradients, for the arguments of soft_moe_small_forward and its `pre`: grad_x_partial (threads, B, M, Dm), zero
+ * on entry, one partial sum per thread that the caller adds up; grad_dispatch, grad_combine (B, M, S);
+ * grad_w1t (n, Hd, Dm) (the transpose of w1's gradient), grad_b1, grad_w2, grad_b2 like the weights (grad_b1 /
+ * grad_b2 may be NULL). Threads split the experts. Inputs are taken GROUP_BLOCK groups at a time; for each block
+ * every thread runs through its experts' slots, keeping the block's slot vectors and gradients, and adds the
+ * block's sums over lanes to its weight gradients. Returns 0, or 1 when M is outside 1..MAX_TOKENS. */
+int soft_moe_small_backward(const float *grad_out, const float *x, const float *dispatch, const float *combine,
+                            const float *w1, const float *w2, const float *b2, const float *pre,
+                            float *grad_x_partial, float *grad_dispatch, float *grad_combine, float *grad_w1t,
+                            float *grad_b1, float *grad_w2, float *grad_b2, long B, long M, long S, long P, long Hd,
+                            long Dm, int threads)
+{
+    const long n = S / P, G = (B + LANES - 1) / LANES, MD = M * Dm;
+    if (M < 1 || M > MAX_TOKENS) return 1;
+    if (n <= 0) return 0;
+    if (threads > n) threads = (int)n;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        const long t = omp_get_thread_num(), count = omp_get_num_threads();
+        const long first = n * t / count, last = n * (t + 1) / count;
+        float *gx = grad_x_partial + t * B * MD;
+        /* per group of a block: x, grad_out, grad_x (M * Dm each), gy, slot (Dm), a, gpre (Hd); and gslot (Dm) */
+        vec *xg = aligned_alloc(sizeof(vec), (GROUP_BLOCK * (3 * MD + 2 * Dm + 2 * Hd) + Dm) * sizeof(vec));
+        vec *gog = xg + GROUP_BLOCK * MD, *gxg = gog + GROUP_BLOCK * MD, *gy = gxg + GROUP_BLOCK * MD;
+        vec *slot = gy + GROUP_BLOCK * Dm, *a = slot + GROUP_BLOCK * Dm, *gpre = a + GROUP_BLOCK * Hd;
+        vec *gslot = gpre + GROUP_BLOCK * Hd;
+        memset(grad_w1t + first * Hd * Dm, 0, (last - first) * Hd * Dm * sizeof(float));
+        memset(grad_w2 + first * Hd * Dm, 0, (last - first) * Hd * Dm * sizeof(float));
+        if (grad_b1) memset(grad_b1 + first * Hd, 0, (last - first) * Hd * sizeof(float));
+        if (grad_b2) memset(grad_b2 + first * Dm, 0, (last - first) * Dm * sizeof(float));
+        for (long g0 = 0; g0 < G; g0 += GROUP_BLOCK) {
+            const long ng = G - g0 < GROUP_BLOCK ? G - g0 : GROUP_BLOCK;
+            for (long gi = 0; gi < ng; gi++) {
+                const group_t grp = group_of(g0 + gi, B);
+                gather(xg + gi * MD, x, grp, MD, MD);
+                gather(gog + gi * MD, grad_out, grp, MD, MD);
+            }
+            memset(gxg, 0, ng * MD * sizeof(vec));
+            for (long s = first * P; s < last * P; s++) {
+                const long j = s / P;
+                const float *w1j = w1 + j * Dm * Hd, *w2j = w2 + j * Hd * Dm, *b2j = b2 ? b2 + j * Dm : NULL;
+                for (long gi = 0; gi < ng; gi++) {
+                    const long g = g0 + gi;
+                    const group_t grp = group_of(g, B);
+                    const vec *ps = (const vec *)pre + (g * S + s) * Hd;
+                    vec ds[MAX_TOKENS], cs[MAX_TOKENS], gds[MAX_TOKENS], gcs[MAX_TOKENS];
+                    gather_slot(ds, dispatch, grp, s, M, S);
+                    gather_slot(cs, combine, grp, s, M, S);
+                    if (M == 4)
+                        backward_slot(gcs, gds, gxg + gi * MD, gy + gi * Dm, slot + gi * Dm, a + gi * Hd,
+                                      gpre + gi * Hd, gslot, gog + gi * MD, xg + gi * MD, ds, cs, ps, w1j, w2j, b2j,
+                                      4, Hd, Dm);
+                    else
+                        backward_slot(gcs, gds, gxg + gi * MD, gy + gi * Dm, slot + gi * Dm, a + gi * Hd,
+                                      gpre + gi * Hd, gslot, gog + gi * MD, xg + gi * MD, ds, cs, ps, w1j, w2j, b2j,
+                                      M, Hd, Dm);
+                    scatter_slot(grad_dispatch, gds, grp, s, M, S);
+                    scatter_slot(grad_combine, gcs, grp, s, M, S);
+                }
+                add_weight_grads(grad_w1t + j * Hd * Dm, grad_b1 ? grad_b1 + j * Hd : NULL, grad_w2 + j * Hd * Dm,
+                                 grad_b2 ? grad_b2 + j * Dm : NULL, a, gpre, gy, slot, ng, Hd, Dm);
+            }
+            for (long gi = 0; gi < ng; gi++) scatter(gx, gxg + gi * MD, group_of(g0 + gi, B), MD, MD, 1);
+        }
+        free(xg);
+    }
+    return 0;
+}

@@ -1,0 +1,189 @@
+"""softmoe.kernels.soft_moe_mixing (csrc/soft_moe_small.c): the whole Soft MoE mixing of small relu experts in one
+native pass, against a float64 reference written slot by slot, and where the layer takes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import ref_activation, relative_error
+
+import softmoe.kernels as kernels
+import softmoe.layer as layer_module
+from softmoe import SoftMoE
+from softmoe.kernels import (
+    MIXING_MAX_HIDDEN,
+    MIXING_MAX_TOKENS,
+    native_mixing_applies,
+    soft_moe_mixing,
+)
+
+
+def mixing_reference(x, dispatch, combine, w1, b1, w2, b2):
+    """C relu-MLP(D^T X) one slot at a time: x (B, M, D), dispatch / combine (B, M, S) -> (B, M, D)."""
+    slots, experts = dispatch.shape[2], w1.shape[0]
+    out = torch.zeros_like(x)
+    for s in range(slots):
+        j = s // (slots // experts)
+        slot = torch.einsum("bt,btd->bd", dispatch[:, :, s], x)
+        hidden = slot @ w1[j] + (0 if b1 is None else b1[j])
+        y = ref_activation("relu", hidden) @ w2[j] + (0 if b2 is None else b2[j])
+        out = out + combine[:, :, s, None] * y[:, None, :]
+    return out
+
+
+def random_inputs(batch, tokens, dim, experts, slots_per_expert, hidden, bias, seed=0):
+    """float32 leaves (x, dispatch, combine, w1, b1, w2, b2) with routing weights that are softmaxes, as in a layer."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = experts * slots_per_expert
+    x = torch.randn(batch, tokens, dim, generator=gen)
+    logits = torch.randn(batch, tokens, slots, generator=gen)
+    w1 = torch.randn(experts, dim, hidden, generator=gen) / dim**0.5
+    w2 = torch.randn(experts, hidden, dim, generator=gen) / hidden**0.5
+    b1 = torch.randn(experts, hidden, generator=gen) if bias else None
+    b2 = torch.randn(experts, dim, generator=gen) if bias else None
+    tensors = (x, logits.softmax(1), logits.softmax(2), w1, b1, w2, b2)
+    return [None if t is None else t.requires_grad_() for t in tensors]
+
+
+# (batch, tokens, dim, experts, slots per expert, hidden): partial last group of inputs (37 = 2 x 16 + 5), fewer
+# inputs than vector lanes, five groups (two group blocks), one token, the most tokens, hidden sizes that are one
+# block of 4 units, blocks plus a tail of 1, 2 or 3, and several slots per expert.
+SHAPES = [
+    (37, 4, 20, 6, 1, 2),
+    (16, 4, 33, 5, 2, 4),
+    (5, 3, 7, 3, 3, 9),
+    (70, MIXING_MAX_TOKENS, 12, 2, 1, 6),
+    (9, 1, 5, 4, 1, 1),
+    (40, 5, 16, 7, 1, 15),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_mixing_and_all_gradients_match_float64(library, shape, bias, threads, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the thread count handed to the kernels
+    inputs = random_inputs(*shape, bias=bias, seed=sum(shape))
+    out = soft_moe_mixing(*inputs)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    leaves = [t.detach().double().requires_grad_() if t is not None else None for t in inputs]
+    want = mixing_reference(*leaves)
+    want.backward(grad.double())
+    assert relative_error(out, want) < 1e-5
+    for got, ref in zip(inputs, leaves):
+        if got is not None:
+            assert relative_error(got.grad, ref.grad) < 1e-5
+
+
+def test_empty_batch(library):
+    x, dispatch, combine, w1, b1, w2, b2 = random_inputs(0, 4, 8, 3, 1, 2, bias=True)
+    out = soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2)
+    assert out.shape == (0, 4, 8)
+    out.sum().backward()
+    for weight in (w1, b1, w2, b2):
+        assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_too_many_tokens_is_refused(library):
+    inputs = random_inputs(3, MIXING_MAX_TOKENS + 1, 8, 2, 1, 2, bias=True)
+    with pytest.raises(ValueError, match=f"1..{MIXING_MAX_TOKENS} tokens, got {MIXING_MAX_TOKENS + 1}"):
+        soft_moe_mixing(*inputs)
+
+
+def count_mixing_calls(monkeypatch) -> list[tuple[int, ...]]:
+    calls = []
+
+    def counted(x, *rest):
+        calls.append(tuple(x.shape))
+        return soft_moe_mixing(x, *rest)
+
+    monkeypatch.setattr(layer_module, "soft_moe_mixing", counted)
+    return calls
+
+
+def test_layer_takes_the_fused_pass_and_matches_float64_with_a_mask(library, monkeypatch):
+    torch.manual_seed(5)
+    layer = SoftMoE(24, 12, slots_per_expert=2, expert_hidden=5, activation="relu")
+    x = torch.randn(19, 4, 24)
+    mask = torch.ones(19, 4, dtype=torch.bool)
+    mask[3, 2:] = False
+    mask[7] = False  # a fully padded input
+    grad = torch.randn(19, 4, 24)
+    calls = count_mixing_calls(monkeypatch)
+    x32 = x.clone().requires_grad_()
+    out = layer(x32, mask)
+    out.backward(grad)
+    assert calls == [(19, 4, 24)]
+    got = [out, x32.grad] + [p.grad for p in layer.parameters()]
+
+    reference_layer = layer.double()  # float64: torch's ops
+    reference_layer.zero_grad(set_to_none=True)
+    x64 = x.double().requires_grad_()
+    want = reference_layer(x64, mask)
+    want.backward(grad.double())
+    assert len(calls) == 1
+    for got_t, want_t in zip(got, [want, x64.grad] + [p.grad for p in reference_layer.parameters()]):
+        assert relative_error(got_t, want_t) < 1e-5
+    assert torch.equal(out[3, 2:], torch.zeros(2, 24)) and torch.equal(out[7], torch.zeros(4, 24))
+
+
+def test_layer_is_the_same_with_and_without_the_fused_pass(library, monkeypatch):
+    torch.manual_seed(6)
+    layer = SoftMoE(196, 64, expert_hidden=12, activation="relu")  # a layer of the paper's MNIST model
+    x, grad = torch.randn(32, 4, 196), torch.randn(32, 4, 196)
+
+    def run():
+        layer.zero_grad(set_to_none=True)
+        x_req = x.clone().requires_grad_()
+        out = layer(x_req)
+        out.backward(grad)
+        return [out.detach(), x_req.grad] + [p.grad for p in layer.parameters()]
+
+    calls = count_mixing_calls(monkeypatch)
+    fused = run()
+    monkeypatch.setattr(layer_module, "native_mixing_applies", lambda *args: False)
+    plain = run()
+    assert len(calls) == 1
+    for got, want in zip(fused, plain):
+        assert relative_error(got, want) < 1e-5
+
+
+def test_the_fused_pass_applies_only_where_it_serves(library):
+    x = torch.randn(2, 4, 8)
+    assert native_mixing_applies(x, MIXING_MAX_HIDDEN, "relu")
+    assert not native_mixing_applies(x, MIXING_MAX_HIDDEN + 1, "relu")
+    assert not native_mixing_applies(x, 4, "gelu")
+    assert not native_mixing_applies(torch.randn(2, MIXING_MAX_TOKENS + 1, 8), 4, "relu")
+    assert not native_mixing_applies(x.double(), 4, "relu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not native_mixing_applies(x, 4, "relu")
+    seen = []
+
+    def inside(t):
+        seen.append(native_mixing_applies(x, 4, "relu"))
+        return t.sum()
+
+    torch.func.grad(inside)(torch.ones(3))
+    assert seen == [False]
+
+
+def test_native_off_means_torch(monkeypatch):
+    monkeypatch.setenv("SOFTMOE_NATIVE", "0")
+    kernels.native_library.cache_clear()
+    try:
+        assert not native_mixing_applies(torch.randn(2, 4, 8), 4, "relu")
+    finally:
+        kernels.native_library.cache_clear()
+
+
+def test_a_broadcast_upstream_gradient_is_read_while_alive(library):
+    """out.sum().backward() hands the backward an expanded (stride-0) gradient; its contiguous copy must live until
+    the kernel has read it (a temporary freed early was reused by the kernel's scratch memory: NaN gradients)."""
+    for seed in range(5):
+        inputs = random_inputs(33, 2, 10, 2, 1, 4, bias=True, seed=seed)
+        soft_moe_mixing(*inputs).sum().backward()
+        leaves = [t.detach().double().requires_grad_() for t in inputs]
+        mixing_reference(*leaves).sum().backward()
+        for got, ref in zip(inputs, leaves):
+            assert relative_error(got.grad, ref.grad) < 1e-5
