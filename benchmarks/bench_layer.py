@@ -31,7 +31,8 @@ Definitions (B batch, M tokens, D dim, N experts, P slots per expert, H expert h
   x and output read/written with their gradients).
 - Roofline time = max(FLOPs / matmul peak, bytes / copy bandwidth); "x roofline" = measured time / roofline.
 - Speed-up vs loop = loop time / layer time; dense-MLP ratio = layer time / dense MLP time (fwd, fwd+bwd).
-- path: "slot" (dispatch, batched experts, combine) or "token" (the exact token-space rewrite), as chosen by
+- path: "fused" (the native one-pass kernel of ``softmoe.kernels.soft_moe_mixing``, for small relu experts), else
+  "slot" (dispatch, batched experts, combine) or "token" (the exact token-space rewrite), as chosen by
   ``layer._token_space_is_cheaper``.
 - other load: cores kept busy by other processes while a row was timed (from /proc/stat); above 0.2 the row's
   multi-threaded timings are inflated and the script says so.
@@ -68,6 +69,7 @@ from common import (  # noqa: E402
 )
 
 import softmoe  # noqa: E402
+from softmoe.kernels import native_mixing_applies  # noqa: E402
 from softmoe.models.mnist import expert_hidden_for  # noqa: E402
 from softmoe.runtime import tune_cpu_allocator  # noqa: E402
 
@@ -137,6 +139,13 @@ def dense_mlp(shape: Shape) -> nn.Module:
     return nn.Sequential(
         nn.Linear(shape.dim, hidden), ACTIVATION_MODULES[shape.activation](), nn.Linear(hidden, shape.dim)
     )
+
+
+def layer_path(layer: softmoe.SoftMoE, x: torch.Tensor) -> str:
+    """How the layer computes x: "fused" (the native one-pass kernel), "token" (token-space rewrite) or "slot"."""
+    if native_mixing_applies(x, layer.experts.hidden, layer.experts.activation):
+        return "fused"
+    return "token" if layer._token_space_is_cheaper(x.shape[1]) else "slot"
 
 
 def layer_flops(s: Shape) -> float:
@@ -228,7 +237,7 @@ def bench_shape(
         "slots": s.slots,
         "hidden": s.hidden,
         "activation": s.activation,
-        "path": "token" if layer._token_space_is_cheaper(s.tokens) else "slot",
+        "path": layer_path(layer, x),
         "dense_hidden": dense[0].out_features,
         "loop_relative_error": error,
         "fwd_flops": flops,
@@ -361,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         "2BMDNP (logits) + 2BMNPD (dispatch) + 2BMNPD (combine) + 2BNP(2DH) (experts), fwd+bwd = 3x fwd; "
         "bytes (compulsory): fwd 4(params + 2BMD), fwd+bwd 4(3 params + 4BMD); x roofline = time / "
         "max(FLOPs/peak, bytes/bandwidth); speed-up vs loop = nn.ModuleList-loop time / layer time; dense-MLP ratio "
-        "= layer time / time of a dense MLP with the experts' FLOPs; path: slot formulation or token-space rewrite; "
+        "= layer time / time of a dense MLP with the experts' FLOPs; path: fused native kernel, slot formulation or "
+        "token-space rewrite; "
         "other load: cores kept busy by other processes while the row was timed (> 0.2: timings inflated)."
     )
     print()
