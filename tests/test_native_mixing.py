@@ -47,14 +47,16 @@ def random_inputs(batch, tokens, dim, experts, slots_per_expert, hidden, bias, s
 
 # (batch, tokens, dim, experts, slots per expert, hidden): partial last group of inputs (37 = 2 x 16 + 5), fewer
 # inputs than vector lanes, five groups (two group blocks), one token, the most tokens, hidden sizes that are one
-# block of 4 units, blocks plus a tail of 1, 2 or 3, and several slots per expert.
+# block of 8 units, blocks plus a tail, several slots per expert, and full groups with more slots than a routing
+# chunk (64) in runs of 16 (transposed in registers) and a tail.
 SHAPES = [
     (37, 4, 20, 6, 1, 2),
-    (16, 4, 33, 5, 2, 4),
+    (16, 4, 33, 5, 2, 8),
     (5, 3, 7, 3, 3, 9),
     (70, MIXING_MAX_TOKENS, 12, 2, 1, 6),
     (9, 1, 5, 4, 1, 1),
-    (40, 5, 16, 7, 1, 15),
+    (40, 5, 16, 7, 1, 19),
+    (48, 4, 10, 45, 2, 3),
 ]
 
 

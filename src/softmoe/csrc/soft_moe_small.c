@@ -35,7 +35,7 @@
 #define LANES 4
 #define IOTA {0, 1, 2, 3}
 #endif
-#define KBLOCK 4       /* hidden units per register block */
+#define KBLOCK 8       /* hidden units per register block */
 #define GROUP_BLOCK 4  /* groups whose slot vectors and gradients a thread keeps while it runs through its experts */
 #define INLINE static inline __attribute__((always_inline))
 
@@ -57,6 +57,10 @@ INLINE vec relu_slope(vec v) { return (vec)((ivec)((vec){0} + 1.0f) & (v > 0)); 
     case 1: CALL(k, 1, first, last); break;                                                                           \
     case 2: CALL(k, 2, first, last); break;                                                                           \
     case 3: CALL(k, 3, first, last); break;                                                                           \
+    case 4: CALL(k, 4, first, last); break;                                                                           \
+    case 5: CALL(k, 5, first, last); break;                                                                           \
+    case 6: CALL(k, 6, first, last); break;                                                                           \
+    case 7: CALL(k, 7, first, last); break;                                                                           \
     default: CALL(k, KBLOCK, first, last); break;                                                                     \
     }
 #define FOR_BLOCKS(Hd, CALL)                                                                                          \
@@ -93,30 +97,49 @@ INLINE void layer1_block(vec *restrict h, const vec *restrict xg, const vec *res
     for (int kk = 0; kk < kb; kk++) h[kk] = acc[kk];
 }
 
-/* y[d] (+)= sum_kk a[kk] w2[kk * Dm + d] (starting from b2[d] or 0 on the first block); on the last block the
- * finished y is spread into the outputs instead, og[t * Dm + d] += cs[t] y[d]. */
-INLINE void layer2_block(vec *restrict og, const vec *restrict cs, vec *restrict y, const vec *restrict a,
-                         const float *restrict w2, const float *restrict b2, long M, long Dm, const int kb,
-                         const int first, const int last)
+/* y[d] (+)= sum_kk a[kk] w2[kk * Dm + d], starting from b2[d] (or 0) on the first block */
+INLINE void layer2_block(vec *restrict y, const vec *restrict a, const float *restrict w2, const float *restrict b2,
+                         long Dm, const int kb, const int first)
 {
-    vec av[KBLOCK], csv[MAX_TOKENS];
+    vec av[KBLOCK];
     for (int kk = 0; kk < kb; kk++) av[kk] = a[kk];
-    for (long t = 0; t < M; t++) csv[t] = cs[t];
     for (long d = 0; d < Dm; d++) {
         vec v = first ? (vec){0} + (b2 ? b2[d] : 0.0f) : y[d];
         for (int kk = 0; kk < kb; kk++) v += av[kk] * w2[kk * Dm + d];
-        if (last)
-            for (long t = 0; t < M; t++) og[t * Dm + d] += csv[t] * v;
-        else
-            y[d] = v;
+        y[d] = v;
     }
 }
 
-/* One slot of one group: dispatch, both expert layers, combine into og; pre-activations to ps. */
-INLINE void forward_slot(vec *restrict og, vec *restrict ps, const vec *restrict xg, const vec *restrict ds,
-                         const vec *restrict cs, const float *restrict w1, const float *restrict b1,
-                         const float *restrict w2, const float *restrict b2, vec *restrict buf, vec *restrict a,
-                         long M, long Hd, long Dm)
+#define SPREAD_SLOTS 4 /* slots whose outputs (or token gradients) are added to a group's rows in one pass */
+
+/* rows[t * Dm + d] += sum_{i < count} coef[i * M + t] vals[i * Dm + d]: the combine of a few slots' outputs into
+ * the tokens (or the dispatch of their slot gradients back to the tokens), the rows read and written once. */
+INLINE void spread_slots(vec *restrict rows, const vec *restrict coef, const vec *restrict vals, long count, long M,
+                         long Dm)
+{
+    vec c[SPREAD_SLOTS * MAX_TOKENS];
+    for (long i = 0; i < count * M; i++) c[i] = coef[i];
+    for (long d = 0; d < Dm; d++)
+        for (long t = 0; t < M; t++) {
+            vec acc = rows[t * Dm + d];
+            for (long i = 0; i < count; i++) acc += c[i * M + t] * vals[i * Dm + d];
+            rows[t * Dm + d] = acc;
+        }
+}
+
+static void spread_pending(vec *restrict rows, const vec *restrict coef, const vec *restrict vals, long count,
+                           long M, long Dm)
+{
+    if (count == SPREAD_SLOTS && M == 4)
+        spread_slots(rows, coef, vals, SPREAD_SLOTS, 4, Dm);
+    else
+        spread_slots(rows, coef, vals, count, M, Dm);
+}
+
+/* One slot of one group: dispatch and both expert layers; its output to y, its pre-activations to ps. */
+INLINE void forward_slot(vec *restrict y, vec *restrict ps, const vec *restrict xg, const vec *restrict ds,
+                         const float *restrict w1, const float *restrict b1, const float *restrict w2,
+                         const float *restrict b2, vec *restrict buf, vec *restrict a, long M, long Hd, long Dm)
 {
 #define LAYER1(k, kb, first, last) layer1_block(ps + (k), xg, ds, buf, w1 + (k), Hd, M, Dm, kb, first, last)
     FOR_BLOCKS(Hd, LAYER1)
@@ -125,7 +148,7 @@ INLINE void forward_slot(vec *restrict og, vec *restrict ps, const vec *restrict
         ps[k] += b1 ? b1[k] : 0.0f;
         a[k] = relu(ps[k]);
     }
-#define LAYER2(k, kb, first, last) layer2_block(og, cs, buf, a + (k), w2 + (k) * Dm, b2, M, Dm, kb, first, last)
+#define LAYER2(k, kb, first, last) layer2_block(y, a + (k), w2 + (k) * Dm, b2, Dm, kb, first)
     FOR_BLOCKS(Hd, LAYER2)
 #undef LAYER2
 }
@@ -165,33 +188,98 @@ static void scatter(float *restrict dst, const vec *restrict src, group_t grp, l
     }
 }
 
-/* v[t][l] = routing[(grp.first + l) * M * S + t * S + s] for t < M: slot s's weights, token by token */
-static void gather_slot(vec *restrict v, const float *restrict routing, group_t grp, long s, long M, long S)
+typedef float uvec __attribute__((vector_size(LANES * 4), aligned(4))); /* a vector at any float address */
+
+/* The transpose of a LANES x LANES block held in v (v[i][l] becomes v[l][i]): the off-diagonal sub-blocks of width
+ * 1, 2, 4, ... are swapped, two shuffles per pair of vectors and width. */
+INLINE void transpose_block(vec *v)
 {
-    for (long t = 0; t < M; t++) v[t] = (vec){0};
-    for (long l = 0; l < grp.lanes; l++)
-        for (long t = 0; t < M; t++) v[t][l] = routing[((grp.first + l) * M + t) * S + s];
+    const ivec iota = IOTA;
+#pragma GCC unroll 4
+    for (int w = 1; w < LANES; w *= 2) {
+        const ivec upper = (iota & w) != 0;
+        const ivec lo = (upper & (iota - w + LANES)) | (~upper & iota);
+        const ivec hi = (upper & (iota + LANES)) | (~upper & (iota + w));
+#pragma GCC unroll 16
+        for (int i = 0; i < LANES; i++) {
+            if (i & w) continue;
+            const vec x = v[i], y = v[i + w];
+            v[i] = __builtin_shuffle(x, y, lo);
+            v[i + w] = __builtin_shuffle(x, y, hi);
+        }
+    }
 }
 
-static void scatter_slot(float *restrict routing, const vec *restrict v, group_t grp, long s, long M, long S)
+/* v[(s - s0) * M + t][l] = routing[((grp.first + l) * M + t) * S + s] for slots s0 <= s < s0 + count and t < M:
+ * the routing weights of a chunk of slots, one vector per (slot, token). A full group's rows are read LANES slots
+ * at a time and transposed in registers; the rest one float at a time. */
+static void gather_slots(vec *restrict v, const float *restrict routing, group_t grp, long s0, long count, long M,
+                         long S)
 {
+    long done = 0;
+    if (grp.lanes == LANES)
+        for (; done + LANES <= count; done += LANES)
+            for (long t = 0; t < M; t++) {
+                vec block[LANES];
+#pragma GCC unroll 16
+                for (long l = 0; l < LANES; l++)
+                    block[l] = *(const uvec *)(routing + ((grp.first + l) * M + t) * S + s0 + done);
+                transpose_block(block);
+#pragma GCC unroll 16
+                for (long i = 0; i < LANES; i++) v[(done + i) * M + t] = block[i];
+            }
+    if (done == count) return;
+    if (grp.lanes < LANES) memset(v + done * M, 0, (count - done) * M * sizeof(vec));
     for (long l = 0; l < grp.lanes; l++)
-        for (long t = 0; t < M; t++) routing[((grp.first + l) * M + t) * S + s] = v[t][l];
+        for (long t = 0; t < M; t++) {
+            const float *row = routing + ((grp.first + l) * M + t) * S + s0;
+            for (long s = done; s < count; s++) v[s * M + t][l] = row[s];
+        }
 }
 
+/* The inverse of gather_slots: routing[((grp.first + l) * M + t) * S + s] = v[(s - s0) * M + t][l]. */
+static void scatter_slots(float *restrict routing, const vec *restrict v, group_t grp, long s0, long count, long M,
+                          long S)
+{
+    long done = 0;
+    if (grp.lanes == LANES)
+        for (; done + LANES <= count; done += LANES)
+            for (long t = 0; t < M; t++) {
+                vec block[LANES];
+#pragma GCC unroll 16
+                for (long i = 0; i < LANES; i++) block[i] = v[(done + i) * M + t];
+                transpose_block(block);
+#pragma GCC unroll 16
+                for (long l = 0; l < LANES; l++)
+                    *(uvec *)(routing + ((grp.first + l) * M + t) * S + s0 + done) = block[l];
+            }
+    for (long l = 0; l < grp.lanes; l++)
+        for (long t = 0; t < M; t++) {
+            float *row = routing + ((grp.first + l) * M + t) * S + s0;
+            for (long s = done; s < count; s++) row[s] = v[s * M + t][l];
+        }
+}
+
+#define SLOT_CHUNK 64 /* slots whose routing weights are gathered (and gradients scattered) together */
+
+/* All slots of one group, outputs to og; ys holds SPREAD_SLOTS slot outputs until they are combined. */
 INLINE void forward_group(vec *restrict og, vec *restrict pg, const vec *restrict xg, const float *dispatch,
                           const float *combine, group_t grp, const float *w1, const float *b1, const float *w2,
-                          const float *b2, vec *restrict buf, vec *restrict a, long M, long S, long P, long Hd,
-                          long Dm)
+                          const float *b2, vec *restrict buf, vec *restrict a, vec *restrict ds, vec *restrict cs,
+                          vec *restrict ys, long M, long S, long P, long Hd, long Dm)
 {
-    vec ds[MAX_TOKENS], cs[MAX_TOKENS];
     memset(og, 0, M * Dm * sizeof(vec));
-    for (long s = 0; s < S; s++) {
-        const long j = s / P;
-        gather_slot(ds, dispatch, grp, s, M, S);
-        gather_slot(cs, combine, grp, s, M, S);
-        forward_slot(og, pg + s * Hd, xg, ds, cs, w1 + j * Dm * Hd, b1 ? b1 + j * Hd : NULL, w2 + j * Hd * Dm,
-                     b2 ? b2 + j * Dm : NULL, buf, a, M, Hd, Dm);
+    for (long s0 = 0; s0 < S; s0 += SLOT_CHUNK) {
+        const long count = S - s0 < SLOT_CHUNK ? S - s0 : SLOT_CHUNK;
+        gather_slots(ds, dispatch, grp, s0, count, M, S);
+        gather_slots(cs, combine, grp, s0, count, M, S);
+        for (long s = s0; s < s0 + count; s++) {
+            const long j = s / P, pending = (s - s0) % SPREAD_SLOTS;
+            forward_slot(ys + pending * Dm, pg + s * Hd, xg, ds + (s - s0) * M, w1 + j * Dm * Hd,
+                         b1 ? b1 + j * Hd : NULL, w2 + j * Hd * Dm, b2 ? b2 + j * Dm : NULL, buf, a, M, Hd, Dm);
+            if (pending == SPREAD_SLOTS - 1 || s == s0 + count - 1)
+                spread_pending(og, cs + (s - pending - s0) * M, ys, pending + 1, M, Dm);
+        }
     }
 }
 
@@ -210,17 +298,18 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
-        vec *xg = aligned_alloc(sizeof(vec), (2 * M * Dm + Dm + Hd) * sizeof(vec));
-        vec *og = xg + M * Dm, *buf = og + M * Dm, *a = buf + Dm;
+        vec *xg = aligned_alloc(sizeof(vec), ((2 * M + 1 + SPREAD_SLOTS) * Dm + Hd + 2 * SLOT_CHUNK * M) * sizeof(vec));
+        vec *og = xg + M * Dm, *buf = og + M * Dm, *a = buf + Dm, *ds = a + Hd, *cs = ds + SLOT_CHUNK * M;
+        vec *ys = cs + SLOT_CHUNK * M;
         const long t = omp_get_thread_num(), count = omp_get_num_threads();
         for (long g = G * t / count; g < G * (t + 1) / count; g++) {
             const group_t grp = group_of(g, B);
             vec *pg = (vec *)pre + g * S * Hd;
             gather(xg, x, grp, M * Dm, M * Dm);
             if (M == 4)
-                forward_group(og, pg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, 4, S, P, Hd, Dm);
+                forward_group(og, pg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, ds, cs, ys, 4, S, P, Hd, Dm);
             else
-                forward_group(og, pg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, M, S, P, Hd, Dm);
+                forward_group(og, pg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, ds, cs, ys, M, S, P, Hd, Dm);
             scatter(out, og, grp, M * Dm, M * Dm, 0);
         }
         free(xg);
@@ -261,10 +350,10 @@ INLINE void layer2_back_block(vec *restrict gcs, vec *restrict gpre, vec *restri
     for (long t = 0; t < M; t++) gcs[t] = gc[t];
 }
 
-/* Through the first layer and the dispatch, one block of hidden units: gslot (+)= sum_kk gpre[kk] w1[., kk]; the
- * first block also computes slot = sum_t ds[t] xg[t] into `slot`; the last one adds gds[t] = xg[t] . gslot and
- * gxg[t] += ds[t] gslot (earlier blocks keep the partial gslot in `gslot`). */
-INLINE void layer1_back_block(vec *restrict gds, vec *restrict gxg, vec *restrict slot, vec *restrict gslot,
+/* Through the first layer, one block of hidden units: gslot (+)= sum_kk gpre[kk] w1[., kk]; the first block also
+ * computes slot = sum_t ds[t] xg[t] into `slot`, the last one gds[t] = xg[t] . gslot (the tokens' share,
+ * ds[t] gslot, is added later by spread_pending). */
+INLINE void layer1_back_block(vec *restrict gds, vec *restrict slot, vec *restrict gslot,
                               const vec *restrict xg, const vec *restrict ds, const vec *restrict gpre,
                               const float *restrict w1, long Hd, long M, long Dm, const int kb, const int first,
                               const int last)
@@ -280,22 +369,17 @@ INLINE void layer1_back_block(vec *restrict gds, vec *restrict gxg, vec *restric
         }
         vec g = first ? (vec){0} : gslot[d];
         for (int kk = 0; kk < kb; kk++) g += gp[kk] * w1[d * Hd + kk];
-        if (last) {
-            for (long t = 0; t < M; t++) {
-                gd[t] += xg[t * Dm + d] * g;
-                gxg[t * Dm + d] += dsv[t] * g;
-            }
-        } else {
-            gslot[d] = g;
-        }
+        if (last)
+            for (long t = 0; t < M; t++) gd[t] += xg[t * Dm + d] * g;
+        gslot[d] = g;
     }
     if (last)
         for (long t = 0; t < M; t++) gds[t] = gd[t];
 }
 
-/* One slot of one group, backward: gradients of its routing weights (gcs, gds) and of its tokens (added to gxg);
- * keeps gy, slot, a = relu(pre) and gpre for the weight gradients. */
-INLINE void backward_slot(vec *restrict gcs, vec *restrict gds, vec *restrict gxg, vec *restrict gy,
+/* One slot of one group, backward: gradients of its routing weights (gcs, gds) and of its slot vector (gslot, to
+ * be spread to the tokens); keeps gy, slot, a = relu(pre) and gpre for the weight gradients. */
+INLINE void backward_slot(vec *restrict gcs, vec *restrict gds, vec *restrict gy,
                           vec *restrict slot, vec *restrict a, vec *restrict gpre, vec *restrict gslot,
                           const vec *restrict gog, const vec *restrict xg, const vec *restrict ds,
                           const vec *restrict cs, const vec *restrict ps, const float *restrict w1,
@@ -309,7 +393,7 @@ INLINE void backward_slot(vec *restrict gcs, vec *restrict gds, vec *restrict gx
 #undef LAYER2
     for (long k = 0; k < Hd; k++) gpre[k] *= relu_slope(ps[k]);
 #define LAYER1(k, kb, first, last)                                                                                    \
-    layer1_back_block(gds, gxg, slot, gslot, xg, ds, gpre + (k), w1 + (k), Hd, M, Dm, kb, first, last)
+    layer1_back_block(gds, slot, gslot, xg, ds, gpre + (k), w1 + (k), Hd, M, Dm, kb, first, last)
     FOR_BLOCKS(Hd, LAYER1)
 #undef LAYER1
 }
@@ -331,8 +415,6 @@ INLINE vec lane_sums(vec *v)
     }
     return v[0];
 }
-
-typedef float uvec __attribute__((vector_size(LANES * 4), aligned(4))); /* a vector at any float address */
 
 /* row[d] += sum over groups g < ng and lanes of coef[g * cs] * rows[g * Dm + d] (coef NULL: 1), for d < Dm */
 static void add_lane_sums(float *restrict row, const vec *restrict coef, long cs, const vec *restrict rows, long ng,
@@ -391,11 +473,16 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
         const long t = omp_get_thread_num(), count = omp_get_num_threads();
         const long first = n * t / count, last = n * (t + 1) / count;
         float *gx = grad_x_partial + t * B * MD;
-        /* per group of a block: x, grad_out, grad_x (M * Dm each), gy, slot (Dm), a, gpre (Hd); and gslot (Dm) */
-        vec *xg = aligned_alloc(sizeof(vec), (GROUP_BLOCK * (3 * MD + 2 * Dm + 2 * Hd) + Dm) * sizeof(vec));
+        /* per group of a block: x, grad_out, grad_x (M * Dm each), gy, slot (Dm), a, gpre (Hd), the routing weights
+         * of a chunk of slots and their gradients (4 * SLOT_CHUNK * M), the slot gradients not yet spread to the
+         * tokens (SPREAD_SLOTS * Dm) */
+        const long per_group = 3 * MD + (2 + SPREAD_SLOTS) * Dm + 2 * Hd + 4 * SLOT_CHUNK * M;
+        vec *xg = aligned_alloc(sizeof(vec), GROUP_BLOCK * per_group * sizeof(vec));
         vec *gog = xg + GROUP_BLOCK * MD, *gxg = gog + GROUP_BLOCK * MD, *gy = gxg + GROUP_BLOCK * MD;
         vec *slot = gy + GROUP_BLOCK * Dm, *a = slot + GROUP_BLOCK * Dm, *gpre = a + GROUP_BLOCK * Hd;
-        vec *gslot = gpre + GROUP_BLOCK * Hd;
+        vec *gslots = gpre + GROUP_BLOCK * Hd, *ds = gslots + GROUP_BLOCK * SPREAD_SLOTS * Dm;
+        vec *cs = ds + GROUP_BLOCK * SLOT_CHUNK * M;
+        vec *gds_all = cs + GROUP_BLOCK * SLOT_CHUNK * M, *gcs_all = gds_all + GROUP_BLOCK * SLOT_CHUNK * M;
         memset(grad_w1t + first * Hd * Dm, 0, (last - first) * Hd * Dm * sizeof(float));
         memset(grad_w2 + first * Hd * Dm, 0, (last - first) * Hd * Dm * sizeof(float));
         if (grad_b1) memset(grad_b1 + first * Hd, 0, (last - first) * Hd * sizeof(float));
@@ -408,29 +495,39 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
                 gather(gog + gi * MD, grad_out, grp, MD, MD);
             }
             memset(gxg, 0, ng * MD * sizeof(vec));
-            for (long s = first * P; s < last * P; s++) {
-                const long j = s / P;
-                const float *w1j = w1 + j * Dm * Hd, *w2j = w2 + j * Hd * Dm, *b2j = b2 ? b2 + j * Dm : NULL;
+            for (long s0 = first * P; s0 < last * P; s0 += SLOT_CHUNK) {
+                const long count = last * P - s0 < SLOT_CHUNK ? last * P - s0 : SLOT_CHUNK, chunk = count * M;
                 for (long gi = 0; gi < ng; gi++) {
-                    const long g = g0 + gi;
-                    const group_t grp = group_of(g, B);
-                    const vec *ps = (const vec *)pre + (g * S + s) * Hd;
-                    vec ds[MAX_TOKENS], cs[MAX_TOKENS], gds[MAX_TOKENS], gcs[MAX_TOKENS];
-                    gather_slot(ds, dispatch, grp, s, M, S);
-                    gather_slot(cs, combine, grp, s, M, S);
-                    if (M == 4)
-                        backward_slot(gcs, gds, gxg + gi * MD, gy + gi * Dm, slot + gi * Dm, a + gi * Hd,
-                                      gpre + gi * Hd, gslot, gog + gi * MD, xg + gi * MD, ds, cs, ps, w1j, w2j, b2j,
-                                      4, Hd, Dm);
-                    else
-                        backward_slot(gcs, gds, gxg + gi * MD, gy + gi * Dm, slot + gi * Dm, a + gi * Hd,
-                                      gpre + gi * Hd, gslot, gog + gi * MD, xg + gi * MD, ds, cs, ps, w1j, w2j, b2j,
-                                      M, Hd, Dm);
-                    scatter_slot(grad_dispatch, gds, grp, s, M, S);
-                    scatter_slot(grad_combine, gcs, grp, s, M, S);
+                    gather_slots(ds + gi * chunk, dispatch, group_of(g0 + gi, B), s0, count, M, S);
+                    gather_slots(cs + gi * chunk, combine, group_of(g0 + gi, B), s0, count, M, S);
                 }
-                add_weight_grads(grad_w1t + j * Hd * Dm, grad_b1 ? grad_b1 + j * Hd : NULL, grad_w2 + j * Hd * Dm,
-                                 grad_b2 ? grad_b2 + j * Dm : NULL, a, gpre, gy, slot, ng, Hd, Dm);
+                for (long s = s0; s < s0 + count; s++) {
+                    const long j = s / P, at = (s - s0) * M, pending = (s - s0) % SPREAD_SLOTS;
+                    const float *w1j = w1 + j * Dm * Hd, *w2j = w2 + j * Hd * Dm, *b2j = b2 ? b2 + j * Dm : NULL;
+                    for (long gi = 0; gi < ng; gi++) {
+                        const vec *ps = (const vec *)pre + ((g0 + gi) * S + s) * Hd;
+                        vec *gcs = gcs_all + gi * chunk + at, *gds = gds_all + gi * chunk + at;
+                        const vec *dsi = ds + gi * chunk + at, *csi = cs + gi * chunk + at;
+                        vec *pending_slots = gslots + gi * SPREAD_SLOTS * Dm, *gslot = pending_slots + pending * Dm;
+                        if (M == 4)
+                            backward_slot(gcs, gds, gy + gi * Dm, slot + gi * Dm, a + gi * Hd,
+                                          gpre + gi * Hd, gslot, gog + gi * MD, xg + gi * MD, dsi, csi, ps, w1j,
+                                          w2j, b2j, 4, Hd, Dm);
+                        else
+                            backward_slot(gcs, gds, gy + gi * Dm, slot + gi * Dm, a + gi * Hd,
+                                          gpre + gi * Hd, gslot, gog + gi * MD, xg + gi * MD, dsi, csi, ps, w1j,
+                                          w2j, b2j, M, Hd, Dm);
+                        if (pending == SPREAD_SLOTS - 1 || s == s0 + count - 1)
+                            spread_pending(gxg + gi * MD, dsi - pending * M, pending_slots, pending + 1, M, Dm);
+                    }
+                    add_weight_grads(grad_w1t + j * Hd * Dm, grad_b1 ? grad_b1 + j * Hd : NULL,
+                                     grad_w2 + j * Hd * Dm, grad_b2 ? grad_b2 + j * Dm : NULL, a, gpre, gy, slot, ng,
+                                     Hd, Dm);
+                }
+                for (long gi = 0; gi < ng; gi++) {
+                    scatter_slots(grad_dispatch, gds_all + gi * chunk, group_of(g0 + gi, B), s0, count, M, S);
+                    scatter_slots(grad_combine, gcs_all + gi * chunk, group_of(g0 + gi, B), s0, count, M, S);
+                }
             }
             for (long gi = 0; gi < ng; gi++) scatter(gx, gxg + gi * MD, group_of(g0 + gi, B), MD, MD, 1);
         }
