@@ -25,3 +25,12 @@ def kernels_called(fn) -> set[str]:
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """max |got - want| / max |want|, computed in float64."""
     return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+
+
+def output_and_gradients(layer, x: torch.Tensor, grad: torch.Tensor, mask: torch.Tensor | None = None) -> list:
+    """[layer(x), d x, d every parameter] for the upstream gradient ``grad``, from fresh gradients."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    out = layer(x) if mask is None else layer(x, mask)
+    out.backward(grad)
+    return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]

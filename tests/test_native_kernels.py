@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from reference import relative_error
+from reference import output_and_gradients, relative_error
 
 import softmoe.experts as experts_module
 import softmoe.kernels as kernels
@@ -167,19 +167,11 @@ def test_soft_moe_layer_is_the_same_with_and_without_native_kernels(library, mon
     layer = SoftMoE(64, 4, slots_per_expert=2, expert_hidden=4096)
     x = torch.randn(4, 10, 64)  # 4 inputs x 2 slots = 8 rows per expert
     g = torch.randn(4, 10, 64)
-
-    def run():
-        layer.zero_grad(set_to_none=True)
-        x_req = x.clone().requires_grad_()
-        out = layer(x_req)
-        out.backward(g)
-        return [out.detach(), x_req.grad] + [p.grad for p in layer.parameters()]
-
     calls = count_native_calls(monkeypatch)
-    native = run()
+    native = output_and_gradients(layer, x, g)
     assert calls == [8, 8]
     monkeypatch.setattr(experts_module, "native_applies", lambda x, weight: False)
-    plain = run()
+    plain = output_and_gradients(layer, x, g)
     assert len(calls) == 2
     for got, want in zip(native, plain):
         assert relative_error(got, want.double()) < 1e-5

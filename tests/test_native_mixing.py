@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import ref_activation, relative_error
+from reference import output_and_gradients, ref_activation, relative_error
 
 import softmoe.kernels as kernels
 import softmoe.layer as layer_module
@@ -113,20 +113,13 @@ def test_layer_takes_the_fused_pass_and_matches_float64_with_a_mask(library, mon
     mask[7] = False  # a fully padded input
     grad = torch.randn(19, 4, 24)
     calls = count_mixing_calls(monkeypatch)
-    x32 = x.clone().requires_grad_()
-    out = layer(x32, mask)
-    out.backward(grad)
+    got = output_and_gradients(layer, x, grad, mask)
     assert calls == [(19, 4, 24)]
-    got = [out, x32.grad] + [p.grad for p in layer.parameters()]
-
-    reference_layer = layer.double()  # float64: torch's ops
-    reference_layer.zero_grad(set_to_none=True)
-    x64 = x.double().requires_grad_()
-    want = reference_layer(x64, mask)
-    want.backward(grad.double())
+    want = output_and_gradients(layer.double(), x.double(), grad.double(), mask)  # float64: torch's ops
     assert len(calls) == 1
-    for got_t, want_t in zip(got, [want, x64.grad] + [p.grad for p in reference_layer.parameters()]):
+    for got_t, want_t in zip(got, want):
         assert relative_error(got_t, want_t) < 1e-5
+    out = got[0]
     assert torch.equal(out[3, 2:], torch.zeros(2, 24)) and torch.equal(out[7], torch.zeros(4, 24))
 
 
@@ -134,18 +127,10 @@ def test_layer_is_the_same_with_and_without_the_fused_pass(library, monkeypatch)
     torch.manual_seed(6)
     layer = SoftMoE(196, 64, expert_hidden=12, activation="relu")  # a layer of the paper's MNIST model
     x, grad = torch.randn(32, 4, 196), torch.randn(32, 4, 196)
-
-    def run():
-        layer.zero_grad(set_to_none=True)
-        x_req = x.clone().requires_grad_()
-        out = layer(x_req)
-        out.backward(grad)
-        return [out.detach(), x_req.grad] + [p.grad for p in layer.parameters()]
-
     calls = count_mixing_calls(monkeypatch)
-    fused = run()
+    fused = output_and_gradients(layer, x, grad)
     monkeypatch.setattr(layer_module, "native_mixing_applies", lambda *args: False)
-    plain = run()
+    plain = output_and_gradients(layer, x, grad)
     assert len(calls) == 1
     for got, want in zip(fused, plain):
         assert relative_error(got, want) < 1e-5

@@ -210,54 +210,52 @@ INLINE void transpose_block(vec *v)
     }
 }
 
-/* v[(s - s0) * M + t][l] = routing[((grp.first + l) * M + t) * S + s] for slots s0 <= s < s0 + count and t < M:
- * the routing weights of a chunk of slots, one vector per (slot, token). A full group's rows are read LANES slots
- * at a time and transposed in registers; the rest one float at a time. */
-static void gather_slots(vec *restrict v, const float *restrict routing, group_t grp, long s0, long count, long M,
-                         long S)
+/* Between the routing layout and vectors of a group: v[(s - s0) * M + t][l] = routing[((grp.first + l) * M + t) *
+ * S + s] for slots s0 <= s < s0 + count and t < M, one vector per (slot, token); `gather` copies the routing
+ * weights into v (zero in lanes past the group's inputs), otherwise v's gradients go back into routing. A full
+ * group's rows move LANES slots at a time, transposed in registers; the rest one float at a time. */
+static void move_slots(vec *restrict v, float *restrict routing, group_t grp, long s0, long count, long M, long S,
+                       int gather)
 {
     long done = 0;
     if (grp.lanes == LANES)
         for (; done + LANES <= count; done += LANES)
             for (long t = 0; t < M; t++) {
+                float *rows = routing + (grp.first * M + t) * S + s0 + done;
                 vec block[LANES];
 #pragma GCC unroll 16
-                for (long l = 0; l < LANES; l++)
-                    block[l] = *(const uvec *)(routing + ((grp.first + l) * M + t) * S + s0 + done);
+                for (long i = 0; i < LANES; i++)
+                    block[i] = gather ? *(uvec *)(rows + i * M * S) : v[(done + i) * M + t];
                 transpose_block(block);
 #pragma GCC unroll 16
-                for (long i = 0; i < LANES; i++) v[(done + i) * M + t] = block[i];
+                for (long i = 0; i < LANES; i++) {
+                    if (gather)
+                        v[(done + i) * M + t] = block[i];
+                    else
+                        *(uvec *)(rows + i * M * S) = block[i];
+                }
             }
-    if (done == count) return;
-    if (grp.lanes < LANES) memset(v + done * M, 0, (count - done) * M * sizeof(vec));
-    for (long l = 0; l < grp.lanes; l++)
-        for (long t = 0; t < M; t++) {
-            const float *row = routing + ((grp.first + l) * M + t) * S + s0;
-            for (long s = done; s < count; s++) v[s * M + t][l] = row[s];
-        }
-}
-
-/* The inverse of gather_slots: routing[((grp.first + l) * M + t) * S + s] = v[(s - s0) * M + t][l]. */
-static void scatter_slots(float *restrict routing, const vec *restrict v, group_t grp, long s0, long count, long M,
-                          long S)
-{
-    long done = 0;
-    if (grp.lanes == LANES)
-        for (; done + LANES <= count; done += LANES)
-            for (long t = 0; t < M; t++) {
-                vec block[LANES];
-#pragma GCC unroll 16
-                for (long i = 0; i < LANES; i++) block[i] = v[(done + i) * M + t];
-                transpose_block(block);
-#pragma GCC unroll 16
-                for (long l = 0; l < LANES; l++)
-                    *(uvec *)(routing + ((grp.first + l) * M + t) * S + s0 + done) = block[l];
-            }
+    if (gather && grp.lanes < LANES) memset(v + done * M, 0, (count - done) * M * sizeof(vec));
     for (long l = 0; l < grp.lanes; l++)
         for (long t = 0; t < M; t++) {
             float *row = routing + ((grp.first + l) * M + t) * S + s0;
-            for (long s = done; s < count; s++) row[s] = v[s * M + t][l];
+            for (long s = done; s < count; s++) {
+                if (gather)
+                    v[s * M + t][l] = row[s];
+                else
+                    row[s] = v[s * M + t][l];
+            }
         }
+}
+
+static void gather_slots(vec *v, const float *routing, group_t grp, long s0, long count, long M, long S)
+{
+    move_slots(v, (float *)routing, grp, s0, count, M, S, 1);
+}
+
+static void scatter_slots(float *routing, vec *v, group_t grp, long s0, long count, long M, long S)
+{
+    move_slots(v, routing, grp, s0, count, M, S, 0);
 }
 
 #define SLOT_CHUNK 64 /* slots whose routing weights are gathered (and gradients scattered) together */
