@@ -13,8 +13,8 @@ Two kinds, each taken only where it applies (float32 CPU tensors), with torch's 
     sends 8 rows through each 384 x 1536 weight, a product bound by memory bandwidth that MKL's batched matmul reads
     at about 12 GB/s; these kernels stream the weights at 25-35 GB/s, about what the machine can read;
   - the whole Soft MoE mixing of many small relu experts in one pass (``csrc/soft_moe_small.c``): the paper's MNIST
-    layer (4 tokens, n = 32..512 experts of 24..2 hidden units) is a chain of thin matmuls that write (batch,
-    slots, dim) tensors; the fused kernel keeps every slot in cache (1.3-2x faster, whole layer fwd+bwd).
+    layer (4 tokens, n = 16..512 experts of 49..2 hidden units) is a chain of thin matmuls that write (batch,
+    slots, dim) tensors; the fused kernel keeps every slot in cache (1.1-2x faster, whole layer fwd+bwd).
 
   ``SOFTMOE_NATIVE=0`` turns them off; without a C compiler softmoe runs torch's ops.
 """
@@ -202,10 +202,10 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 # The fused kernel serves inputs of at most MIXING_MAX_TOKENS tokens (their routing weights stay in registers) and
 # experts of at most MIXING_MAX_HIDDEN hidden units. Measured on the reference machine, whole layer fwd+bwd of the
 # paper's MNIST layer (256 x 4 tokens, dim 196), time fused / time of torch's best path: hidden 2 (n = 512) 0.67,
-# 3 (n = 256) 0.64, 6 (n = 128) 0.53, 12 (n = 64) 0.51, 24 (n = 32) 0.76; hidden 49 (n = 16) 0.95-1.02, no gain:
-# larger experts keep torch's batched matmuls.
+# 3 (n = 256) 0.64, 6 (n = 128) 0.53, 12 (n = 64) 0.51, 24 (n = 32) 0.64-0.76, 49 (n = 16) 0.84-0.99; hidden 98
+# (n = 8) 0.94-1.19, no gain: larger experts keep torch's batched matmuls.
 MIXING_MAX_TOKENS = 8
-MIXING_MAX_HIDDEN = 32
+MIXING_MAX_HIDDEN = 64
 
 
 def native_mixing_applies(x: torch.Tensor, hidden: int, activation: str) -> bool:

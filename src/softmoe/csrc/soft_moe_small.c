@@ -8,7 +8,7 @@
  *   y[s]     = relu(pre[s]) @ w2[j] + b2[j]              (Dm)
  *   out[t]   = sum_s combine[t, s] y[s]                  (Dm)
  *
- * With small experts (the "Beyond Parameter Count" MNIST layer: 4 tokens, Dm = 196, n = 32..512, Hd = 784 / n)
+ * With small experts (the "Beyond Parameter Count" MNIST layer: 4 tokens, Dm = 196, n = 16..512, Hd = 784 / n)
  * torch runs this as a chain of thin batched matmuls (contractions over 4 tokens, outputs of width Hd) that write
  * (batch, S, Dm) slot and output tensors to memory (100 MB each at n = 512). Here the inputs are processed in
  * groups of LANES, one input per vector lane: a group's tokens are gathered into a "grouped" buffer (M * Dm vectors,
@@ -166,28 +166,6 @@ static group_t group_of(long g, long B)
     return grp;
 }
 
-/* dst[e][l] = src[(grp.first + l) * stride + e] for e < count (zero in lanes past the group's inputs) */
-static void gather(vec *restrict dst, const float *restrict src, group_t grp, long stride, long count)
-{
-    if (grp.lanes < LANES) memset(dst, 0, count * sizeof(vec));
-    for (long l = 0; l < grp.lanes; l++) {
-        const float *row = src + (grp.first + l) * stride;
-        for (long e = 0; e < count; e++) dst[e][l] = row[e];
-    }
-}
-
-/* dst[(grp.first + l) * stride + e] (+)= src[e][l] for e < count and the group's lanes */
-static void scatter(float *restrict dst, const vec *restrict src, group_t grp, long stride, long count, int add)
-{
-    for (long l = 0; l < grp.lanes; l++) {
-        float *row = dst + (grp.first + l) * stride;
-        if (add)
-            for (long e = 0; e < count; e++) row[e] += src[e][l];
-        else
-            for (long e = 0; e < count; e++) row[e] = src[e][l];
-    }
-}
-
 typedef float uvec __attribute__((vector_size(LANES * 4), aligned(4))); /* a vector at any float address */
 
 /* The transpose of a LANES x LANES block held in v (v[i][l] becomes v[l][i]): the off-diagonal sub-blocks of width
@@ -258,6 +236,17 @@ static void scatter_slots(float *routing, vec *v, group_t grp, long s0, long cou
     move_slots(v, routing, grp, s0, count, M, S, 0);
 }
 
+/* v[e][l] = rows[(grp.first + l) * count + e] for e < count: a group's inputs (rows of `count` floats) as vectors. */
+static void gather_rows(vec *v, const float *rows, group_t grp, long count)
+{
+    move_slots(v, (float *)rows, grp, 0, count, 1, count, 1);
+}
+
+static void scatter_rows(float *rows, vec *v, group_t grp, long count)
+{
+    move_slots(v, rows, grp, 0, count, 1, count, 0);
+}
+
 #define SLOT_CHUNK 64 /* slots whose routing weights are gathered (and gradients scattered) together */
 
 /* All slots of one group, outputs to og; ys holds SPREAD_SLOTS slot outputs until they are combined. */
@@ -303,12 +292,12 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
         for (long g = G * t / count; g < G * (t + 1) / count; g++) {
             const group_t grp = group_of(g, B);
             vec *pg = (vec *)pre + g * S * Hd;
-            gather(xg, x, grp, M * Dm, M * Dm);
+            gather_rows(xg, x, grp, M * Dm);
             if (M == 4)
                 forward_group(og, pg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, ds, cs, ys, 4, S, P, Hd, Dm);
             else
                 forward_group(og, pg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, ds, cs, ys, M, S, P, Hd, Dm);
-            scatter(out, og, grp, M * Dm, M * Dm, 0);
+            scatter_rows(out, og, grp, M * Dm);
         }
         free(xg);
     }
@@ -489,8 +478,8 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
             const long ng = G - g0 < GROUP_BLOCK ? G - g0 : GROUP_BLOCK;
             for (long gi = 0; gi < ng; gi++) {
                 const group_t grp = group_of(g0 + gi, B);
-                gather(xg + gi * MD, x, grp, MD, MD);
-                gather(gog + gi * MD, grad_out, grp, MD, MD);
+                gather_rows(xg + gi * MD, x, grp, MD);
+                gather_rows(gog + gi * MD, grad_out, grp, MD);
             }
             memset(gxg, 0, ng * MD * sizeof(vec));
             for (long s0 = first * P; s0 < last * P; s0 += SLOT_CHUNK) {
@@ -527,7 +516,7 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
                     scatter_slots(grad_combine, gcs_all + gi * chunk, group_of(g0 + gi, B), s0, count, M, S);
                 }
             }
-            for (long gi = 0; gi < ng; gi++) scatter(gx, gxg + gi * MD, group_of(g0 + gi, B), MD, MD, 1);
+            for (long gi = 0; gi < ng; gi++) scatter_rows(gx, gxg + gi * MD, group_of(g0 + gi, B), MD);
         }
         free(xg);
     }
