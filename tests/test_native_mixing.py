@@ -174,3 +174,15 @@ def test_a_broadcast_upstream_gradient_is_read_while_alive(library):
         mixing_reference(*leaves).sum().backward()
         for got, ref in zip(inputs, leaves):
             assert relative_error(got.grad, ref.grad) < 1e-5
+
+
+def test_inconsistent_inputs_are_refused(library):
+    x, dispatch, combine, w1, b1, w2, b2 = (t.detach() for t in random_inputs(4, 3, 8, 2, 2, 3, bias=True))
+    with pytest.raises(ValueError, match="float32 CPU tensors, got x torch.float64"):
+        soft_moe_mixing(x.double(), dispatch, combine, w1, b1, w2, b2)
+    with pytest.raises(ValueError, match=r"combine must have shape \(4, 3, 4\), got \(4, 3, 5\)"):
+        soft_moe_mixing(x, dispatch, torch.zeros(4, 3, 5), w1, b1, w2, b2)
+    with pytest.raises(ValueError, match=r"weight2 must have shape \(2, 3, 8\)"):
+        soft_moe_mixing(x, dispatch, combine, w1, b1, w2.transpose(1, 2), b2)
+    with pytest.raises(ValueError, match="the 3 slots must be a positive multiple of the 2 experts"):
+        soft_moe_mixing(x, dispatch[..., :3], combine[..., :3], w1, b1, w2, b2)

@@ -288,6 +288,31 @@ def soft_moe_mixing(
     belonging to expert s // slots_per_expert; weight1 (experts, dim, hidden), bias1 (experts, hidden), weight2
     (experts, hidden, dim), bias2 (experts, dim) -> (batch, tokens, dim). No (batch, slots, dim) tensor is written:
     each thread takes 16 (AVX-512) inputs at a time, one per vector lane, and runs dispatch, both expert layers and
-    the combine of a slot back to back in its cache. Only where :func:`native_mixing_applies`.
+    the combine of a slot back to back in its cache. Only where :func:`native_mixing_applies`; other dtypes,
+    devices or inconsistent shapes raise a ValueError.
     """
+    _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2)
     return _SoftMoEMixing.apply(x, dispatch, combine, weight1, bias1, weight2, bias2)
+
+
+def _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2) -> None:
+    tensors = {"x": x, "dispatch": dispatch, "combine": combine, "weight1": weight1, "bias1": bias1,
+               "weight2": weight2, "bias2": bias2}
+    for name, t in tensors.items():
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            raise ValueError(f"soft_moe_mixing takes float32 CPU tensors, got {name} {t.dtype} on {t.device}")
+    if x.dim() != 3 or weight1.dim() != 3:
+        raise ValueError(f"x must be (batch, tokens, dim) and weight1 (experts, dim, hidden), got "
+                         f"{tuple(x.shape)} and {tuple(weight1.shape)}")
+    (batch, tokens, dim), (experts, _, hidden) = x.shape, weight1.shape
+    slots = dispatch.shape[-1] if dispatch.dim() == 3 else -1
+    expected = {
+        "dispatch": (batch, tokens, slots), "combine": (batch, tokens, slots), "weight1": (experts, dim, hidden),
+        "bias1": (experts, hidden), "weight2": (experts, hidden, dim), "bias2": (experts, dim),
+    }
+    for name, shape in expected.items():
+        t = tensors[name]
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if slots < 1 or slots % experts:
+        raise ValueError(f"the {slots} slots must be a positive multiple of the {experts} experts")
