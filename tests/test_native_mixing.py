@@ -186,3 +186,15 @@ def test_inconsistent_inputs_are_refused(library):
         soft_moe_mixing(x, dispatch, combine, w1, b1, w2.transpose(1, 2), b2)
     with pytest.raises(ValueError, match="the 3 slots must be a positive multiple of the 2 experts"):
         soft_moe_mixing(x, dispatch[..., :3], combine[..., :3], w1, b1, w2, b2)
+
+
+def test_frozen_biases_get_no_gradient_and_the_rest_stays_exact(library):
+    inputs = random_inputs(20, 4, 8, 3, 1, 2, bias=True)
+    inputs[4].requires_grad_(False)
+    inputs[6].requires_grad_(False)
+    soft_moe_mixing(*inputs).sum().backward()
+    leaves = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
+    mixing_reference(*leaves).sum().backward()
+    assert inputs[4].grad is None and inputs[6].grad is None
+    for got, ref in zip(inputs[:4] + inputs[5:6], leaves[:4] + leaves[5:6]):
+        assert relative_error(got.grad, ref.grad) < 1e-5

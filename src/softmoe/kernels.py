@@ -249,7 +249,6 @@ class _SoftMoEMixing(torch.autograd.Function):
         if status != 0:
             raise ValueError(f"the native Soft MoE kernel takes 1..{MIXING_MAX_TOKENS} tokens, got {tokens}")
         ctx.save_for_backward(x, dispatch, combine, weight1, weight2, bias2, pre)
-        ctx.has_bias1 = bias1 is not None
         return out
 
     @staticmethod
@@ -263,8 +262,9 @@ class _SoftMoEMixing(torch.autograd.Function):
         grad_dispatch, grad_combine = torch.empty_like(dispatch), torch.empty_like(combine)
         grad_w1t = x.new_empty(experts, hidden, dim)
         grad_w2 = torch.empty_like(weight2)
-        grad_b1 = x.new_empty(experts, hidden) if ctx.has_bias1 else None
-        grad_b2 = x.new_empty(experts, dim) if bias2 is not None else None
+        # Bias gradients only where asked for (False for an absent bias); the kernel skips a NULL one.
+        grad_b1 = x.new_empty(experts, hidden) if ctx.needs_input_grad[4] else None
+        grad_b2 = x.new_empty(experts, dim) if ctx.needs_input_grad[6] else None
         native_library().soft_moe_small_backward(
             *map(_pointer, (grad, x, dispatch, combine, weight1, weight2, bias2, pre, grad_x)),
             *map(_pointer, (grad_dispatch, grad_combine, grad_w1t, grad_b1, grad_w2, grad_b2)),
