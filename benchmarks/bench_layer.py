@@ -18,8 +18,11 @@ grad and all gradients reset to None before each step) of:
 - ``dense``: a dense MLP ``nn.Linear(d, h') -> act -> nn.Linear(h', d)`` applied to all ``batch*tokens`` tokens,
   with ``h' = n*p*hidden / tokens`` so that its FLOPs equal those of the layer's experts;
 
-the three round-robin (one call of each per round; the minimum over rounds is reported), and measures the
-machine's limits (fp32 ``torch.matmul`` 2048^3 GFLOP/s and ``copy_`` bandwidth of 256 MB, read+write bytes).
+the three round-robin (one call of each per round, in a new random order each round; the minimum over rounds is
+reported). Right before and right after each row it measures the machine's limits (fp32 ``torch.matmul`` 2048^3
+GFLOP/s and ``copy_`` bandwidth of 256 MB, read+write bytes) and holds the row to the better of the two readings of
+each, so that a row and its limits see the same load (on a shared host the measured limits drift by up to 1.5x
+from minute to minute).
 
 Definitions (B batch, M tokens, D dim, N experts, P slots per expert, H expert hidden size, fp32 = 4 bytes):
 
@@ -29,7 +32,8 @@ Definitions (B batch, M tokens, D dim, N experts, P slots per expert, H expert h
 - Bytes, compulsory traffic: forward reads x and all parameters and writes the output:
   4*(params + 2*B*M*D). Forward+backward: 4*(3*params + 4*B*M*D) (parameters read twice, gradients written;
   x and output read/written with their gradients).
-- Roofline time = max(FLOPs / matmul peak, bytes / copy bandwidth); "x roofline" = measured time / roofline.
+- Roofline time = max(FLOPs / matmul peak, bytes / copy bandwidth), with the row's limits; "x roofline" =
+  measured time / roofline.
 - Speed-up vs loop = loop time / layer time; dense-MLP ratio = layer time / dense MLP time (fwd, fwd+bwd).
 - path: "fused" (the native one-pass kernel of ``softmoe.kernels.soft_moe_mixing``, for small relu experts), else
   "slot" (dispatch, batched experts, combine) or "token" (the exact token-space rewrite), as chosen by
@@ -200,7 +204,7 @@ def check_targets(s: Shape, row: dict) -> str:
 
 
 def bench_shape(
-    s: Shape, limits: dict, warmup: int, repeats: int, budget_s: float | None = None, seed: int = 0
+    s: Shape, warmup: int, repeats: int, limit_repeats: int, budget_s: float | None = None, seed: int = 0
 ) -> dict:
     torch.manual_seed(seed)
     layer = softmoe.SoftMoE(s.dim, s.experts, s.slots, expert_hidden=s.hidden, activation=s.activation)
@@ -224,8 +228,12 @@ def bench_shape(
     }
     for name, module in (("layer", layer), ("loop", loop), ("dense", dense)):
         fns[name] = step_fns(module, params[name], x, grad)
+    before = machine_limits(limit_repeats)
     fwd = measure_interleaved({k: v[0] for k, v in fns.items()}, warmup, repeats, budget_s)
     fwdbwd = measure_interleaved({k: v[1] for k, v in fns.items()}, warmup, repeats, budget_s)
+    after = machine_limits(limit_repeats)
+    limits = {key: max(before[key], after[key]) for key in ("flops_per_s", "bytes_per_s")}
+    limits |= {key: f"{before[key]}, best of before and after the row" for key in ("matmul", "copy")}
 
     flops = layer_flops(s)
     row = {
@@ -245,6 +253,7 @@ def bench_shape(
         "fwd_bytes": layer_bytes(s, layer, backward=False),
         "fwdbwd_bytes": layer_bytes(s, layer, backward=True),
         "times": {"fwd": fwd, "fwdbwd": fwdbwd},
+        "limits": limits,
     }
     for key, stats, nflops in (("fwd", fwd, flops), ("fwdbwd", fwdbwd, 3 * flops)):
         t = stats["layer"]["min"]
@@ -279,6 +288,7 @@ HEADERS = [
     "fwd+bwd x roofline",
     "fwd+bwd speed-up vs loop",
     "dense-MLP ratio fwd / fwd+bwd",
+    "limits GFLOP/s / GB/s",
     "other load",
     "targets",
 ]
@@ -299,6 +309,7 @@ def table_row(r: dict) -> list[str]:
         f"{r['fwdbwd_x_roofline']:.2f}",
         f"{r['fwdbwd_speedup_vs_loop']:.1f}x",
         f"{r['fwd_dense_ratio']:.2f} / {r['fwdbwd_dense_ratio']:.2f}",
+        f"{r['limits']['flops_per_s'] / 1e9:.0f} / {r['limits']['bytes_per_s'] / 1e9:.1f}",
         "n/a" if r["other_load"] is None else f"{r['other_load']:.2f}",
         r["targets"],
     ]
@@ -324,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = machine_limits(repeats=3 if args.quick else 10)
     print(
         f"{env['date']} | {env['cpu']} | {env['cores']} cores, torch {env['torch']} with {env['torch_threads']} "
-        f"threads | fp32 | matmul peak {limits['flops_per_s'] / 1e9:.0f} GFLOP/s ({limits['matmul']}) | "
+        f"threads | fp32 | at start: matmul peak {limits['flops_per_s'] / 1e9:.0f} GFLOP/s ({limits['matmul']}), "
         f"copy bandwidth {limits['bytes_per_s'] / 1e9:.1f} GB/s ({limits['copy']})",
         flush=True,
     )
@@ -343,9 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick:
             warmup, repeats, budget = (1, 5, 0.5) if small else (1, 3, 2.0)
         else:
-            warmup, repeats, budget = (3, 15, 3.0) if small else (2, 9, 12.0)
+            warmup, repeats, budget = (3, 20, 3.0) if small else (2, 25, 15.0)
         with OtherLoad() as other:
-            rows.append(bench_shape(s, limits, warmup, repeats, budget))
+            rows.append(bench_shape(s, warmup, repeats, 3 if args.quick else 5, budget))
         rows[-1]["other_load"] = other.value
         r = rows[-1]
         print(
@@ -354,28 +365,19 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-    # The load on a shared machine varies: keep the best of the limits measured before and after the shapes.
-    after = machine_limits(repeats=3 if args.quick else 10)
-    for key in ("flops_per_s", "bytes_per_s"):
-        limits[key] = max(limits[key], after[key])
-    for s, r in zip(shapes, rows):
-        add_roofline(s, r, limits)
-    print(
-        f"limits used (best of before/after): matmul peak {limits['flops_per_s'] / 1e9:.0f} GFLOP/s, "
-        f"copy bandwidth {limits['bytes_per_s'] / 1e9:.1f} GB/s"
-    )
     print()
     print(
         "Times: min over round-robin repeats after warm-up; FLOPs: slot formulation, per forward "
         "2BMDNP (logits) + 2BMNPD (dispatch) + 2BMNPD (combine) + 2BNP(2DH) (experts), fwd+bwd = 3x fwd; "
         "bytes (compulsory): fwd 4(params + 2BMD), fwd+bwd 4(3 params + 4BMD); x roofline = time / "
-        "max(FLOPs/peak, bytes/bandwidth); speed-up vs loop = nn.ModuleList-loop time / layer time; dense-MLP ratio "
+        "max(FLOPs/peak, bytes/bandwidth), with the best limits (matmul peak, copy bandwidth) measured right before and "
+        "after the row; speed-up vs loop = nn.ModuleList-loop time / layer time; dense-MLP ratio "
         "= layer time / time of a dense MLP with the experts' FLOPs; path: fused native kernel, slot formulation or "
         "token-space rewrite; "
         "other load: cores kept busy by other processes while the row was timed (> 0.2: timings inflated)."
     )
     print()
-    print_table(HEADERS, [table_row(r) for r in rows], align="lrrl" + "r" * 10 + "l")
+    print_table(HEADERS, [table_row(r) for r in rows], align="lrrl" + "r" * 11 + "l")
     passed = sum(r["targets"] == "PASS" for r in rows)
     print(f"\nTargets met on {passed}/{len(rows)} rows.")
     busy = [f"{r['shape']} n={r['experts']}" for r in rows if (r["other_load"] or 0.0) > OTHER_LOAD_LIMIT]

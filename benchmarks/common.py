@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -58,8 +59,9 @@ def measure_interleaved(
     """Like :func:`measure` for several functions timed round-robin (one call of each per round).
 
     Returns ``{name: dict(min, median, std, repeats)}``. Interleaving makes the comparison fair when the load
-    on the machine changes during the run. With ``budget_s``, rounds stop once that many seconds have been spent
-    timing (after at least ``min_repeats`` rounds), so slow cases cannot stretch a run.
+    on the machine changes during the run; each round takes the functions in a new (seeded) random order, so that
+    no function always runs right after the same other one. With ``budget_s``, rounds stop once that many seconds
+    have been spent timing (after at least ``min_repeats`` rounds), so slow cases cannot stretch a run.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -68,15 +70,18 @@ def measure_interleaved(
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     spent = 0.0
+    order, shuffle = list(fns), random.Random(0).shuffle
     for done in range(repeats):
         if budget_s is not None and done >= min_repeats and spent >= budget_s:
             break
-        for name, fn in fns.items():
+        for name in order:
+            fn = fns[name]
             start = time.perf_counter()
             fn()
             elapsed = time.perf_counter() - start
             times[name].append(elapsed)
             spent += elapsed
+        shuffle(order)
     return {name: _stats(t) for name, t in times.items()}
 
 

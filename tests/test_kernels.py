@@ -37,14 +37,24 @@ def test_onednn_applies_only_without_gradients_on_float32_cpu():
         assert not onednn_applies(x, w.double())
 
 
-def test_large_inference_logits_take_onednn_and_match(monkeypatch):
+def logits_and_gradients(layer: SoftMoE, x: torch.Tensor) -> list[torch.Tensor]:
+    x = x.detach().requires_grad_(True)
+    logits = layer.route(x).logits
+    weights = torch.linspace(-1.0, 1.0, logits.numel()).view_as(logits)
+    grads = torch.autograd.grad((logits * weights).sum(), (x, layer.phi, layer.scale))
+    return [logits.detach(), *grads]
+
+
+def test_large_logits_take_onednn_and_match(monkeypatch):
     torch.manual_seed(0)
     layer = SoftMoE(16, 4, slots_per_expert=2)
     x = torch.randn(3, 7, 16)
+    mkl = logits_and_gradients(layer, x)
+    monkeypatch.setattr(layer_module, "ONEDNN_MIN_TOKEN_ELEMENTS", 1)
     with torch.no_grad():
-        mkl = layer.route(x).logits
-        monkeypatch.setattr(layer_module, "ONEDNN_MIN_TOKEN_ELEMENTS", 1)
         assert ONEDNN in kernels_called(lambda: layer.route(x))
-        onednn = layer.route(x).logits
-    assert (onednn - mkl).abs().max().item() < 1e-5
-    assert ONEDNN not in kernels_called(lambda: layer.route(x))  # training: the differentiable path
+        assert (layer.route(x).logits - mkl[0]).abs().max().item() < 1e-5
+    # Training too: the product runs inside an autograd Function whose backward is written out.
+    assert ONEDNN in kernels_called(lambda: logits_and_gradients(layer, x))
+    for got, want in zip(logits_and_gradients(layer, x), mkl, strict=True):
+        assert (got - want).abs().max().item() < 1e-5 * max(1.0, want.abs().max().item())

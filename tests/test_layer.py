@@ -18,6 +18,7 @@ from reference import ref_activation
 from torch import nn
 
 from softmoe import MLPExperts, Routing, SoftMoE, StackedExperts
+from softmoe.layer import soft_moe_logits
 
 F64 = torch.float64
 EPS = 1e-6
@@ -490,6 +491,26 @@ def test_gradcheck(path, normalize):
         return fn(x, *full)
 
     assert torch.autograd.gradcheck(fn_router, tuple(params[i] for i in router), eps=1e-6, atol=1e-6)
+
+
+def test_normalized_logits_backward_with_a_zero_token_and_under_torch_func():
+    """The hand-written backward of the normalized logits: gradcheck (a zero token included) and per-sample
+    gradients through torch.func.vmap(torch.func.grad(...)) equal to those of each sample alone."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 5, dtype=F64)
+    x[1, 2] = 0.0
+    x.requires_grad_(True)
+    phi = torch.randn(5, 4, dtype=F64, requires_grad=True)
+    scale = torch.tensor(1.7, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(soft_moe_logits, (x, phi, scale), eps=1e-6, atol=1e-6)
+
+    def loss(sample, phi):
+        return soft_moe_logits(sample.unsqueeze(0), phi, scale).square().sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss, argnums=1), in_dims=(0, None))(x.detach(), phi.detach())
+    for i in range(2):
+        (want,) = torch.autograd.grad(loss(x[i].detach(), phi), phi)
+        assert (per_sample[i] - want).abs().max().item() < 1e-12
 
 
 @pytest.mark.parametrize("path", ["tokens", "slots"])

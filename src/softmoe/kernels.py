@@ -258,19 +258,19 @@ class _SoftMoEMixing(torch.autograd.Function):
         (batch, tokens, dim), slots, (experts, _, hidden) = x.shape, dispatch.shape[2], weight1.shape
         grad = grad.contiguous()  # kept in a name: the kernel reads it after the call's arguments are built
         threads = min(torch.get_num_threads(), experts)
-        grad_x = x.new_zeros(threads, batch, tokens, dim)
+        grad_x = x.new_empty(threads, batch, tokens, dim)  # one partial sum per thread; the kernel adds them up
         grad_dispatch, grad_combine = torch.empty_like(dispatch), torch.empty_like(combine)
-        grad_w1t = x.new_empty(experts, hidden, dim)
+        grad_w1 = torch.empty_like(weight1)
         grad_w2 = torch.empty_like(weight2)
         # Bias gradients only where asked for (False for an absent bias); the kernel skips a NULL one.
         grad_b1 = x.new_empty(experts, hidden) if ctx.needs_input_grad[4] else None
         grad_b2 = x.new_empty(experts, dim) if ctx.needs_input_grad[6] else None
         native_library().soft_moe_small_backward(
             *map(_pointer, (grad, x, dispatch, combine, weight1, weight2, bias2, pre, grad_x)),
-            *map(_pointer, (grad_dispatch, grad_combine, grad_w1t, grad_b1, grad_w2, grad_b2)),
+            *map(_pointer, (grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2)),
             batch, tokens, slots, slots // experts, hidden, dim, threads,
         )
-        return grad_x.sum(0), grad_dispatch, grad_combine, grad_w1t.transpose(1, 2), grad_b1, grad_w2, grad_b2
+        return grad_x[0], grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2
 
 
 def soft_moe_mixing(

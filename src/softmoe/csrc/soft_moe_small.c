@@ -19,7 +19,8 @@
  *
  * Threads (OpenMP, sharing torch's libgomp pool): the forward pass splits the groups (each thread owns its groups'
  * outputs); the backward pass splits the experts (each thread owns its experts' weight gradients and writes its
- * input gradient into its own partial sum, which the caller adds up).
+ * share of the input gradient into a partial sum of its own; the threads then add the partials up, a range of
+ * rows each).
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -438,15 +439,15 @@ static void add_weight_grads(float *gw1t, float *gb1, float *gw2, float *gb2, co
     if (gb2) add_lane_sums(gb2, NULL, 0, gy, ng, Dm);
 }
 
-/* Gradients, for the arguments of soft_moe_small_forward and its `pre`: grad_x_partial (threads, B, M, Dm), zero
- * on entry, one partial sum per thread that the caller adds up; grad_dispatch, grad_combine (B, M, S);
- * grad_w1t (n, Hd, Dm) (the transpose of w1's gradient), grad_b1, grad_w2, grad_b2 like the weights (grad_b1 /
- * grad_b2 may be NULL). Threads split the experts. Inputs are taken GROUP_BLOCK groups at a time; for each block
+/* Gradients, for the arguments of soft_moe_small_forward and its `pre`: grad_x_partial (threads, B, M, Dm), one
+ * partial sum per thread, whose first (B, M, Dm) holds grad_x on return; grad_dispatch, grad_combine (B, M, S);
+ * grad_w1, grad_b1, grad_w2, grad_b2 like the weights (grad_b1 / grad_b2 may be NULL). w1's gradient is summed
+ * transposed, (Hd, Dm) per expert, so that its rows run along dim like those of w2's, and transposed at the end. Threads split the experts. Inputs are taken GROUP_BLOCK groups at a time; for each block
  * every thread runs through its experts' slots, keeping the block's slot vectors and gradients, and adds the
  * block's sums over lanes to its weight gradients. Returns 0, or 1 when M is outside 1..MAX_TOKENS. */
 int soft_moe_small_backward(const float *grad_out, const float *x, const float *dispatch, const float *combine,
                             const float *w1, const float *w2, const float *b2, const float *pre,
-                            float *grad_x_partial, float *grad_dispatch, float *grad_combine, float *grad_w1t,
+                            float *grad_x_partial, float *grad_dispatch, float *grad_combine, float *grad_w1,
                             float *grad_b1, float *grad_w2, float *grad_b2, long B, long M, long S, long P, long Hd,
                             long Dm, int threads)
 {
@@ -470,7 +471,7 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
         vec *gslots = gpre + GROUP_BLOCK * Hd, *ds = gslots + GROUP_BLOCK * SPREAD_SLOTS * Dm;
         vec *cs = ds + GROUP_BLOCK * SLOT_CHUNK * M;
         vec *gds_all = cs + GROUP_BLOCK * SLOT_CHUNK * M, *gcs_all = gds_all + GROUP_BLOCK * SLOT_CHUNK * M;
-        memset(grad_w1t + first * Hd * Dm, 0, (last - first) * Hd * Dm * sizeof(float));
+        float *gw1t = calloc((last - first) * Hd * Dm, sizeof(float));
         memset(grad_w2 + first * Hd * Dm, 0, (last - first) * Hd * Dm * sizeof(float));
         if (grad_b1) memset(grad_b1 + first * Hd, 0, (last - first) * Hd * sizeof(float));
         if (grad_b2) memset(grad_b2 + first * Dm, 0, (last - first) * Dm * sizeof(float));
@@ -507,7 +508,7 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
                         if (pending == SPREAD_SLOTS - 1 || s == s0 + count - 1)
                             spread_pending(gxg + gi * MD, dsi - pending * M, pending_slots, pending + 1, M, Dm);
                     }
-                    add_weight_grads(grad_w1t + j * Hd * Dm, grad_b1 ? grad_b1 + j * Hd : NULL,
+                    add_weight_grads(gw1t + (j - first) * Hd * Dm, grad_b1 ? grad_b1 + j * Hd : NULL,
                                      grad_w2 + j * Hd * Dm, grad_b2 ? grad_b2 + j * Dm : NULL, a, gpre, gy, slot, ng,
                                      Hd, Dm);
                 }
@@ -519,6 +520,16 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
             for (long gi = 0; gi < ng; gi++) scatter_rows(gx, gxg + gi * MD, group_of(g0 + gi, B), MD);
         }
         free(xg);
+        for (long j = first; j < last; j++)
+            for (long d = 0; d < Dm; d++)
+                for (long k = 0; k < Hd; k++) grad_w1[(j * Dm + d) * Hd + k] = gw1t[((j - first) * Hd + k) * Dm + d];
+        free(gw1t);
+#pragma omp barrier
+        const long total = B * MD, end = total * (t + 1) / count;
+        for (long other = 1; other < count; other++) {
+            const float *part = grad_x_partial + other * total;
+            for (long i = total * t / count; i < end; i++) grad_x_partial[i] += part[i];
+        }
     }
     return 0;
 }
