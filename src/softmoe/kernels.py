@@ -39,11 +39,15 @@ from torch.autograd.function import once_differentiable
 ONEDNN_ACTIVATIONS = {None: ("none", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
 
 
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd would record an operation on ``tensors`` (grad mode on and one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight`` may run in oneDNN: float32 CPU tensors, no gradient needed, oneDNN built in."""
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return (
-        not needs_grad
+        not needs_grad(x, weight)
         and x.device.type == weight.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and torch.backends.mkldnn.is_available()
@@ -125,7 +129,7 @@ def native_library() -> ctypes.CDLL | None:
             return None
     lib = ctypes.CDLL(str(path))
     pointer, size = ctypes.c_void_p, ctypes.c_long
-    lib.expert_matmul.argtypes = [pointer] * 4 + [size] * 4 + [ctypes.c_int]
+    lib.expert_matmul.argtypes = [pointer] * 4 + [size] * 4 + [ctypes.c_int, ctypes.c_int]
     lib.expert_matmul_nt.argtypes = [pointer] * 3 + [size] * 4 + [ctypes.c_int]
     lib.expert_matmul_tn.argtypes = [pointer] * 3 + [size] * 4 + [ctypes.c_int]
     for fn in (lib.expert_matmul, lib.expert_matmul_nt, lib.expert_matmul_tn):
@@ -167,7 +171,7 @@ class _ExpertMatmul(torch.autograd.Function):
         bias = None if bias is None else bias.contiguous()
         ctx.save_for_backward(x, weight)
         out = x.new_empty(experts, rows, n)
-        return _native_call("expert_matmul", out, x, weight, bias, sizes=(experts, rows, k, n))
+        return _native_call("expert_matmul", out, x, weight, bias, sizes=(experts, rows, k, n, 0))
 
     @staticmethod
     @once_differentiable
@@ -186,15 +190,36 @@ class _ExpertMatmul(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
-def expert_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+# The activations expert_matmul can apply to its output, by their codes in csrc/expert_matmul.c.
+NATIVE_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3}
+
+
+def expert_matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None
+) -> torch.Tensor:
     """x (E, rows, K) @ weight (E, K, N) (+ bias (E, N)) -> (E, rows, N) with the native kernels, differentiable.
 
     For experts that see few rows (about 8 in a ViT-S Soft MoE layer) the product is bound by memory bandwidth:
     the kernels stream each weight once at 25-35 GB/s where MKL's batched matmul reads it at about 12 GB/s (2.3x
     faster forward on the reference machine); the backward uses the same kernels (g @ w^T, x^T @ g, the weight
     gradient written with non-temporal stores). Only where :func:`native_applies`.
+
+    ``activation`` ("gelu", "gelu_tanh" or "relu") is applied to the product inside the kernel while its output is
+    still in cache (gelu's erf to about 2e-7); that output has no backward, so it is for inference only: a
+    ValueError when a gradient would be needed.
     """
-    return _ExpertMatmul.apply(x, weight, bias)
+    if activation is None:
+        return _ExpertMatmul.apply(x, weight, bias)
+    if activation not in NATIVE_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(NATIVE_ACTIVATIONS)} or None, got {activation!r}")
+    if needs_grad(x, weight, bias):
+        raise ValueError("a fused activation has no backward: call expert_matmul without it when training")
+    (experts, rows, k), n = x.shape, weight.shape[2]
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = x.new_empty(experts, rows, n)
+    code = NATIVE_ACTIVATIONS[activation]
+    return _native_call("expert_matmul", out, x, weight, bias, sizes=(experts, rows, k, n, code))
 
 
 # ---- the whole Soft MoE mixing of many small relu experts in one native pass (csrc/soft_moe_small.c) ---------------

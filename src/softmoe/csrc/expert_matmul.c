@@ -2,7 +2,7 @@
  *
  * With E experts, each with its own weight, and M rows per expert:
  *
- *   expert_matmul     out[e] = x[e] @ w[e] (+ bias[e])   x (E, M, K), w (E, K, N), bias (E, N), out (E, M, N)
+ *   expert_matmul     out[e] = act(x[e] @ w[e] (+ bias[e]))   x (E, M, K), w (E, K, N), bias (E, N), out (E, M, N)
  *   expert_matmul_nt  out[e] = g[e] @ w[e]^T             g (E, M, N), w (E, K, N),            out (E, M, K)
  *   expert_matmul_tn  out[e] = xt[e]^T @ g[e]            xt (E, M, K), g (E, M, N),           out (E, K, N)
  *
@@ -62,6 +62,90 @@ static inline void stream_fence(void)
 #endif
 }
 
+/* ---- activations, applied to the output of expert_matmul -------------------------------------------------- */
+
+enum { ACT_NONE = 0, ACT_GELU = 1, ACT_GELU_TANH = 2, ACT_RELU = 3 };
+
+typedef int32_t ivec __attribute__((vector_size(LANES * 4), aligned(4)));
+
+/* lanes of a where mask is set (all ones), of b elsewhere */
+static inline vec choose(ivec mask, vec a, vec b) { return (vec)((mask & (ivec)a) | (~mask & (ivec)b)); }
+static inline vec absolute(vec v) { return (vec)((ivec)v & 0x7fffffff); }
+
+/* e^y for y <= 0, relative error about 2e-7 (y below -87 gives 0): y = k ln2 + r with |r| <= ln2 / 2 (ln2 split in
+   a high and a low part), e^r by its Taylor series to r^7, 2^k written into the exponent bits. */
+static inline vec exp_nonpositive(vec y)
+{
+    const vec lo = (vec){0} - 87.0f;
+    y = choose((ivec)(y < lo), lo, y);
+    const ivec k = __builtin_convertvector(y * 1.44269504f - 0.5f, ivec);
+    const vec kf = __builtin_convertvector(k, vec);
+    const vec r = (y - kf * 0.693145752f) - kf * 1.42860677e-6f;
+    vec p = (vec){0} + 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const vec scale = (vec)((k + 127) << 23);
+    return choose((ivec)(y <= lo), (vec){0}, p * scale);
+}
+
+/* gelu(x) = x Phi(x), with erf by Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7): for z = |x| / sqrt 2,
+   1 - erf(z) = t (a1 + t (a2 + ...)) e^(-z^2), t = 1 / (1 + p z); then gelu = x - q for x >= 0 and q for x < 0,
+   q = x (1 - erf(z)) / 2. */
+static inline vec gelu_erf(vec x)
+{
+    const vec z = absolute(x) * 0.707106781f;
+    const vec t = 1.0f / (1.0f + 0.3275911f * z);
+    vec poly = (vec){0} + 1.061405429f;
+    poly = poly * t - 1.453152027f;
+    poly = poly * t + 1.421413741f;
+    poly = poly * t - 0.284496736f;
+    poly = poly * t + 0.254829592f;
+    const vec q = 0.5f * x * (poly * t) * exp_nonpositive(-z * z);
+    return choose((ivec)(x >= 0), x - q, q);
+}
+
+/* gelu with tanh: x (1 + tanh(u)) / 2, u = sqrt(2 / pi) (x + 0.044715 x^3), tanh(|u|) = (1 - w) / (1 + w) with
+   w = e^(-2 |u|). */
+static inline vec gelu_tanh(vec x)
+{
+    const vec u = 0.797884561f * (x + 0.044715f * x * x * x);
+    const vec w = exp_nonpositive(-2.0f * absolute(u));
+    const vec th = (1.0f - w) / (1.0f + w);
+    return 0.5f * x * (1.0f + choose((ivec)(u < 0), -th, th));
+}
+
+static inline vec activate(vec v, int act)
+{
+    switch (act) {
+    case ACT_GELU: return gelu_erf(v);
+    case ACT_GELU_TANH: return gelu_tanh(v);
+    case ACT_RELU: return choose((ivec)(v <= 0), (vec){0}, v); /* NaN stays NaN */
+    default: return v;
+    }
+}
+
+/* out[r * ldo + c] = act(out[r * ldo + c]) for r < M, c0 <= c < c1 */
+static void activate_rows(float *out, long ldo, long M, long c0, long c1, int act)
+{
+    if (act == ACT_NONE) return;
+    for (long r = 0; r < M; r++) {
+        float *row = out + r * ldo;
+        long c = c0;
+        for (; c + LANES <= c1; c += LANES) *(vec *)(row + c) = activate(*(vec *)(row + c), act);
+        if (c < c1) {
+            vec tail = {0};
+            for (long i = 0; i < c1 - c; i++) tail[i] = row[c + i];
+            tail = activate(tail, act);
+            for (long i = 0; i < c1 - c; i++) row[c + i] = tail[i];
+        }
+    }
+}
+
 /* ---- work splitting -------------------------------------------------------------------------------------- */
 
 typedef struct job job_t;
@@ -73,6 +157,7 @@ struct job {
     long M, K, N;
     long units, splits;  /* units (tiles or rows) per expert, split into `splits` ranges */
     int stream;          /* non-temporal stores allowed */
+    int act;             /* activation applied to the output (ACT_*) */
     item_fn fn;
 };
 
@@ -195,13 +280,15 @@ static void nn_item(const job_t *j, long e, long begin, long end)
                 out[r * N + c] = s;
             }
     }
+    activate_rows(out, N, M, c0, c1, j->act);
 }
 
+/* act: one of ACT_* (0 none, 1 gelu, 2 gelu with tanh, 3 relu) */
 void expert_matmul(const float *x, const float *w, const float *bias, float *out, long E, long M, long K, long N,
-                   int threads)
+                   int act, int threads)
 {
     job_t j = {.a = x, .b = w, .bias = bias, .out = out, .M = M, .K = K, .N = N,
-               .units = (N + TILE_COLS - 1) / TILE_COLS, .fn = nn_item};
+               .units = (N + TILE_COLS - 1) / TILE_COLS, .act = act, .fn = nn_item};
     run_parallel(j, E, threads);
 }
 
