@@ -48,9 +48,11 @@ def random_inputs(batch, tokens, dim, experts, slots_per_expert, hidden, bias, s
 # (batch, tokens, dim, experts, slots per expert, hidden): partial last group of inputs (37 = 2 x 16 + 5), fewer
 # inputs than vector lanes, five groups (two group blocks), one token, the most tokens, hidden sizes that are one
 # block of 8 units, blocks plus a tail, several slots per expert, and full groups with more slots than a routing
-# chunk (64) in runs of 16 (transposed in registers) and a tail.
+# chunk (64) in runs of 16 (transposed in registers) and a tail, and the largest hidden size served, with full
+# blocks of groups (64 inputs) and a dim with a tail chunk.
 SHAPES = [
     (37, 4, 20, 6, 1, 2),
+    (64, 4, 21, 2, 1, MIXING_MAX_HIDDEN),
     (16, 4, 33, 5, 2, 8),
     (5, 3, 7, 3, 3, 9),
     (70, MIXING_MAX_TOKENS, 12, 2, 1, 6),

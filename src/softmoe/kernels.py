@@ -227,10 +227,10 @@ def expert_matmul(
 # The fused kernel serves inputs of at most MIXING_MAX_TOKENS tokens (their routing weights stay in registers) and
 # experts of at most MIXING_MAX_HIDDEN hidden units. Measured on the reference machine, whole layer fwd+bwd of the
 # paper's MNIST layer (256 x 4 tokens, dim 196), time fused / time of torch's best path: hidden 2 (n = 512) 0.67,
-# 3 (n = 256) 0.64, 6 (n = 128) 0.53, 12 (n = 64) 0.51, 24 (n = 32) 0.64-0.76, 49 (n = 16) 0.84-0.99; hidden 98
-# (n = 8) 0.94-1.19, no gain: larger experts keep torch's batched matmuls.
+# 3 (n = 256) 0.64, 6 (n = 128) 0.53, 12 (n = 64) 0.51, 24 (n = 32) 0.57-0.58, 49 (n = 16) 0.70-0.82, 98 (n = 8)
+# 0.86-1.01; hidden 196 (n = 4) 0.99-1.09 and 392 (n = 2) 1.07-1.15: larger experts keep torch's batched matmuls.
 MIXING_MAX_TOKENS = 8
-MIXING_MAX_HIDDEN = 64
+MIXING_MAX_HIDDEN = 128
 
 
 def native_mixing_applies(x: torch.Tensor, hidden: int, activation: str) -> bool:
