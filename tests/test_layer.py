@@ -18,6 +18,7 @@ from reference import ref_activation
 from torch import nn
 
 from softmoe import MLPExperts, Routing, SoftMoE, StackedExperts
+from softmoe.kernels import native_library
 from softmoe.layer import soft_moe_logits
 
 F64 = torch.float64
@@ -171,25 +172,24 @@ def make_mask(batch: int, tokens: int, seed: int = 1) -> torch.Tensor:
 
 
 class PathSpy:
-    """Counts calls of the token-space rewrite and of the slot formulation on one layer."""
+    """Counts calls of the token-space rewrite and of the slot formulation (either of its two implementations:
+    MLPExperts' one autograd node, or the layer's dispatch, run_experts and combine) on one layer."""
 
     def __init__(self, layer: SoftMoE, monkeypatch: pytest.MonkeyPatch) -> None:
         self.token_calls = 0
         self.slot_calls = 0
-        token_space = layer.experts.forward_through_tokens if isinstance(layer.experts, MLPExperts) else None
-        run_experts = layer.run_experts
 
-        def spy_tokens(*args, **kwargs):
-            self.token_calls += 1
-            return token_space(*args, **kwargs)
+        def counted(fn, counter):
+            def call(*args, **kwargs):
+                setattr(self, counter, getattr(self, counter) + 1)
+                return fn(*args, **kwargs)
 
-        def spy_slots(*args, **kwargs):
-            self.slot_calls += 1
-            return run_experts(*args, **kwargs)
+            return call
 
-        if token_space is not None:
-            monkeypatch.setattr(layer.experts, "forward_through_tokens", spy_tokens)
-        monkeypatch.setattr(layer, "run_experts", spy_slots)
+        if isinstance(layer.experts, MLPExperts):
+            for name, counter in (("forward_through_tokens", "token_calls"), ("forward_through_slots", "slot_calls")):
+                monkeypatch.setattr(layer.experts, name, counted(getattr(layer.experts, name), counter))
+        monkeypatch.setattr(layer, "run_experts", counted(layer.run_experts, "slot_calls"))
 
     def assert_path(self, path: str) -> None:
         if path == "tokens":
@@ -511,6 +511,49 @@ def test_normalized_logits_backward_with_a_zero_token_and_under_torch_func():
     for i in range(2):
         (want,) = torch.autograd.grad(loss(x[i].detach(), phi), phi)
         assert (per_sample[i] - want).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("slots_per_expert", [1, 3])
+@pytest.mark.parametrize("expert_bias", [True, False])
+def test_slot_path_in_one_autograd_node_equals_the_composed_one(activation, slots_per_expert, expert_bias, monkeypatch):
+    """MLPExperts.forward_through_slots (backward written out) against the layer's dispatch / run_experts / combine
+    in float64 autograd: output and every gradient (x, phi, scale, all expert weights), with a mask."""
+    torch.manual_seed(11)
+    layer = SoftMoE(6, 3, slots_per_expert, expert_hidden=5, activation=activation, expert_bias=expert_bias,
+                    dtype=F64)
+    force_path(layer, "slots", monkeypatch)
+    x = torch.randn(4, 5, 6, dtype=F64)
+    mask = make_mask(4, 5)
+    grad = torch.randn(4, 5, 6, dtype=F64)
+
+    def run() -> list[torch.Tensor]:
+        x_leaf = x.clone().requires_grad_(True)
+        out = layer(x_leaf, mask)
+        params = [p for p in layer.parameters()]
+        grads = torch.autograd.grad(out, [x_leaf, *params], grad)
+        return [out.detach(), *grads]
+
+    spy = PathSpy(layer, monkeypatch)
+    one_node = run()
+    assert (spy.slot_calls, len(one_node)) == (1, 2 + len(list(layer.parameters())))
+    monkeypatch.setattr(MLPExperts, "slot_function_applies", lambda self, x, rows: False)
+    composed = run()
+    for got, want in zip(one_node, composed, strict=True):
+        assert (got - want).abs().max().item() < 1e-12
+
+
+def test_slot_path_in_one_node_only_in_eager_mode_and_off_the_native_kernels():
+    experts = MLPExperts(4, 8, 16)
+    x = torch.randn(3, 5, 8)
+    assert experts.slot_function_applies(x, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not experts.slot_function_applies(x, 3)
+    seen = []
+    torch.func.grad(lambda t: seen.append(experts.slot_function_applies(x, 3)) or t.sum())(torch.ones(2))
+    assert seen == [False]
+    large = MLPExperts(2, 64, 4096)  # few rows through large float32 weights: the native expert kernels' case
+    assert large.slot_function_applies(torch.randn(8, 2, 64), 8) is (native_library() is None)
 
 
 @pytest.mark.parametrize("path", ["tokens", "slots"])

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from softmoe.kernels import (
     expert_matmul,
@@ -42,6 +43,11 @@ def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
     return ACTIVATIONS[name]
+
+
+def autocast_device(x: torch.Tensor) -> str:
+    """The autocast device type of x's device; "meta" (shape-only tensors) counts as "cpu"."""
+    return "cpu" if x.device.type == "meta" else x.device.type
 
 
 def check_expert_input(x: torch.Tensor, num_experts: int, dim: int) -> None:
@@ -190,6 +196,31 @@ class MLPExperts(nn.Module):
             out = out + combine.sum(-1) @ self.bias2
         return out
 
+    def forward_through_slots(
+        self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, slots_per_expert: int
+    ) -> torch.Tensor:
+        """The whole Soft MoE mixing C f(D^T X) in the slot formulation, as one autograd node.
+
+        x (batch, tokens, dim); dispatch, combine (batch, tokens, num_experts * slots_per_expert) of x's dtype ->
+        (batch, tokens, dim). The same batched matmuls as the layer's dispatch, experts and combine, with the
+        backward written out (:class:`_SlotMixing`): no copies between the (batch, slots) and (expert, rows)
+        layouts for one slot per expert, and none of autograd's per-op bookkeeping, which for a few tokens and a
+        few experts (the MNIST layer, n = 2 and 4) costs about as much as the products themselves. Only where
+        :meth:`slot_function_applies`.
+        """
+        weights = (self.weight1, self.bias1, self.weight2, self.bias2)
+        return _SlotMixing.apply(x, dispatch, combine, *weights, slots_per_expert, self.activation)
+
+    def slot_function_applies(self, x: torch.Tensor, rows_per_expert: int) -> bool:
+        """Whether :meth:`forward_through_slots` serves x: eager mode (not under torch.compile, torch.func transforms
+        or autocast), and experts that run torch's batched matmuls (not the native kernels for few rows)."""
+        return (
+            not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active()
+            and not torch.is_autocast_enabled(autocast_device(x))
+            and not native_applies(x, self.weight1, rows_per_expert)
+        )
+
     def run_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (rows, dim) sorted by expert, counts: (num_experts,) rows per expert -> (rows, dim).
 
@@ -236,6 +267,74 @@ class MLPExperts(nn.Module):
             f"num_experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}, "
             f"activation={self.activation!r}, bias={self.bias1 is not None}"
         )
+
+
+def _expert_rows(slots: torch.Tensor, experts: int, slots_per_expert: int) -> torch.Tensor:
+    """(batch, experts * p, dim) -> (experts, batch * p, dim): a view for p = 1, else a copy."""
+    batch, _, dim = slots.shape
+    if slots_per_expert == 1:
+        return slots.transpose(0, 1)
+    return slots.view(batch, experts, slots_per_expert, dim).transpose(0, 1).reshape(experts, -1, dim)
+
+
+def _slot_rows(rows: torch.Tensor, batch: int, slots_per_expert: int) -> torch.Tensor:
+    """(experts, batch * p, dim) -> (batch, experts * p, dim), the inverse of :func:`_expert_rows`."""
+    experts, _, dim = rows.shape
+    if slots_per_expert == 1:
+        return rows.transpose(0, 1)
+    view = rows.view(experts, batch, slots_per_expert, dim).transpose(0, 1)
+    return view.reshape(batch, experts * slots_per_expert, dim)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.bmm(x, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, weight)
+
+
+def _activation_backward(grad: torch.Tensor, pre: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gradient of ``activation`` at ``pre``, times ``grad`` (overwritten for relu)."""
+    if activation == "relu":
+        return grad.mul_(pre > 0)
+    approximate = "tanh" if activation == "gelu_tanh" else "none"
+    return torch.ops.aten.gelu_backward(grad, pre, approximate=approximate)
+
+
+class _SlotMixing(torch.autograd.Function):
+    """out = C act(rows(D^T X) W1 + b1) W2 + b2, for :meth:`MLPExperts.forward_through_slots`.
+
+    With slots = D^T X, rows its (expert, batch * p) view, h = rows W1 + b1, a = act(h), y = a W2 + b2 and out = C y
+    (y back in slot order), the backward of an upstream gradient G is: dC = G y^T, dy = C^T G, dW2 = a^T dy,
+    db2 = sum dy, dh = act'(h) (dy W2^T), dW1 = rows^T dh, db1 = sum dh, dslots = dh W1^T, dX = D dslots and
+    dD = X dslots^T.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dispatch, combine, weight1, bias1, weight2, bias2, slots_per_expert, activation):
+        rows = _expert_rows(torch.bmm(dispatch.transpose(1, 2), x), weight1.shape[0], slots_per_expert)
+        hidden = _linear(rows, weight1, bias1)
+        activated = activation_fn(activation)(hidden)
+        y = _slot_rows(_linear(activated, weight2, bias2), x.shape[0], slots_per_expert)
+        ctx.save_for_backward(x, dispatch, combine, weight1, weight2, rows, hidden, activated, y)
+        ctx.slots_per_expert, ctx.activation = slots_per_expert, activation
+        return torch.bmm(combine, y)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, dispatch, combine, weight1, weight2, rows, hidden, activated, y = ctx.saved_tensors
+        p, need = ctx.slots_per_expert, ctx.needs_input_grad
+        grad_combine = torch.bmm(grad, y.transpose(1, 2)) if need[2] else None
+        grad_y = _expert_rows(torch.bmm(combine.transpose(1, 2), grad), weight1.shape[0], p)
+        grad_w2 = torch.bmm(activated.transpose(1, 2), grad_y) if need[5] else None
+        grad_b2 = grad_y.sum(1) if need[6] else None
+        grad_hidden = _activation_backward(torch.bmm(grad_y, weight2.transpose(1, 2)), hidden, ctx.activation)
+        grad_w1 = torch.bmm(rows.transpose(1, 2), grad_hidden) if need[3] else None
+        grad_b1 = grad_hidden.sum(1) if need[4] else None
+        grad_x = grad_dispatch = None
+        if need[0] or need[1]:
+            grad_slots = _slot_rows(torch.bmm(grad_hidden, weight1.transpose(1, 2)), x.shape[0], p)
+            grad_x = torch.bmm(dispatch, grad_slots) if need[0] else None
+            grad_dispatch = torch.bmm(x, grad_slots.transpose(1, 2)) if need[1] else None
+        return grad_x, grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
 def _reinitialize(module: nn.Module) -> None:

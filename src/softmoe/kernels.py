@@ -141,14 +141,16 @@ def native_library() -> ctypes.CDLL | None:
     return lib
 
 
-def native_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def native_applies(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None) -> bool:
     """Whether :func:`expert_matmul` serves x (E, rows, K) @ weight (E, K, N): float32 CPU tensors,
     NATIVE_MIN_ROWS to NATIVE_MAX_ROWS rows, at least NATIVE_MIN_WEIGHT weight elements per expert, eager mode (not
-    under torch.compile, torch.func transforms or autocast) and the kernels built."""
+    under torch.compile, torch.func transforms or autocast) and the kernels built. ``rows`` overrides x.shape[1],
+    for a caller asking before it has built x."""
+    rows = x.shape[1] if rows is None else rows
     return (
         x.device.type == weight.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
-        and NATIVE_MIN_ROWS <= x.shape[1] <= NATIVE_MAX_ROWS
+        and NATIVE_MIN_ROWS <= rows <= NATIVE_MAX_ROWS
         and weight.shape[1] * weight.shape[2] >= NATIVE_MIN_WEIGHT
         and not torch.compiler.is_compiling()
         and not torch._C._are_functorch_transforms_active()

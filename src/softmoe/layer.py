@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from softmoe.experts import MLPExperts, StackedExperts
+from softmoe.experts import MLPExperts, StackedExperts, autocast_device
 from softmoe.kernels import (
     native_mixing_applies,
     onednn_applies,
@@ -111,11 +111,6 @@ class _NormalizedTokenLogits(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_phi = x.reshape(-1, x.shape[-1]).t() @ grad_product.reshape(-1, grad_product.shape[-1])
         return grad_x, grad_phi
-
-
-def autocast_device(x: torch.Tensor) -> str:
-    """The autocast device type of x's device; "meta" (shape-only tensors) counts as "cpu"."""
-    return "cpu" if x.device.type == "meta" else x.device.type
 
 
 def check_tokens(
@@ -277,6 +272,9 @@ class SoftMoE(nn.Module):
             )
         if self._token_space_is_cheaper(x.shape[1]):
             return self.experts.forward_through_tokens(x, dispatch.view(shape), combine.view(shape))
+        if isinstance(experts, MLPExperts) and experts.slot_function_applies(x, x.shape[0] * self.slots_per_expert):
+            mixing = (x, dispatch.to(x.dtype), combine.to(x.dtype))
+            return experts.forward_through_slots(*mixing, self.slots_per_expert)
         slots = self.dispatch_slots(x, dispatch)
         expert_out = self.run_experts(slots)
         return self.combine_slots(combine, expert_out)
