@@ -13,7 +13,7 @@ Two kinds, each taken only where it applies (float32 CPU tensors), with torch's 
     sends 8 rows through each 384 x 1536 weight, a product bound by memory bandwidth that MKL's batched matmul reads
     at about 12 GB/s; these kernels stream the weights at 25-35 GB/s, about what the machine can read;
   - the whole Soft MoE mixing of many small relu experts in one pass (``csrc/soft_moe_small.c``): the paper's MNIST
-    layer (4 tokens, n = 16..512 experts of 49..2 hidden units) is a chain of thin matmuls that write (batch,
+    layer (4 tokens, n = 8..512 experts of 98..2 hidden units) is a chain of thin matmuls that write (batch,
     slots, dim) tensors; the fused kernel keeps every slot in cache (1.1-2x faster, whole layer fwd+bwd).
 
   ``SOFTMOE_NATIVE=0`` turns them off; without a C compiler softmoe runs torch's ops.

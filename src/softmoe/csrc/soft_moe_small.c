@@ -8,7 +8,7 @@
  *   y[s]     = relu(pre[s]) @ w2[j] + b2[j]              (Dm)
  *   out[t]   = sum_s combine[t, s] y[s]                  (Dm)
  *
- * With small experts (the "Beyond Parameter Count" MNIST layer: 4 tokens, Dm = 196, n = 16..512, Hd = 784 / n)
+ * With small experts (the "Beyond Parameter Count" MNIST layer: 4 tokens, Dm = 196, n = 8..512, Hd = 784 / n)
  * torch runs this as a chain of thin batched matmuls (contractions over 4 tokens, outputs of width Hd) that write
  * (batch, S, Dm) slot and output tensors to memory (100 MB each at n = 512). Here the inputs are processed in
  * groups of LANES, one input per vector lane: a group's tokens are gathered into a "grouped" buffer (M * Dm vectors,
