@@ -494,8 +494,8 @@ def test_gradcheck(path, normalize):
 
 
 def test_normalized_logits_backward_with_a_zero_token_and_under_torch_func():
-    """The hand-written backward of the normalized logits: gradcheck (a zero token included) and per-sample
-    gradients through torch.func.vmap(torch.func.grad(...)) equal to those of each sample alone."""
+    """The hand-written backward of the normalized logits: gradcheck and gradgradcheck (a zero token included) and
+    per-sample gradients through torch.func.vmap(torch.func.grad(...)) equal to those of each sample alone."""
     torch.manual_seed(3)
     x = torch.randn(2, 3, 5, dtype=F64)
     x[1, 2] = 0.0
@@ -503,6 +503,7 @@ def test_normalized_logits_backward_with_a_zero_token_and_under_torch_func():
     phi = torch.randn(5, 4, dtype=F64, requires_grad=True)
     scale = torch.tensor(1.7, dtype=F64, requires_grad=True)
     assert torch.autograd.gradcheck(soft_moe_logits, (x, phi, scale), eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradgradcheck(soft_moe_logits, (x, phi, scale), eps=1e-6, atol=1e-6)
 
     def loss(sample, phi):
         return soft_moe_logits(sample.unsqueeze(0), phi, scale).square().sum()
@@ -541,6 +542,27 @@ def test_slot_path_in_one_autograd_node_equals_the_composed_one(activation, slot
     composed = run()
     for got, want in zip(one_node, composed, strict=True):
         assert (got - want).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_slot_path_in_one_autograd_node_has_second_derivatives(activation, monkeypatch):
+    """Double backward through MLPExperts.forward_through_slots equals the composed path's (a gradient penalty)."""
+    torch.manual_seed(12)
+    layer = SoftMoE(6, 3, 2, expert_hidden=5, activation=activation, dtype=F64)
+    force_path(layer, "slots", monkeypatch)
+    x = torch.randn(4, 5, 6, dtype=F64)
+
+    def penalty_grads() -> list[torch.Tensor]:
+        x_leaf = x.clone().requires_grad_(True)
+        (grad_x,) = torch.autograd.grad(layer(x_leaf).square().sum(), x_leaf, create_graph=True)
+        return list(torch.autograd.grad(grad_x.square().sum(), [x_leaf, *layer.parameters()]))
+
+    spy = PathSpy(layer, monkeypatch)
+    one_node = penalty_grads()
+    assert spy.slot_calls == 1
+    monkeypatch.setattr(MLPExperts, "slot_function_applies", lambda self, x, rows: False)
+    for got, want in zip(one_node, penalty_grads(), strict=True):
+        assert (got - want).abs().max().item() < 1e-10
 
 
 def test_slot_path_in_one_node_only_in_eager_mode_and_off_the_native_kernels():

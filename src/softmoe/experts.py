@@ -21,7 +21,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from softmoe.kernels import (
     expert_matmul,
@@ -298,30 +297,40 @@ def _activation_backward(grad: torch.Tensor, pre: torch.Tensor, activation: str)
     return torch.ops.aten.gelu_backward(grad, pre, approximate=approximate)
 
 
+def _slot_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, slots_per_expert, activation):
+    """C act(rows(D^T X) W1 + b1) W2 + b2 -> (out, rows, hidden, activated, y): :class:`_SlotMixing`'s forward."""
+    rows = _expert_rows(torch.bmm(dispatch.transpose(1, 2), x), weight1.shape[0], slots_per_expert)
+    hidden = _linear(rows, weight1, bias1)
+    activated = activation_fn(activation)(hidden)
+    y = _slot_rows(_linear(activated, weight2, bias2), x.shape[0], slots_per_expert)
+    return torch.bmm(combine, y), rows, hidden, activated, y
+
+
 class _SlotMixing(torch.autograd.Function):
     """out = C act(rows(D^T X) W1 + b1) W2 + b2, for :meth:`MLPExperts.forward_through_slots`.
 
     With slots = D^T X, rows its (expert, batch * p) view, h = rows W1 + b1, a = act(h), y = a W2 + b2 and out = C y
     (y back in slot order), the backward of an upstream gradient G is: dC = G y^T, dy = C^T G, dW2 = a^T dy,
     db2 = sum dy, dh = act'(h) (dy W2^T), dW1 = rows^T dh, db1 = sum dh, dslots = dh W1^T, dX = D dslots and
-    dD = X dslots^T.
+    dD = X dslots^T. When the backward itself is to be differentiated (``create_graph=True``) it first recomputes
+    the intermediates from the inputs under autograd, so that these formulas, and second derivatives, stay exact.
     """
 
     @staticmethod
     def forward(ctx, x, dispatch, combine, weight1, bias1, weight2, bias2, slots_per_expert, activation):
-        rows = _expert_rows(torch.bmm(dispatch.transpose(1, 2), x), weight1.shape[0], slots_per_expert)
-        hidden = _linear(rows, weight1, bias1)
-        activated = activation_fn(activation)(hidden)
-        y = _slot_rows(_linear(activated, weight2, bias2), x.shape[0], slots_per_expert)
-        ctx.save_for_backward(x, dispatch, combine, weight1, weight2, rows, hidden, activated, y)
+        inputs = (x, dispatch, combine, weight1, bias1, weight2, bias2)
+        out, rows, hidden, activated, y = _slot_mixing(*inputs, slots_per_expert, activation)
+        ctx.save_for_backward(*inputs, rows, hidden, activated, y)
         ctx.slots_per_expert, ctx.activation = slots_per_expert, activation
-        return torch.bmm(combine, y)
+        return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):
-        x, dispatch, combine, weight1, weight2, rows, hidden, activated, y = ctx.saved_tensors
+        x, dispatch, combine, weight1, bias1, weight2, bias2, rows, hidden, activated, y = ctx.saved_tensors
         p, need = ctx.slots_per_expert, ctx.needs_input_grad
+        if torch.is_grad_enabled():  # create_graph: the intermediates again, now as functions of the inputs
+            inputs = (x, dispatch, combine, weight1, bias1, weight2, bias2)
+            _, rows, hidden, activated, y = _slot_mixing(*inputs, p, ctx.activation)
         grad_combine = torch.bmm(grad, y.transpose(1, 2)) if need[2] else None
         grad_y = _expert_rows(torch.bmm(combine.transpose(1, 2), grad), weight1.shape[0], p)
         grad_w2 = torch.bmm(activated.transpose(1, 2), grad_y) if need[5] else None
