@@ -87,6 +87,11 @@ def row_block_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Ten
     return torch.bmm(x.reshape(rows, blocks, k // blocks).transpose(0, 1), w.view(blocks, k // blocks, -1)).sum(0)
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (E, rows, K) @ weight (E, K, N) (+ bias (E, N)) with torch's batched matmul."""
+    return torch.bmm(x, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, weight)
+
+
 def expert_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None = None
 ) -> torch.Tensor:
@@ -100,10 +105,8 @@ def expert_linear(
         if activation is not None and not needs_grad(x, weight, bias):
             return expert_matmul(x, weight, bias, activation)
         out = expert_matmul(x, weight, bias)
-    elif bias is None:
-        out = torch.bmm(x, weight)
     else:
-        out = torch.baddbmm(bias.unsqueeze(1), x, weight)
+        out = _linear(x, weight, bias)
     return out if activation is None else activation_fn(activation)(out)
 
 
@@ -283,10 +286,6 @@ def _slot_rows(rows: torch.Tensor, batch: int, slots_per_expert: int) -> torch.T
         return rows.transpose(0, 1)
     view = rows.view(experts, batch, slots_per_expert, dim).transpose(0, 1)
     return view.reshape(batch, experts * slots_per_expert, dim)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.bmm(x, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, weight)
 
 
 def _activation_backward(grad: torch.Tensor, pre: torch.Tensor, activation: str) -> torch.Tensor:

@@ -165,15 +165,21 @@ def _native_call(name: str, out: torch.Tensor, *tensors: torch.Tensor | None, si
     return out
 
 
+def _native_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation_code: int):
+    """The native x @ weight (+ bias), then the activation of that code (0: none), into a new (E, rows, N) tensor."""
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    (experts, rows, k), n = x.shape, weight.shape[2]
+    out = x.new_empty(experts, rows, n)
+    return _native_call("expert_matmul", out, x, weight, bias, sizes=(experts, rows, k, n, activation_code))
+
+
 class _ExpertMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        (experts, rows, k), n = x.shape, weight.shape[2]
         x, weight = x.contiguous(), weight.contiguous()
-        bias = None if bias is None else bias.contiguous()
         ctx.save_for_backward(x, weight)
-        out = x.new_empty(experts, rows, n)
-        return _native_call("expert_matmul", out, x, weight, bias, sizes=(experts, rows, k, n, 0))
+        return _native_product(x, weight, bias, activation_code=0)
 
     @staticmethod
     @once_differentiable
@@ -216,12 +222,7 @@ def expert_matmul(
         raise ValueError(f"activation must be one of {sorted(NATIVE_ACTIVATIONS)} or None, got {activation!r}")
     if needs_grad(x, weight, bias):
         raise ValueError("a fused activation has no backward: call expert_matmul without it when training")
-    (experts, rows, k), n = x.shape, weight.shape[2]
-    x, weight = x.contiguous(), weight.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    out = x.new_empty(experts, rows, n)
-    code = NATIVE_ACTIVATIONS[activation]
-    return _native_call("expert_matmul", out, x, weight, bias, sizes=(experts, rows, k, n, code))
+    return _native_product(x, weight, bias, NATIVE_ACTIVATIONS[activation])
 
 
 # ---- the whole Soft MoE mixing of many small relu experts in one native pass (csrc/soft_moe_small.c) ---------------
