@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_layer.py            # full run (a few minutes)
+    python benchmarks/bench_layer.py            # full run (about three minutes)
     python benchmarks/bench_layer.py --quick    # short run (well under a minute)
     python benchmarks/bench_layer.py --json results.json
 
@@ -18,11 +18,13 @@ grad and all gradients reset to None before each step) of:
 - ``dense``: a dense MLP ``nn.Linear(d, h') -> act -> nn.Linear(h', d)`` applied to all ``batch*tokens`` tokens,
   with ``h' = n*p*hidden / tokens`` so that its FLOPs equal those of the layer's experts;
 
-the three round-robin (one call of each per round, in a new random order each round; the minimum over rounds is
-reported). Right before and right after each row it measures the machine's limits (fp32 ``torch.matmul`` 2048^3
-GFLOP/s and ``copy_`` bandwidth of 256 MB, read+write bytes) and holds the row to the better of the two readings of
-each, so that a row and its limits see the same load (on a shared host the measured limits drift by up to 1.5x
-from minute to minute).
+the three round-robin (one call of each per round, in a new random order each round). Right before and right after
+each shape it measures the machine's limits (fp32 ``torch.matmul`` 2048^3 GFLOP/s, ``copy_`` bandwidth of 256 MB,
+read+write bytes, and the read bandwidth of a ``sum``), so that a row and its limits see the same load (on a shared
+host the measured limits drift by up to 1.5x from minute to minute). All of this is done in two sweeps over the
+shapes (``--sweeps``), a minute or more apart, so that one slow stretch of the host cannot spoil a whole row: a row
+reports each function's minimum over the rounds of all its sweeps and is held to the best limits read in any of
+them (four readings of each).
 
 Definitions (B batch, M tokens, D dim, N experts, P slots per expert, H expert hidden size, fp32 = 4 bytes):
 
@@ -35,6 +37,11 @@ Definitions (B batch, M tokens, D dim, N experts, P slots per expert, H expert h
 - Roofline time = max(FLOPs / matmul peak, bytes / copy bandwidth), with the row's limits; "x roofline" =
   measured time / roofline.
 - Speed-up vs loop = loop time / layer time; dense-MLP ratio = layer time / dense MLP time (fwd, fwd+bwd).
+- Forward floor (rows on the slot path): the expert products alone (``layer.run_experts`` on the row's slots,
+  timed in the same rounds as the forward) and the time to read the expert weights once at the read bandwidth
+  (``sum`` of 256 MB, bytes read), each as a multiple of the forward roofline. The roofline's bandwidth is the copy
+  probe's, which counts written bytes too; a product that reads its weights once cannot go faster than the read
+  probe, so where these floors approach a target the target is out of reach for any implementation.
 - path: "fused" (the native one-pass kernel of ``softmoe.kernels.soft_moe_mixing``, for small relu experts), else
   "slot" (dispatch, batched experts, combine) or "token" (the exact token-space rewrite), as chosen by
   ``layer._token_space_is_cheaper``.
@@ -42,8 +49,8 @@ Definitions (B batch, M tokens, D dim, N experts, P slots per expert, H expert h
   multi-threaded timings are inflated and the script says so.
 
 Shapes: the MNIST layer of "Beyond Parameter Count" (batch 256, 4 tokens, dim 196, n = 2, 4, ..., 512 experts
-with 1 slot each, hidden = max(1, round(784 / n)) as in the paper's model (softmoe.models.mnist), relu) and a ViT-S/16 Soft MoE layer (batch 8, 196 tokens, dim 384,
-128 experts, 1 slot, hidden 1536, gelu).
+with 1 slot each, hidden = max(1, round(784 / n)) as in the paper's model (softmoe.models.mnist), relu) and a
+ViT-S/16 Soft MoE layer (batch 8, 196 tokens, dim 384, 128 experts, 1 slot, hidden 1536, gelu).
 
 Targets, fp32 (PASS/FAIL per row): ViT-S forward within 1.3x of roofline and forward+backward within 1.6x;
 forward+backward within 2x of roofline at every MNIST shape; faster than the loop (forward and
@@ -56,6 +63,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -203,9 +211,13 @@ def check_targets(s: Shape, row: dict) -> str:
     return "PASS" if not failures else "FAIL: " + "; ".join(failures)
 
 
-def bench_shape(
+def measure_shape(
     s: Shape, warmup: int, repeats: int, limit_repeats: int, budget_s: float | None = None, seed: int = 0
 ) -> dict:
+    """One sweep of one shape: the limits, the round-robin timings of both passes, the limits again.
+
+    The modules are rebuilt from ``seed`` on every call, so every sweep of a shape times the same weights.
+    """
     torch.manual_seed(seed)
     layer = softmoe.SoftMoE(s.dim, s.experts, s.slots, expert_hidden=s.hidden, activation=s.activation)
     loop = LoopSoftMoE(layer)
@@ -228,13 +240,42 @@ def bench_shape(
     }
     for name, module in (("layer", layer), ("loop", loop), ("dense", dense)):
         fns[name] = step_fns(module, params[name], x, grad)
-    before = machine_limits(limit_repeats)
-    fwd = measure_interleaved({k: v[0] for k, v in fns.items()}, warmup, repeats, budget_s)
-    fwdbwd = measure_interleaved({k: v[1] for k, v in fns.items()}, warmup, repeats, budget_s)
-    after = machine_limits(limit_repeats)
-    limits = {key: max(before[key], after[key]) for key in ("flops_per_s", "bytes_per_s")}
-    limits |= {key: f"{before[key]}, best of before and after the row" for key in ("matmul", "copy")}
+    path = layer_path(layer, x)
+    forwards = {k: v[0] for k, v in fns.items()}
+    if path == "slot":
+        forwards["experts"] = expert_products(layer, x)
+    with OtherLoad() as other:
+        before = machine_limits(limit_repeats)
+        fwd = measure_interleaved(forwards, warmup, repeats, budget_s)
+        fwdbwd = measure_interleaved({k: v[1] for k, v in fns.items()}, warmup, repeats, budget_s)
+        after = machine_limits(limit_repeats)
+    return {
+        "path": path,
+        "dense_hidden": dense[0].out_features,
+        "loop_relative_error": error,
+        "fwd_bytes": layer_bytes(s, layer, backward=False),
+        "fwdbwd_bytes": layer_bytes(s, layer, backward=True),
+        "expert_weight_bytes": sum(p.numel() * p.element_size() for p in layer.experts.parameters()),
+        "times": {"fwd": fwd, "fwdbwd": fwdbwd},
+        "limits": [before, after],
+        "other_load": other.value,
+    }
 
+
+def summarize_shape(s: Shape, sweeps: list[dict]) -> dict:
+    """The row of a shape from its sweeps: per function the fastest time of any sweep, the best limits read."""
+    first = sweeps[0]
+    readings = [limits for sweep in sweeps for limits in sweep["limits"]]
+    limits = {key: max(r[key] for r in readings) for key in ("flops_per_s", "bytes_per_s", "read_bytes_per_s")}
+    for key in ("matmul", "copy", "read"):
+        limits[key] = f"{first['limits'][0][key]}, best of {len(readings)} readings"
+    times = {}
+    for key in ("fwd", "fwdbwd"):
+        times[key] = {}
+        for name in first["times"][key]:
+            per_sweep = [sw["times"][key][name] for sw in sweeps]
+            times[key][name] = {"min": min(t["min"] for t in per_sweep), "sweeps": per_sweep}
+    loads = [sw["other_load"] for sw in sweeps if sw["other_load"] is not None]
     flops = layer_flops(s)
     row = {
         "shape": s.name,
@@ -245,24 +286,46 @@ def bench_shape(
         "slots": s.slots,
         "hidden": s.hidden,
         "activation": s.activation,
-        "path": layer_path(layer, x),
-        "dense_hidden": dense[0].out_features,
-        "loop_relative_error": error,
+        "path": first["path"],
+        "dense_hidden": first["dense_hidden"],
+        "loop_relative_error": first["loop_relative_error"],
         "fwd_flops": flops,
         "fwdbwd_flops": 3 * flops,
-        "fwd_bytes": layer_bytes(s, layer, backward=False),
-        "fwdbwd_bytes": layer_bytes(s, layer, backward=True),
-        "times": {"fwd": fwd, "fwdbwd": fwdbwd},
+        "fwd_bytes": first["fwd_bytes"],
+        "fwdbwd_bytes": first["fwdbwd_bytes"],
+        "sweeps": len(sweeps),
+        "times": times,
         "limits": limits,
+        "other_load": max(loads) if loads else None,
     }
-    for key, stats, nflops in (("fwd", fwd, flops), ("fwdbwd", fwdbwd, 3 * flops)):
-        t = stats["layer"]["min"]
+    for key, nflops in (("fwd", flops), ("fwdbwd", 3 * flops)):
+        t = times[key]["layer"]["min"]
         row[f"{key}_ms"] = 1e3 * t
         row[f"{key}_gflops"] = nflops / t / 1e9
-        row[f"{key}_speedup_vs_loop"] = stats["loop"]["min"] / t
-        row[f"{key}_dense_ratio"] = t / stats["dense"]["min"]
+        row[f"{key}_speedup_vs_loop"] = times[key]["loop"]["min"] / t
+        row[f"{key}_dense_ratio"] = t / times[key]["dense"]["min"]
     add_roofline(s, row, limits)
+    if "experts" in times["fwd"]:
+        weights, t = first["expert_weight_bytes"], times["fwd"]["experts"]["min"]
+        row["fwd_experts_ms"] = 1e3 * t
+        row["fwd_experts_x_roofline"] = row["fwd_experts_ms"] / row["fwd_roofline_ms"]
+        row["experts_weights_gb_per_s"] = weights / t / 1e9
+        row["fwd_weights_read_ms"] = 1e3 * weights / limits["read_bytes_per_s"]
+        row["fwd_weights_read_x_roofline"] = row["fwd_weights_read_ms"] / row["fwd_roofline_ms"]
     return row
+
+
+def expert_products(layer: softmoe.SoftMoE, x: torch.Tensor) -> Callable[[], None]:
+    """The forward's expert products alone (the layer's experts on its slots, under no_grad), slots built once."""
+    with torch.no_grad():
+        _, dispatch, _ = layer._route_flat(x, None)
+        slots = layer.dispatch_slots(x, dispatch)
+
+    def run() -> None:
+        with torch.no_grad():
+            layer.run_experts(slots)
+
+    return run
 
 
 def add_roofline(s: Shape, row: dict, limits: dict) -> None:
@@ -288,7 +351,7 @@ HEADERS = [
     "fwd+bwd x roofline",
     "fwd+bwd speed-up vs loop",
     "dense-MLP ratio fwd / fwd+bwd",
-    "limits GFLOP/s / GB/s",
+    "limits GFLOP/s / copy, read GB/s",
     "other load",
     "targets",
 ]
@@ -309,10 +372,26 @@ def table_row(r: dict) -> list[str]:
         f"{r['fwdbwd_x_roofline']:.2f}",
         f"{r['fwdbwd_speedup_vs_loop']:.1f}x",
         f"{r['fwd_dense_ratio']:.2f} / {r['fwdbwd_dense_ratio']:.2f}",
-        f"{r['limits']['flops_per_s'] / 1e9:.0f} / {r['limits']['bytes_per_s'] / 1e9:.1f}",
+        f"{r['limits']['flops_per_s'] / 1e9:.0f} / {r['limits']['bytes_per_s'] / 1e9:.1f}, "
+        f"{r['limits']['read_bytes_per_s'] / 1e9:.1f}",
         "n/a" if r["other_load"] is None else f"{r['other_load']:.2f}",
         r["targets"],
     ]
+
+
+def floor_line(r: dict) -> str:
+    """The forward floor of a slot-path row in words; the weights' read time only where it weighs (>= 0.5x)."""
+    line = (
+        f"{r['shape']} n={r['experts']}, forward floor: the expert products alone took {r['fwd_experts_ms']:.2f} ms"
+        f" = {r['fwd_experts_x_roofline']:.2f}x the forward roofline"
+    )
+    if r["fwd_weights_read_x_roofline"] < 0.5:
+        return line + "."
+    return line + (
+        f" (weights read at {r['experts_weights_gb_per_s']:.1f} GB/s); reading the expert weights once at the "
+        f"measured read bandwidth ({r['limits']['read_bytes_per_s'] / 1e9:.1f} GB/s) takes "
+        f"{r['fwd_weights_read_ms']:.2f} ms = {r['fwd_weights_read_x_roofline']:.2f}x."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,7 +400,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write all results as JSON to PATH")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     parser.add_argument("--shapes", choices=["all", "mnist", "vit"], default="all")
+    parser.add_argument(
+        "--sweeps", type=int, default=None, help="passes over all shapes, a row keeping each function's fastest "
+        "time and the best limits of all its sweeps (default 2, 1 with --quick)"
+    )
     args = parser.parse_args(argv)
+    if args.sweeps is None:
+        args.sweeps = 1 if args.quick else 2
+    if args.sweeps < 1:
+        parser.error(f"--sweeps must be >= 1, got {args.sweeps}")
 
     tuned = tune_cpu_allocator()
     print(
@@ -347,31 +434,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.shapes in ("all", "vit"):
         shapes.append(VIT_S)
 
-    rows = []
-    for s in shapes:
-        small = s.name == "MNIST"
-        # (warm-up rounds, max rounds, seconds of timing after which rounds stop, per pass)
-        if args.quick:
-            warmup, repeats, budget = (1, 5, 0.5) if small else (1, 3, 2.0)
-        else:
-            warmup, repeats, budget = (3, 20, 3.0) if small else (2, 25, 15.0)
-        with OtherLoad() as other:
-            rows.append(bench_shape(s, warmup, repeats, 3 if args.quick else 5, budget))
-        rows[-1]["other_load"] = other.value
-        r = rows[-1]
-        print(
-            f"  {s.name} n={s.experts}: fwd {r['fwd_ms']:.2f} ms, fwd+bwd {r['fwdbwd_ms']:.2f} ms ({r['path']})",
-            file=sys.stderr,
-            flush=True,
-        )
+    sweeps: list[list[dict]] = [[] for _ in shapes]
+    for sweep in range(args.sweeps):
+        for s, measured in zip(shapes, sweeps):
+            small = s.name == "MNIST"
+            # (warm-up rounds, max rounds, seconds of timing after which rounds stop, per pass and sweep)
+            if args.quick:
+                warmup, repeats, budget = (1, 5, 0.5) if small else (1, 3, 2.0)
+            else:
+                warmup, repeats, budget = (3, 30, 4.0) if small else (2, 25, 15.0)
+            measured.append(measure_shape(s, warmup, repeats, 3 if args.quick else 5, budget))
+            layer_times = {key: 1e3 * measured[-1]["times"][key]["layer"]["min"] for key in ("fwd", "fwdbwd")}
+            print(
+                f"  sweep {sweep + 1}/{args.sweeps} {s.name} n={s.experts}: fwd {layer_times['fwd']:.2f} ms, "
+                f"fwd+bwd {layer_times['fwdbwd']:.2f} ms ({measured[-1]['path']})",
+                file=sys.stderr,
+                flush=True,
+            )
+    rows = [summarize_shape(s, measured) for s, measured in zip(shapes, sweeps)]
 
     print()
     print(
-        "Times: min over round-robin repeats after warm-up; FLOPs: slot formulation, per forward "
+        "Times: min over the round-robin repeats of all sweeps, after warm-up; FLOPs: slot formulation, per forward "
         "2BMDNP (logits) + 2BMNPD (dispatch) + 2BMNPD (combine) + 2BNP(2DH) (experts), fwd+bwd = 3x fwd; "
         "bytes (compulsory): fwd 4(params + 2BMD), fwd+bwd 4(3 params + 4BMD); x roofline = time / "
-        "max(FLOPs/peak, bytes/bandwidth), with the best limits (matmul peak, copy bandwidth) measured right before and "
-        "after the row; speed-up vs loop = nn.ModuleList-loop time / layer time; dense-MLP ratio "
+        "max(FLOPs/peak, bytes/bandwidth), with the best limits (matmul peak, copy bandwidth) measured right before "
+        "and after the row in each sweep; speed-up vs loop = nn.ModuleList-loop time / layer time; dense-MLP ratio "
         "= layer time / time of a dense MLP with the experts' FLOPs; path: fused native kernel, slot formulation or "
         "token-space rewrite; "
         "other load: cores kept busy by other processes while the row was timed (> 0.2: timings inflated)."
@@ -380,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(HEADERS, [table_row(r) for r in rows], align="lrrl" + "r" * 11 + "l")
     passed = sum(r["targets"] == "PASS" for r in rows)
     print(f"\nTargets met on {passed}/{len(rows)} rows.")
+    for r in rows:
+        if "fwd_experts_ms" in r:
+            print(floor_line(r))
     busy = [f"{r['shape']} n={r['experts']}" for r in rows if (r["other_load"] or 0.0) > OTHER_LOAD_LIMIT]
     if busy:
         print(

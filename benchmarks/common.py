@@ -92,6 +92,9 @@ def machine_limits(repeats: int = 5, matmul_size: int = MATMUL_SIZE, copy_bytes:
       2*2048^3 FLOPs over the minimum time of ``repeats``.
     - ``bytes_per_s``: ``copy_`` between two preallocated 256 MB fp32 tensors, counting the bytes read plus the
       bytes written (2 * 256 MB) over the minimum time.
+    - ``read_bytes_per_s``: ``sum`` of the same 256 MB, bytes read over the minimum time: the rate at which a
+      kernel that only reads (an expert product streaming its weights) can at best get data. Reported beside the
+      roofline, not part of it.
     """
     a = torch.randn(matmul_size, matmul_size)
     b = torch.randn(matmul_size, matmul_size)
@@ -101,12 +104,15 @@ def machine_limits(repeats: int = 5, matmul_size: int = MATMUL_SIZE, copy_bytes:
     src = torch.randn(numel)
     dst = torch.empty(numel)
     cp = measure(lambda: dst.copy_(src), warmup=2, repeats=repeats)
+    rd = measure(src.sum, warmup=2, repeats=repeats)
     flops = 2.0 * matmul_size**3
     return {
         "flops_per_s": flops / mm["min"],
         "bytes_per_s": 2.0 * copy_bytes / cp["min"],
+        "read_bytes_per_s": copy_bytes / rd["min"],
         "matmul": f"fp32 torch.matmul {matmul_size}^3, min of {repeats}",
         "copy": f"copy_ of {copy_bytes // 2**20} MiB fp32, read+write bytes, min of {repeats}",
+        "read": f"sum of {copy_bytes // 2**20} MiB fp32, bytes read, min of {repeats}",
         "threads": torch.get_num_threads(),
     }
 

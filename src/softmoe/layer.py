@@ -25,6 +25,7 @@ from torch import nn
 from softmoe.experts import MLPExperts, StackedExperts, autocast_device
 from softmoe.kernels import (
     native_mixing_applies,
+    needs_grad,
     onednn_applies,
     onednn_linear,
     soft_moe_mixing,
@@ -63,7 +64,10 @@ def soft_moe_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor | No
         tokens, phi = x.to(dtype), phi.to(dtype)
         if scale is None:
             return token_product(tokens, phi)
-        return _NormalizedTokenLogits.apply(tokens, l2_normalize(phi, dim=0) * scale.to(dtype))
+        phi = l2_normalize(phi, dim=0) * scale.to(dtype)
+        if needs_grad(tokens, phi):
+            return _NormalizedTokenLogits.apply(tokens, phi)
+        return _NormalizedTokenLogits.forward(tokens, phi)
 
 
 def token_product(tokens: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
