@@ -296,6 +296,7 @@ def summarize_shape(s: Shape, sweeps: list[dict]) -> dict:
         "sweeps": len(sweeps),
         "times": times,
         "limits": limits,
+        "limit_readings": readings,
         "other_load": max(loads) if loads else None,
     }
     for key, nflops in (("fwd", flops), ("fwdbwd", 3 * flops)):

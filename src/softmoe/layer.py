@@ -57,7 +57,8 @@ def soft_moe_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor | No
     ``scale=None`` is equation (1) as written; with the learnable scalar ``scale`` the tokens and the columns of phi
     are L2-normalized first (:func:`l2_normalize`) and the logits multiplied by ``scale``. Computed outside autocast.
     The tokens' normalization is applied to the product, ``(x / |x|) phi = (x phi) / |x|``, which saves writing a
-    normalized copy of the tokens (:class:`_NormalizedTokenLogits`).
+    normalized copy of the tokens (:class:`_NormalizedTokenLogits`, its forward called directly when no gradient
+    is needed).
     """
     dtype = torch.promote_types(torch.promote_types(x.dtype, phi.dtype), torch.float32)
     with torch.autocast(device_type=autocast_device(x), enabled=False):
