@@ -40,8 +40,8 @@ Definitions (B batch, M tokens, D dim, N experts, P slots per expert, H expert h
 - Forward floor (rows on the slot path): the expert products alone (``layer.run_experts`` on the row's slots,
   timed in the same rounds as the forward) and the time to read the expert weights once at the read bandwidth
   (``sum`` of 256 MB, bytes read), each as a multiple of the forward roofline. The roofline's bandwidth is the copy
-  probe's, which counts written bytes too; a product that reads its weights once cannot go faster than the read
-  probe, so where these floors approach a target the target is out of reach for any implementation.
+  probe's, which counts written bytes too. No implementation reads its weights faster than the read floor; where
+  the products alone approach a target, this one can meet it only by running the routing inside the weight stream.
 - path: "fused" (the native one-pass kernel of ``softmoe.kernels.soft_moe_mixing``, for small relu experts), else
   "slot" (dispatch, batched experts, combine) or "token" (the exact token-space rewrite), as chosen by
   ``layer._token_space_is_cheaper``.
