@@ -170,9 +170,13 @@ def layer_flops(s: Shape) -> float:
     return float(logits + dispatch + combine + experts)
 
 
+def parameter_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 def layer_bytes(s: Shape, layer: nn.Module, backward: bool) -> float:
     """Compulsory traffic in bytes (see the module docstring)."""
-    param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    param_bytes = parameter_bytes(layer)
     act_bytes = s.batch * s.tokens * s.dim * 4
     return float(3 * param_bytes + 4 * act_bytes) if backward else float(param_bytes + 2 * act_bytes)
 
@@ -255,7 +259,7 @@ def measure_shape(
         "loop_relative_error": error,
         "fwd_bytes": layer_bytes(s, layer, backward=False),
         "fwdbwd_bytes": layer_bytes(s, layer, backward=True),
-        "expert_weight_bytes": sum(p.numel() * p.element_size() for p in layer.experts.parameters()),
+        "expert_weight_bytes": parameter_bytes(layer.experts),
         "times": {"fwd": fwd, "fwdbwd": fwdbwd},
         "limits": [before, after],
         "other_load": other.value,

@@ -28,6 +28,7 @@ from softmoe.kernels import (
     needs_grad,
     onednn_applies,
     onednn_linear,
+    plain_eager_mode,
 )
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -216,12 +217,7 @@ class MLPExperts(nn.Module):
     def slot_function_applies(self, x: torch.Tensor, rows_per_expert: int) -> bool:
         """Whether :meth:`forward_through_slots` serves x: eager mode (not under torch.compile, torch.func transforms
         or autocast), and experts that run torch's batched matmuls (not the native kernels for few rows)."""
-        return (
-            not torch.compiler.is_compiling()
-            and not torch._C._are_functorch_transforms_active()
-            and not torch.is_autocast_enabled(autocast_device(x))
-            and not native_applies(x, self.weight1, rows_per_expert)
-        )
+        return plain_eager_mode(autocast_device(x)) and not native_applies(x, self.weight1, rows_per_expert)
 
     def run_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (rows, dim) sorted by expert, counts: (num_experts,) rows per expert -> (rows, dim).

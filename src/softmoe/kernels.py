@@ -44,6 +44,16 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def plain_eager_mode(device_type: str) -> bool:
+    """Whether ops run as written: not traced by torch.compile, not under torch.func transforms, and autocast off
+    for ``device_type`` (the native kernels and the hand-written backwards serve only this mode)."""
+    return (
+        not torch.compiler.is_compiling()
+        and not torch._C._are_functorch_transforms_active()
+        and not torch.is_autocast_enabled(device_type)
+    )
+
+
 def onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight`` may run in oneDNN: float32 CPU tensors, no gradient needed, oneDNN built in."""
     return (
@@ -152,16 +162,17 @@ def native_applies(x: torch.Tensor, weight: torch.Tensor, rows: int | None = Non
         and x.dtype == weight.dtype == torch.float32
         and NATIVE_MIN_ROWS <= rows <= NATIVE_MAX_ROWS
         and weight.shape[1] * weight.shape[2] >= NATIVE_MIN_WEIGHT
-        and not torch.compiler.is_compiling()
-        and not torch._C._are_functorch_transforms_active()
-        and not torch.is_autocast_enabled("cpu")
+        and plain_eager_mode("cpu")
         and native_library() is not None
     )
 
 
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def _native_call(name: str, out: torch.Tensor, *tensors: torch.Tensor | None, sizes: tuple[int, ...]) -> torch.Tensor:
-    pointers = [None if t is None else t.data_ptr() for t in tensors]
-    getattr(native_library(), name)(*pointers, out.data_ptr(), *sizes, torch.get_num_threads())
+    getattr(native_library(), name)(*map(_pointer, tensors), out.data_ptr(), *sizes, torch.get_num_threads())
     return out
 
 
@@ -246,15 +257,9 @@ def native_mixing_applies(x: torch.Tensor, hidden: int, activation: str) -> bool
         and x.dtype == torch.float32
         and 1 <= x.shape[1] <= MIXING_MAX_TOKENS
         and hidden <= MIXING_MAX_HIDDEN
-        and not torch.compiler.is_compiling()
-        and not torch._C._are_functorch_transforms_active()
-        and not torch.is_autocast_enabled("cpu")
+        and plain_eager_mode("cpu")
         and native_library() is not None
     )
-
-
-def _pointer(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 class _SoftMoEMixing(torch.autograd.Function):
