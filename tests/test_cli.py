@@ -23,6 +23,8 @@ def test_smoke_reproduction_writes_complete_results(smoke_results):
     suite = results["mnist_suite"]
     assert suite["preset"]["name"] == "smoke" and suite["data"]["name"] == "digits"
     assert suite["preset"]["train"]["seed"] == 0
+    assert (suite["model"]["name"], suite["protocol"]["name"]) == ("authors", "authors")
+    assert suite["preset"]["train"]["shuffle"] is False and suite["preset"]["train"]["frozen_first_epoch"] is True
     assert sorted(int(n) for n in suite["models"]) == [2, 4, 8]
     for n, model in suite["models"].items():
         selection = model["selection"]
@@ -31,7 +33,7 @@ def test_smoke_reproduction_writes_complete_results(smoke_results):
         for cell in selection["per_k"].values():
             assert len(cell["random"]["accuracies"]) == 3
             assert 0.0 <= cell["algorithm1"] <= 1.0
-        assert model["epoch"] in range(1, 3)
+        assert model["epoch"] == 3  # the authors' protocol evaluates the last epoch
         assert model["oracle"]["k"] == max(1, round(int(n) / 4))
         assert 0.0 <= model["oracle"]["best_subset_accuracy"] <= 1.0
         # The oracle includes Algorithm 1's subset, so it can never do worse.
@@ -45,6 +47,7 @@ def test_smoke_report_is_well_formed(smoke_results):
     for heading in ("Table 1", "Figures 1 and 2a", "Table 10", "Figure 5", "How our numbers compare"):
         assert heading in report
     assert "94.69" in report and "46.57 ± 0.44" in report  # the paper's numbers beside ours
+    assert "model `authors` and the protocol `authors`" in report and "sample standard deviation (ddof = 1)" in report
     for png in ("fig_selection_vs_n.png", "fig_distinct_best_subsets.png", "fig_training_curves.png"):
         assert f"({png})" in report
         data = (smoke_results / png).read_bytes()
@@ -52,9 +55,9 @@ def test_smoke_report_is_well_formed(smoke_results):
 
 
 def test_rerun_resumes_without_training(smoke_results, capsys):
-    before = {p.name: p.stat().st_mtime_ns for p in (smoke_results / "runs" / "n002").iterdir()}
+    before = {p.name: p.stat().st_mtime_ns for p in (smoke_results / "runs" / "authors_authors" / "n002").iterdir()}
     assert main(["reproduce", "mnist", "--preset", "smoke", "--out", str(smoke_results), "--no-progress"]) == 0
-    after = {p.name: p.stat().st_mtime_ns for p in (smoke_results / "runs" / "n002").iterdir()}
+    after = {p.name: p.stat().st_mtime_ns for p in (smoke_results / "runs" / "authors_authors" / "n002").iterdir()}
     assert before == after
 
 
@@ -113,3 +116,18 @@ def test_routers_and_vit_sections_join_the_report(tmp_path):
     for line in report.splitlines():
         if line.startswith("!["):
             assert (tmp_path / line.split("(")[1].rstrip(")")).exists()
+
+
+def test_other_model_and_protocol_run_beside_the_default(smoke_results):
+    """--model/--protocol train in their own runs folder and JSON file; the report compares the pairs."""
+    args = ["reproduce", "mnist", "--preset", "smoke", "--model", "definition1", "--protocol", "equal-accuracy"]
+    assert main([*args, "--out", str(smoke_results), "--no-progress"]) == 0
+    variant = json.loads((smoke_results / "mnist_suite_definition1_equal-accuracy.json").read_text())
+    assert variant["model"]["name"] == "definition1" and variant["model"]["normalize"] == "none"
+    assert variant["preset"]["train"]["shuffle"] is True and variant["equal_accuracy_target"] is not None
+    assert (smoke_results / "runs" / "definition1_equal-accuracy" / "n002" / "epoch_001.json").exists()
+    report = (smoke_results / "report.md").read_text()
+    assert "## The MNIST suite under each model and protocol" in report
+    assert "| `authors` | `authors` |" in report and "| `definition1` | `equal-accuracy` |" in report
+    suite = json.loads((smoke_results / "results.json").read_text())["mnist_suite"]
+    assert suite["model"]["name"] == "authors"  # the default pair's file is untouched

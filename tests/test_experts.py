@@ -236,11 +236,11 @@ def test_mlp_identical_init(identical):
 
 
 def test_mlp_bad_arguments_raise():
-    with pytest.raises(ValueError, match=r"hidden must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"hidden must be an integer >= 1, got 0"):
         MLPExperts(2, 4, 0)
-    with pytest.raises(ValueError, match=r"num_experts must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"num_experts must be an integer >= 1, got 0"):
         MLPExperts(0, 4, 4)
-    with pytest.raises(ValueError, match=r"dim must be >= 1, got -2"):
+    with pytest.raises(ValueError, match=r"dim must be an integer >= 1, got -2"):
         MLPExperts(2, -2, 4)
     with pytest.raises(ValueError, match=r"got 'tanh'"):
         MLPExperts(2, 4, 4, activation="tanh")

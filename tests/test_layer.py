@@ -48,8 +48,23 @@ GRAD_CONFIGS = {
 
 
 def ref_normalize(v: torch.Tensor) -> torch.Tensor:
-    """v / sqrt(sum(v^2) + 1e-6) for a single vector."""
+    """v / sqrt(sum(v^2) + 1e-6) for a single vector (vmoe's, normalize="router")."""
     return v / torch.sqrt((v * v).sum() + EPS)
+
+
+def ref_normalize_outside(v: torch.Tensor) -> torch.Tensor:
+    """v / (sqrt(sum(v^2)) + 1e-6) for a single vector (the "Beyond Parameter Count" code, normalize="inputs")."""
+    return v / (math.sqrt(float((v * v).sum())) + EPS)
+
+
+def ref_slot_inputs(layer: SoftMoE, x: torch.Tensor) -> torch.Tensor:
+    """The tokens the slots are built from, token by token: the normalized ones replace x for "inputs"."""
+    x = x.detach().to(F64).clone()
+    if layer.normalize == "inputs":
+        for b in range(x.shape[0]):
+            for m in range(x.shape[1]):
+                x[b, m] = ref_normalize_outside(x[b, m])
+    return x
 
 
 def is_real(mask: torch.Tensor | None, b: int, m: int) -> bool:
@@ -58,7 +73,7 @@ def is_real(mask: torch.Tensor | None, b: int, m: int) -> bool:
 
 def reference_routing(layer: SoftMoE, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
     """Logits, dispatch and combine from equation (1), each (batch, tokens, n, p), computed entry by entry."""
-    x = x.detach().to(F64)
+    x = ref_slot_inputs(layer, x)
     phi = layer.phi.detach().to(F64)
     batch, tokens, _ = x.shape
     n, p = layer.num_experts, layer.slots_per_expert
@@ -66,13 +81,15 @@ def reference_routing(layer: SoftMoE, x: torch.Tensor, mask: torch.Tensor | None
     for b in range(batch):
         for m in range(tokens):
             token = x[b, m]
-            if layer.normalize:
+            if layer.normalize == "router":
                 token = ref_normalize(token)
             for j in range(n):
                 for s in range(p):
                     column = phi[:, j, s]
-                    if layer.normalize:
+                    if layer.normalize == "router":
                         column = ref_normalize(column) * layer.scale.detach().to(F64)
+                    elif layer.normalize == "inputs":
+                        column = ref_normalize_outside(column) * layer.scale.detach().to(F64)
                     logits[b, m, j, s] = torch.dot(token, column)
     dispatch = torch.zeros_like(logits)
     combine = torch.zeros_like(logits)
@@ -115,14 +132,15 @@ def mlp_expert_fn(experts: MLPExperts):
 
 
 def reference_forward(layer: SoftMoE, x: torch.Tensor, mask: torch.Tensor | None = None, expert_fn=None):
-    """output = C Y~ with Y~[j, s] = f_j((D^T X)[j, s]), slots built from the RAW tokens, all by loops."""
+    """output = C Y~ with Y~[j, s] = f_j((D^T X)[j, s]), all by loops; the slots are built from the raw tokens
+    ("router", "none") or from the normalized tokens that replace them ("inputs")."""
     if expert_fn is None:
         expert_fn = mlp_expert_fn(layer.experts)
     _, dispatch, combine = reference_routing(layer, x, mask)
-    x = x.detach().to(F64)
+    x = ref_slot_inputs(layer, x)
     batch, tokens, dim = x.shape
     n, p = layer.num_experts, layer.slots_per_expert
-    out = torch.zeros(batch, tokens, dim, dtype=F64)
+    out = torch.zeros(batch, tokens, layer.out_dim, dtype=F64)
     for b in range(batch):
         expert_out = {}
         for j in range(n):
@@ -132,7 +150,7 @@ def reference_forward(layer: SoftMoE, x: torch.Tensor, mask: torch.Tensor | None
                     slot = slot + dispatch[b, m, j, s] * x[b, m]
                 expert_out[j, s] = expert_fn(j, slot)
         for m in range(tokens):
-            row = torch.zeros(dim, dtype=F64)
+            row = torch.zeros(layer.out_dim, dtype=F64)
             for j in range(n):
                 for s in range(p):
                     row = row + combine[b, m, j, s] * expert_out[j, s]
@@ -212,7 +230,7 @@ def force_path(layer: SoftMoE, path: str, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @pytest.mark.parametrize("path", ["tokens", "slots"])
-@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("normalize", ["router", "inputs", "none"])
 @pytest.mark.parametrize("slots_per_expert", [1, 3])
 @pytest.mark.parametrize("expert_bias", [True, False])
 @pytest.mark.parametrize("use_mask", [False, True])
@@ -272,7 +290,7 @@ def test_paths_agree_on_same_layer(path, monkeypatch):
         assert (g_t - g_s).abs().max().item() < 1e-9
 
 
-@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("normalize", ["router", "inputs", "none"])
 @pytest.mark.parametrize("slots_per_expert", [1, 3])
 @pytest.mark.parametrize("use_mask", [False, True])
 def test_route_matches_reference(normalize, slots_per_expert, use_mask):
@@ -924,7 +942,9 @@ def test_non_bool_mask_raises(small_layer, method, dtype):
         (dict(dim=4, num_experts=2, slots_per_expert=0), r"slots_per_expert must be an integer >= 1, got 0"),
         (dict(dim=0, num_experts=2), r"dim must be an integer >= 1, got 0"),
         (dict(dim=4, num_experts=2.0), r"num_experts must be an integer >= 1, got 2\.0"),
-        (dict(dim=4, num_experts=2, expert_hidden=0), r"hidden must be >= 1, got 0"),
+        (dict(dim=4, num_experts=2, expert_hidden=0), r"hidden must be an integer >= 1, got 0"),
+        (dict(dim=4, num_experts=2, expert_hidden=2.5), r"hidden must be an integer >= 1, got 2\.5"),
+        (dict(dim=4, num_experts=2, normalize="rms"), r"normalize must be one of .*router.*inputs.*none.*got .rms."),
         (dict(dim=4, num_experts=2, activation="swish"), r"gelu.*gelu_tanh.*relu.*got 'swish'"),
     ],
 )

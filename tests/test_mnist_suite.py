@@ -1,18 +1,27 @@
 """The MNIST suite's rules: model sizes per n, the equal-accuracy protocol, k lists, statistics."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from softmoe.experiments.common import equal_accuracy_epochs, random_statistics
-from softmoe.experiments.mnist_suite import selection_ks
+from softmoe.experiments.mnist_suite import (
+    PRESETS,
+    chosen_epochs,
+    run_suite,
+    selection_ks,
+    suite_file,
+    training_config,
+)
 from softmoe.models import SoftMoEClassifier
 from softmoe.models.mnist import expert_hidden_for
 
 
 @pytest.mark.parametrize("n", [2, 4, 8, 16, 32, 64, 128, 256, 512])
-def test_parameter_counts(n):
-    model = SoftMoEClassifier((1, 28, 28), n)
-    hidden = expert_hidden_for(196, n)
+def test_parameter_counts_of_the_definition1_model(n):
+    model = SoftMoEClassifier((1, 28, 28), n, model="definition1")
+    hidden = expert_hidden_for(196, n, "round")
     assert model.moe.experts.hidden == hidden == max(1, round(784 / n))
     experts = n * (196 * hidden + hidden + hidden * 196 + 196)
     assert model.expert_parameter_count() == experts
@@ -63,7 +72,29 @@ def test_selection_ks():
 def test_random_statistics():
     stats = random_statistics([0.5, 0.7], algorithm1=0.9)
     assert stats["mean"] == pytest.approx(0.6)
-    assert stats["std"] == pytest.approx(0.1)  # population std, as numpy's default
-    assert stats["stds_above_random"] == pytest.approx(3.0)
+    assert stats["std"] == pytest.approx(0.1 * 2**0.5)  # sample std (ddof = 1), as the authors' np.std(ddof=1)
+    assert stats["stds_above_random"] == pytest.approx(0.3 / (0.1 * 2**0.5))
+    assert random_statistics([0.5])["std"] == 0.0
     assert random_statistics([0.5, 0.5], 0.9)["stds_above_random"] is None
     assert random_statistics([0.5, 0.7])["stds_above_random"] is None
+
+
+def test_protocols_choose_epochs():
+    histories = {2: history(0.90, 0.95, 0.97), 4: history(0.91, 0.96, 0.94)}
+    assert chosen_epochs(histories, "authors") == (None, {2: 3, 4: 3})
+    assert chosen_epochs(histories, "equal-accuracy") == (0.96, {2: 2, 4: 2})
+    config = training_config(PRESETS["default"])
+    assert (config.shuffle, config.frozen_first_epoch, config.epochs) == (False, True, 15)
+    assert training_config(replace(PRESETS["default"], protocol="equal-accuracy")).shuffle
+
+
+def test_variants_write_their_own_files():
+    assert suite_file("authors", "authors") == "mnist_suite.json"
+    assert suite_file("definition1", "equal-accuracy") == "mnist_suite_definition1_equal-accuracy.json"
+
+
+def test_unknown_model_or_protocol_raises(tmp_path):
+    with pytest.raises(ValueError, match="unknown MNIST model 'big'"):
+        run_suite("smoke", tmp_path, model="big", progress=False)
+    with pytest.raises(ValueError, match="unknown protocol 'fast'; choose one of"):
+        run_suite("smoke", tmp_path, protocol="fast", progress=False)

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from softmoe.models import SoftMoEClassifier, patchify
+from softmoe.models import SoftMoEClassifier
 from softmoe.oracle import (
     all_subsets,
     check_subset_count,
@@ -85,7 +85,7 @@ def test_both_paths_equal_brute_force(model_and_data, k):
     subsets = list(itertools.combinations(range(6), k))
     with torch.no_grad():
         for i in range(len(images)):
-            x = patchify(images[i : i + 1], model.grid)
+            x = model.tokenize(images[i : i + 1])
             row_margins = []
             correct = 0
             for s in subsets:

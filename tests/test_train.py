@@ -137,3 +137,26 @@ def test_resuming_a_folder_of_another_model_is_a_clear_error(tmp_path):
 
     with pytest.raises(ValueError, match="epoch_001.safetensors does not fit this model"):
         train_classifier(other, tiny_splits(), TrainConfig(epochs=2, batch_size=16), tmp_path, progress=False)
+
+
+def test_authors_protocol_frozen_first_epoch_and_stored_order(tmp_path, monkeypatch):
+    """frozen_first_epoch: epoch 1 changes no weight (and saves the initial ones); shuffle=False: every epoch sees
+    the training set in stored order, so a run over a permuted set differs."""
+    splits = tiny_splits()
+    config = TrainConfig(epochs=2, batch_size=16, lr=1e-2, seed=1, shuffle=False, frozen_first_epoch=True)
+    torch.manual_seed(config.seed)
+    initial = factory().state_dict()
+    orders = []
+    real_batches = train_module.batches
+
+    def recorded(dataset, batch_size, shuffle=False, generator=None, **kwargs):
+        if dataset is splits.train:
+            orders.append((shuffle, generator))
+        return real_batches(dataset, batch_size, shuffle, generator, **kwargs)
+
+    monkeypatch.setattr(train_module, "batches", recorded)
+    model, history = train_classifier(factory, splits, config, tmp_path / "run", progress=False)
+    assert orders == [(False, None), (False, None)]
+    first = load_epoch(factory(), tmp_path / "run", 1).state_dict()
+    assert all(torch.equal(first[k], initial[k]) for k in initial)
+    assert not all(torch.equal(model.state_dict()[k], initial[k]) for k in initial)

@@ -66,6 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--dataset",
         help="mnist5k (embedded default), digits, fashion-mnist[:DIR], mnist:DIR (IDX files); default: the preset's",
     )
+    reproduce.add_argument(
+        "--model",
+        default="authors",
+        choices=("authors", "definition1"),
+        help="the MNIST suite's model: authors (the authors' code, default) or definition1 (equation (1) as the "
+        "paper writes it, no normalization, biases)",
+    )
+    reproduce.add_argument(
+        "--protocol",
+        default="authors",
+        choices=("authors", "equal-accuracy"),
+        help="the MNIST suite's training protocol: authors (no shuffling, a first epoch without updates, the last "
+        "epoch's model; default) or equal-accuracy (the paper's text)",
+    )
     reproduce.add_argument("--out", type=Path, help="results folder (default: results/<dataset>, or runs/smoke)")
     reproduce.add_argument("--no-progress", action="store_true", help="hide progress bars")
     reproduce.add_argument(
@@ -78,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("run_dir", type=Path, help="folder for checkpoints (safetensors + JSON per epoch)")
     train.add_argument("--dataset", default="mnist5k", help="dataset spec, as for reproduce (default: mnist5k)")
     train.add_argument("--experts", type=_positive_int, default=16, help="number of experts n (default: 16)")
+    train.add_argument(
+        "--model", default="authors", choices=("authors", "definition1"), help="the MNIST model (default: authors)"
+    )
     train.add_argument("--epochs", type=_positive_int, default=15, help="epochs (default: 15)")
     train.add_argument("--batch-size", type=_positive_int, default=256, help="batch size (default: 256)")
     train.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default: 1e-3)")
@@ -121,7 +138,9 @@ def _reproduce(args: argparse.Namespace) -> None:
     dist = setup_distributed(expert_parallel=args.expert_parallel)  # a single process without torchrun
     try:
         if args.experiment in ("all", "mnist"):
-            mnist_suite.run_suite(preset, out, dataset=dataset, progress=progress, dist=dist)
+            mnist_suite.run_suite(
+                preset, out, dataset=dataset, progress=progress, dist=dist, model=args.model, protocol=args.protocol
+            )
         if args.experiment == "routers":
             routers.run(preset=args.preset, dataset=args.dataset, out_dir=out, progress=progress, dist=dist)
         if args.experiment == "vit":
@@ -140,7 +159,6 @@ def _train(args: argparse.Namespace) -> None:
     from softmoe.checkpoint import write_json
     from softmoe.data import load_dataset
     from softmoe.distributed import setup_distributed
-    from softmoe.models import SoftMoEClassifier
     from softmoe.train import TrainConfig, train_classifier
 
     dist = setup_distributed(expert_parallel=args.expert_parallel)  # single process without torchrun
@@ -151,13 +169,14 @@ def _train(args: argparse.Namespace) -> None:
             "image_shape": list(splits.train.image_shape),
             "num_experts": args.experts,
             "num_classes": splits.train.num_classes,
+            "model": args.model,
         }
         if dist.is_main:
             args.run_dir.mkdir(parents=True, exist_ok=True)
             write_json(args.run_dir / "model.json", model_config)
         config = TrainConfig(args.epochs, args.batch_size, args.lr, args.seed)
         _, history = train_classifier(
-            lambda: SoftMoEClassifier(tuple(model_config["image_shape"]), args.experts, model_config["num_classes"]),
+            lambda: _classifier(model_config),
             splits,
             config,
             args.run_dir,
@@ -171,11 +190,19 @@ def _train(args: argparse.Namespace) -> None:
         dist.close()
 
 
+def _classifier(config: dict):
+    """The classifier a run folder's model.json describes (folders written before "model" was recorded held the
+    definition1 model)."""
+    from softmoe.models import SoftMoEClassifier
+
+    shape = tuple(config["image_shape"])
+    return SoftMoEClassifier(shape, config["num_experts"], config["num_classes"], model=config.get("model", "definition1"))
+
+
 def _evaluate(args: argparse.Namespace) -> None:
     from softmoe.checkpoint import read_json
     from softmoe.data import load_dataset
     from softmoe.experiments.common import random_statistics
-    from softmoe.models import SoftMoEClassifier
     from softmoe.selection import select_experts
     from softmoe.train import accuracy, finished_epochs, load_epoch
 
@@ -188,7 +215,7 @@ def _evaluate(args: argparse.Namespace) -> None:
     if not 1 <= epoch <= done:
         raise ValueError(f"epoch {epoch} is not available in {args.run_dir} (finished epochs: 1..{done})")
     splits = load_dataset(config["dataset"])
-    model = SoftMoEClassifier(tuple(config["image_shape"]), config["num_experts"], config["num_classes"])
+    model = _classifier(config)
     load_epoch(model, args.run_dir, epoch).eval()
     result = {"epoch": epoch, "all_experts": accuracy(model, splits.test), "strategy": args.strategy, "k": args.k}
     if args.strategy != "all":

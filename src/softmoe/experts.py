@@ -1,7 +1,8 @@
 """Batched experts: every weight carries a leading expert axis and all experts run in one call.
 
 Two kinds share one calling convention, ``experts(x)`` with ``x`` of shape (num_experts, rows, dim)
-returning (num_experts, rows, dim): row block ``x[j]`` goes through expert ``j``.
+returning (num_experts, rows, out_dim): row block ``x[j]`` goes through expert ``j`` (``out_dim`` is ``dim`` unless
+set otherwise).
 
 - :class:`MLPExperts`: the two-layer MLP of the papers, run with batched matmuls (``torch.baddbmm``, or the native
   kernels of :mod:`softmoe.kernels` for few rows through large weights).
@@ -58,6 +59,11 @@ def check_expert_input(x: torch.Tensor, num_experts: int, dim: int) -> None:
         )
 
 
+def grouped_output(x: torch.Tensor, out_dim: int) -> torch.Tensor:
+    """An uninitialized (rows, out_dim) tensor for the outputs of grouped rows x (rows, dim)."""
+    return x.new_empty(x.shape[0], out_dim)
+
+
 def check_groups(x: torch.Tensor, counts: torch.Tensor, num_experts: int) -> None:
     """Raise a ValueError unless ``counts`` (num_experts,) splits the rows of ``x`` (rows, dim)."""
     if counts.shape != (num_experts,):
@@ -112,11 +118,11 @@ def expert_linear(
 
 
 class MLPExperts(nn.Module):
-    """``num_experts`` independent two-layer MLPs ``dim -> hidden -> dim`` with stacked weights.
+    """``num_experts`` independent two-layer MLPs ``dim -> hidden -> out_dim`` with stacked weights.
 
-    Parameters:
-        weight1: (num_experts, dim, hidden)   bias1: (num_experts, hidden)
-        weight2: (num_experts, hidden, dim)   bias2: (num_experts, dim)
+    Parameters (``out_dim`` defaults to ``dim``):
+        weight1: (num_experts, dim, hidden)       bias1: (num_experts, hidden)
+        weight2: (num_experts, hidden, out_dim)   bias2: (num_experts, out_dim)
     Each expert is initialized like a pair of ``nn.Linear`` layers (uniform in +-1/sqrt(fan_in)); with
     ``identical_init`` every expert starts from expert 0's weights (the authors' published configs).
     """
@@ -129,21 +135,23 @@ class MLPExperts(nn.Module):
         activation: str = "gelu",
         bias: bool = True,
         identical_init: bool = False,
+        out_dim: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (("num_experts", num_experts), ("dim", dim), ("hidden", hidden)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+        out_dim = dim if out_dim is None else out_dim
+        for name, value in (("num_experts", num_experts), ("dim", dim), ("hidden", hidden), ("out_dim", out_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.num_experts, self.dim, self.hidden, self.out_dim = num_experts, dim, hidden, out_dim
         self.activation = activation
         self.act = activation_fn(activation)
         factory = {"device": device, "dtype": dtype}
         self.weight1 = nn.Parameter(torch.empty(num_experts, dim, hidden, **factory))
-        self.weight2 = nn.Parameter(torch.empty(num_experts, hidden, dim, **factory))
+        self.weight2 = nn.Parameter(torch.empty(num_experts, hidden, out_dim, **factory))
         self.bias1 = nn.Parameter(torch.empty(num_experts, hidden, **factory)) if bias else None
-        self.bias2 = nn.Parameter(torch.empty(num_experts, dim, **factory)) if bias else None
+        self.bias2 = nn.Parameter(torch.empty(num_experts, out_dim, **factory)) if bias else None
         self.identical_init = identical_init
         self.reset_parameters()
 
@@ -166,14 +174,14 @@ class MLPExperts(nn.Module):
                     param.copy_(param[:1].expand_as(param))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (num_experts, rows, dim) -> (num_experts, rows, dim)."""
+        """x: (num_experts, rows, dim) -> (num_experts, rows, out_dim)."""
         check_expert_input(x, self.num_experts, self.dim)
         return expert_linear(expert_linear(x, self.weight1, self.bias1, self.activation), self.weight2, self.bias2)
 
     def forward_through_tokens(self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
         """The whole Soft MoE mixing C f(D^T X) computed in token space, without materializing any slot.
 
-        x: (batch, tokens, dim); dispatch, combine: (batch, tokens, num_experts, slots) -> (batch, tokens, dim).
+        x: (batch, tokens, dim); dispatch, combine: (batch, tokens, num_experts, slots) -> (batch, tokens, out_dim).
         Exact rewrite: both expert layers are linear around the activation, so
         ``slot_j @ W1_j = sum_m D[m, j] (x_m @ W1_j)`` and ``sum_j C[m, j] (a_j @ W2_j) = (C * a) @ [W2_1; ...; W2_n]``.
         It costs 4*batch*tokens*dim*num_experts*hidden FLOPs with intermediates of size batch*tokens*n*hidden, so
@@ -194,7 +202,7 @@ class MLPExperts(nn.Module):
             mixed = combine * activated.squeeze(2).unsqueeze(1)
         else:
             mixed = torch.einsum("bmnp,bnph->bmnh", combine, activated)
-        out = mixed.reshape(batch, tokens, n * hidden) @ self.weight2.reshape(n * hidden, dim)
+        out = mixed.reshape(batch, tokens, n * hidden) @ self.weight2.reshape(n * hidden, self.out_dim)
         if self.bias2 is not None:
             out = out + combine.sum(-1) @ self.bias2
         return out
@@ -205,7 +213,7 @@ class MLPExperts(nn.Module):
         """The whole Soft MoE mixing C f(D^T X) in the slot formulation, as one autograd node.
 
         x (batch, tokens, dim); dispatch, combine (batch, tokens, num_experts * slots_per_expert) of x's dtype ->
-        (batch, tokens, dim). The same batched matmuls as the layer's dispatch, experts and combine, with the
+        (batch, tokens, out_dim). The same batched matmuls as the layer's dispatch, experts and combine, with the
         backward written out (:class:`_SlotMixing`): no copies between the (batch, slots) and (expert, rows)
         layouts for one slot per expert, and none of autograd's per-op bookkeeping, which for a few tokens and a
         few experts (the MNIST layer, n = 2 and 4) costs about as much as the products themselves. Only where
@@ -220,12 +228,12 @@ class MLPExperts(nn.Module):
         return plain_eager_mode(autocast_device(x)) and not native_applies(x, self.weight1, rows_per_expert)
 
     def run_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: (rows, dim) sorted by expert, counts: (num_experts,) rows per expert -> (rows, dim).
+        """x: (rows, dim) sorted by expert, counts: (num_experts,) rows per expert -> (rows, out_dim).
 
         Experts with no rows cost nothing; each other expert runs once on its contiguous block.
         """
         check_groups(x, counts, self.num_experts)
-        out = torch.empty_like(x)
+        out = grouped_output(x, self.out_dim)
         start = 0
         for j, count in enumerate(counts.tolist()):
             if count:
@@ -234,7 +242,7 @@ class MLPExperts(nn.Module):
         return out
 
     def run_one(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """x (rows, dim) through expert ``expert`` alone -> (rows, dim).
+        """x (rows, dim) through expert ``expert`` alone -> (rows, out_dim).
 
         Threaded CPU BLAS (MKL) runs a skinny product through one large matrix far below the machine's limits: 25
         rows through 768 x 30720 reach about 40% of the matmul peak, one row reads it at about 23 GB/s on the
@@ -261,8 +269,9 @@ class MLPExperts(nn.Module):
         return y if bias2 is None else y + bias2
 
     def extra_repr(self) -> str:
+        out = "" if self.out_dim == self.dim else f", out_dim={self.out_dim}"
         return (
-            f"num_experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}, "
+            f"num_experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}{out}, "
             f"activation={self.activation!r}, bias={self.bias1 is not None}"
         )
 
@@ -349,18 +358,21 @@ def _reinitialize(module: nn.Module) -> None:
 
 
 class StackedExperts(nn.Module):
-    """``num_experts`` copies of a user module mapping (rows, dim) -> (rows, dim), run with ``torch.func.vmap``.
+    """``num_experts`` copies of a user module mapping (rows, dim) -> (rows, out_dim), run with ``torch.func.vmap``.
 
     The copies are re-initialized independently (every submodule's ``reset_parameters``) unless
     ``identical_init``; their parameters are stacked into tensors with a leading expert axis and registered on
     this module under the template's parameter names with '.' replaced by '__'.
     """
 
-    def __init__(self, expert: nn.Module, num_experts: int, dim: int, identical_init: bool = False) -> None:
+    def __init__(
+        self, expert: nn.Module, num_experts: int, dim: int, identical_init: bool = False, out_dim: int | None = None
+    ) -> None:
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {num_experts}")
         self.num_experts, self.dim = num_experts, dim
+        self.out_dim = dim if out_dim is None else out_dim
         copies = [copy.deepcopy(expert) for _ in range(num_experts)]
         if not identical_init:
             for module in copies:
@@ -384,7 +396,7 @@ class StackedExperts(nn.Module):
         return torch.func.functional_call(self.template, (params, buffers), (x,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (num_experts, rows, dim) -> (num_experts, rows, dim)."""
+        """x: (num_experts, rows, dim) -> (num_experts, rows, out_dim)."""
         check_expert_input(x, self.num_experts, self.dim)
         params, buffers = self._stacked()
         return torch.func.vmap(self._call_one)(params, buffers, x)
@@ -395,9 +407,9 @@ class StackedExperts(nn.Module):
         return {k: v[j] for k, v in params.items()}, {k: v[j] for k, v in buffers.items()}
 
     def run_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: (rows, dim) sorted by expert, counts: (num_experts,) -> (rows, dim); empty experts are skipped."""
+        """x: (rows, dim) sorted by expert, counts: (num_experts,) -> (rows, out_dim); empty experts are skipped."""
         check_groups(x, counts, self.num_experts)
-        out = torch.empty_like(x)
+        out = grouped_output(x, self.out_dim)
         start = 0
         for j, count in enumerate(counts.tolist()):
             if count == 0:

@@ -5,9 +5,18 @@ For one input X of shape (m, d) with slot parameters phi of shape (d, n, p):
     logits  = X phi                                  (m, n, p)   [normalized X and phi, times `scale`, by default]
     D       = softmax of logits over the m tokens     dispatch: each slot is a convex combination of tokens
     C       = softmax of logits over all n*p slots    combine: each token is a convex combination of slots
-    slots   = D^T X                                   (n, p, d)   built from the RAW tokens
+    slots   = D^T X                                   (n, p, d)
     Y~[j]   = f_j(slots[j])                           expert j on its own p slots
-    output  = C Y~                                    (m, d)
+    output  = C Y~                                    (m, d_out)
+
+Three normalizations (``SoftMoE(normalize=...)``), with a learnable scalar ``scale`` (initialized to 1) in the
+first two:
+
+    "router"  vmoe's (Puigcerver et al.), the default: logits = (X / |X|) (scale * phi / |phi|) with
+              v / |v| = v * rsqrt(sum v^2 + 1e-6) over d (epsilon inside the rsqrt); slots from the RAW tokens X.
+    "inputs"  the MNIST code of "Beyond Parameter Count": X <- X / (sqrt(sum X^2) + 1e-6) over d (epsilon outside
+              the sqrt) REPLACES the tokens, so logits AND slots use it; phi / (sqrt(sum phi^2) + 1e-6) * scale.
+    "none"    equation (1) of the paper as written: logits = X phi.
 
 Logits and both softmaxes are computed in float32 (float64 for float64 inputs), whatever the autocast dtype.
 """
@@ -32,6 +41,7 @@ from softmoe.kernels import (
 )
 
 NORM_EPS = 1e-6
+NORMALIZATIONS = ("router", "inputs", "none")
 # Inference inputs of at least this many elements compute their logits with oneDNN (see soft_moe_logits).
 ONEDNN_MIN_TOKEN_ELEMENTS = 1 << 20
 # Machine balance used by the layer's cost model: one byte of memory traffic costs about as much as 8 FLOPs.
@@ -47,24 +57,46 @@ class Routing(NamedTuple):
 
 
 def l2_normalize(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """``t * rsqrt(sum(t^2) + 1e-6)`` over ``dim``: the authors' normalization (the epsilon is inside the rsqrt)."""
+    """``t * rsqrt(sum(t^2) + 1e-6)`` over ``dim``: vmoe's normalization (the epsilon is inside the rsqrt)."""
     return t * torch.rsqrt(t.square().sum(dim=dim, keepdim=True) + NORM_EPS)
 
 
-def soft_moe_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Logits X phi of x (batch, tokens, dim) and phi (dim, slots) -> (batch, tokens, slots), float32 or wider.
+def l2_normalize_outside_eps(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t / (sqrt(sum(t^2)) + 1e-6)`` over ``dim``: the normalization of the "Beyond Parameter Count" code.
 
-    ``scale=None`` is equation (1) as written; with the learnable scalar ``scale`` the tokens and the columns of phi
-    are L2-normalized first (:func:`l2_normalize`) and the logits multiplied by ``scale``. Computed outside autocast.
-    The tokens' normalization is applied to the product, ``(x / |x|) phi = (x phi) / |x|``, which saves writing a
-    normalized copy of the tokens (:class:`_NormalizedTokenLogits`, its forward called directly when no gradient
-    is needed).
+    A zero vector stays zero, with a zero gradient (``vector_norm``'s subgradient at 0).
+    """
+    return t / (torch.linalg.vector_norm(t, dim=dim, keepdim=True) + NORM_EPS)
+
+
+def check_normalization(normalize: str | bool) -> str:
+    """The normalization's name: one of :data:`NORMALIZATIONS`; True means "router" and False "none"."""
+    if isinstance(normalize, bool):
+        return "router" if normalize else "none"
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize must be one of {NORMALIZATIONS} (or a bool), got {normalize!r}")
+    return normalize
+
+
+def soft_moe_logits(
+    x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor | None, normalize: str = "router"
+) -> torch.Tensor:
+    """Logits of tokens x (batch, tokens, dim) and phi (dim, slots) -> (batch, tokens, slots), float32 or wider.
+
+    ``normalize`` (see the module doc): "none" is X phi; "router" normalizes the tokens and the columns of phi with
+    :func:`l2_normalize` and multiplies by ``scale``; "inputs" expects x already normalized by the layer
+    (:meth:`SoftMoE.slot_inputs`) and normalizes the columns of phi with :func:`l2_normalize_outside_eps` times
+    ``scale``. Computed outside autocast. For "router" the tokens' normalization is applied to the product,
+    ``(x / |x|) phi = (x phi) / |x|``, which saves writing a normalized copy of the tokens
+    (:class:`_NormalizedTokenLogits`, its forward called directly when no gradient is needed).
     """
     dtype = torch.promote_types(torch.promote_types(x.dtype, phi.dtype), torch.float32)
     with torch.autocast(device_type=autocast_device(x), enabled=False):
         tokens, phi = x.to(dtype), phi.to(dtype)
-        if scale is None:
+        if normalize == "none":
             return token_product(tokens, phi)
+        if normalize == "inputs":
+            return token_product(tokens, l2_normalize_outside_eps(phi, dim=0) * scale.to(dtype))
         phi = l2_normalize(phi, dim=0) * scale.to(dtype)
         if needs_grad(tokens, phi):
             return _NormalizedTokenLogits.apply(tokens, phi)
@@ -177,10 +209,13 @@ class SoftMoE(nn.Module):
         slots_per_expert: p; the layer has n*p slots per input.
         expert_hidden: hidden size of the default MLP expert (default 4*dim).
         activation: "gelu" (exact), "gelu_tanh" or "relu", for the default expert.
-        normalize: the authors' L2 normalization of tokens and phi with a learnable scalar ``scale``
-            (default); ``False`` is equation (1) of the paper exactly (logits = X phi).
+        normalize: "router" (vmoe's, the default), "inputs" (the "Beyond Parameter Count" code: the normalized
+            tokens replace X, slots included) or "none" (equation (1) exactly); see the module doc for the
+            formulas. True and False mean "router" and "none".
         expert_bias: biases in the default expert.
-        expert: an optional module mapping (rows, dim) -> (rows, dim); the layer stacks ``num_experts``
+        out_dim: the experts' output size d_out (default dim); the layer maps (batch, tokens, dim) to
+            (batch, tokens, d_out).
+        expert: an optional module mapping (rows, dim) -> (rows, d_out); the layer stacks ``num_experts``
             independently initialized copies and runs them with ``torch.func.vmap``.
         identical_expert_init: start every expert from the same weights, as the authors' configs do.
 
@@ -194,8 +229,9 @@ class SoftMoE(nn.Module):
         slots_per_expert: int = 1,
         expert_hidden: int | None = None,
         activation: str = "gelu",
-        normalize: bool = True,
+        normalize: str | bool = "router",
         expert_bias: bool = True,
+        out_dim: int | None = None,
         expert: nn.Module | None = None,
         identical_expert_init: bool = False,
         device: torch.device | str | None = None,
@@ -206,19 +242,20 @@ class SoftMoE(nn.Module):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.dim, self.num_experts, self.slots_per_expert = dim, num_experts, slots_per_expert
-        self.normalize = normalize
+        self.out_dim = dim if out_dim is None else out_dim
+        self.normalize = check_normalization(normalize)
         self.selector: ExpertSelector | None = None
         factory = {"device": device, "dtype": dtype}
         self.phi = nn.Parameter(torch.empty(dim, num_experts, slots_per_expert, **factory))
-        self.scale = nn.Parameter(torch.ones((), **factory)) if normalize else None
+        self.scale = nn.Parameter(torch.ones((), **factory)) if self.normalize != "none" else None
         if expert is None:
             hidden = 4 * dim if expert_hidden is None else expert_hidden
             self.experts: nn.Module = MLPExperts(
-                num_experts, dim, hidden, activation, expert_bias, identical_expert_init, **factory
+                num_experts, dim, hidden, activation, expert_bias, identical_expert_init, self.out_dim, **factory
             )
         else:
             template = copy.deepcopy(expert).to(**factory)
-            self.experts = StackedExperts(template, num_experts, dim, identical_expert_init)
+            self.experts = StackedExperts(template, num_experts, dim, identical_expert_init, self.out_dim)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -238,18 +275,24 @@ class SoftMoE(nn.Module):
         """Logits, dispatch and combine weights for x (batch, tokens, dim); each (batch, tokens, n, p), float32 or wider.
 
         ``dispatch`` sums to 1 over tokens for every slot; ``combine`` sums to 1 over the n*p slots of every
-        token. Padded tokens (``mask`` False) get zero dispatch and zero combine weight.
+        token. Padded tokens (``mask`` False) get zero dispatch and zero combine weight. The slots are
+        ``dispatch_slots(slot_inputs(x), dispatch)``.
         """
         check_tokens(x, self.dim, mask, self.phi.dtype)
         shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
-        logits, dispatch, combine = self._route_flat(x, mask)
+        logits, dispatch, combine = self._route_flat(self.slot_inputs(x), mask)
         return Routing(logits.view(shape), dispatch.view(shape), combine.view(shape))
 
+    def slot_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """The tokens the slots are built from, (batch, tokens, dim): x itself, or for ``normalize="inputs"`` the
+        normalized tokens ``x / (|x| + 1e-6)`` (:func:`l2_normalize_outside_eps`), which then replace x."""
+        return l2_normalize_outside_eps(x, dim=-1) if self.normalize == "inputs" else x
+
     def _route_flat(
-        self, x: torch.Tensor, mask: torch.Tensor | None
+        self, tokens: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Routing tensors with the slots flattened: each (batch, tokens, n*p), float32."""
-        logits = soft_moe_logits(x, self.phi.reshape(self.dim, self.num_slots), self.scale)
+        """Routing tensors of the slot inputs ``tokens`` with the slots flattened: each (batch, tokens, n*p), float32."""
+        logits = soft_moe_logits(tokens, self.phi.reshape(self.dim, self.num_slots), self.scale, self.normalize)
         if mask is None:
             return logits, logits.softmax(dim=1), logits.softmax(dim=-1)
         keep = mask.unsqueeze(-1)
@@ -260,7 +303,7 @@ class SoftMoE(nn.Module):
         return logits, dispatch, combine
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (batch, tokens, dim), mask: optional bool (batch, tokens), True for real tokens -> (batch, tokens, dim).
+        """x: (batch, tokens, dim), mask: optional bool (batch, tokens), True for real tokens -> (batch, tokens, d_out).
 
         Padded tokens get a zero output; a fully padded input gives zeros. Inside ``softmoe.select_experts`` (which
         sets ``self.selector``) only each input's selected experts are computed, as in :meth:`forward_selected`.
@@ -268,13 +311,15 @@ class SoftMoE(nn.Module):
         otherwise the cost model picks the slot formulation or its token-space rewrite.
         """
         check_tokens(x, self.dim, mask, self.phi.dtype)
+        x = self.slot_inputs(x)
         _, dispatch, combine = self._route_flat(x, mask)
         shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
         if self.selector is not None:
             selected = self.selector.select(combine.view(shape))
             return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize)
         experts = self.experts
-        if isinstance(experts, MLPExperts) and native_mixing_applies(x, experts.hidden, experts.activation):
+        square = self.out_dim == self.dim
+        if isinstance(experts, MLPExperts) and square and native_mixing_applies(x, experts.hidden, experts.activation):
             return soft_moe_mixing(
                 x, dispatch, combine, experts.weight1, experts.bias1, experts.weight2, experts.bias2
             )
@@ -298,10 +343,11 @@ class SoftMoE(nn.Module):
 
         Equals C Y^ where Y^ has zero rows for the slots of unselected experts (Algorithm 1's step 4); with
         ``renormalize`` each token's combine weights are rescaled to sum to 1 over the kept slots. No slot is built
-        and no expert runs for an unselected (input, expert) pair. x: (batch, tokens, dim) -> (batch, tokens, dim).
+        and no expert runs for an unselected (input, expert) pair. x: (batch, tokens, dim) -> (batch, tokens, d_out).
         """
         check_tokens(x, self.dim, mask, self.phi.dtype)
         check_selected(selected, x.shape[0], self.num_experts)
+        x = self.slot_inputs(x)
         _, dispatch, combine = self._route_flat(x, mask)
         return self._selected_forward(x, dispatch, combine, selected, renormalize)
 
@@ -328,7 +374,7 @@ class SoftMoE(nn.Module):
         counts = torch.bincount(expert_of_row, minlength=self.num_experts)
         out_sorted = self.experts.run_grouped(slots[order], counts)
         expert_out = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
-        return self.combine_slots(kept_combine, expert_out.view(batch, k * p, d))
+        return self.combine_slots(kept_combine, expert_out.view(batch, k * p, self.out_dim))
 
     def _token_space_is_cheaper(self, tokens: int) -> bool:
         """Cost model choosing between the slot formulation and the exact token-space rewrite (MLP experts only).
@@ -349,19 +395,20 @@ class SoftMoE(nn.Module):
         return torch.bmm(dispatch.to(x.dtype).transpose(1, 2), x)
 
     def run_experts(self, slots: torch.Tensor) -> torch.Tensor:
-        """Every expert on its own slots: (batch, n*p, dim) -> (batch, n*p, dim)."""
+        """Every expert on its own slots: (batch, n*p, dim) -> (batch, n*p, d_out)."""
         batch = slots.shape[0]
         n, p, d = self.num_experts, self.slots_per_expert, self.dim
         per_expert = slots.view(batch, n, p, d).transpose(0, 1).reshape(n, batch * p, d)
         out = self.experts(per_expert)
-        return out.view(n, batch, p, d).transpose(0, 1).reshape(batch, n * p, d)
+        return out.view(n, batch, p, self.out_dim).transpose(0, 1).reshape(batch, n * p, self.out_dim)
 
     def combine_slots(self, combine: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor:
-        """output = C Y~: combine (batch, tokens, n*p), expert_out (batch, n*p, dim) -> (batch, tokens, dim)."""
+        """output = C Y~: combine (batch, tokens, n*p), expert_out (batch, n*p, d_out) -> (batch, tokens, d_out)."""
         return torch.bmm(combine.to(expert_out.dtype), expert_out)
 
     def extra_repr(self) -> str:
+        out = "" if self.out_dim == self.dim else f", out_dim={self.out_dim}"
         return (
             f"dim={self.dim}, num_experts={self.num_experts}, slots_per_expert={self.slots_per_expert}, "
-            f"normalize={self.normalize}"
+            f"normalize={self.normalize!r}{out}"
         )

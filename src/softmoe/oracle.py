@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from softmoe.selection import select_experts, soft_moe_layers
+from softmoe.topk import first_argmax
 
 DEFAULT_MAX_SUBSETS = 1_000_000
 
@@ -83,7 +84,7 @@ class _SubsetScan:
         others = logits.scatter(2, self.labels.view(-1, 1, 1).expand(-1, logits.shape[1], 1), -math.inf)
         margin = (true - others.amax(dim=2)).double()
         self.correct_subsets += (logits.argmax(dim=2) == self.labels.unsqueeze(1)).sum(dim=1)
-        chunk_best, where = margin.max(dim=1)
+        chunk_best, where = first_argmax(margin, dim=1)  # ties to the lower subset index on every device
         better = chunk_best > self.best_margin
         self.best_margin = torch.where(better, chunk_best, self.best_margin)
         self.best_subset = torch.where(better, where + first_subset, self.best_subset)

@@ -21,6 +21,7 @@ from softmoe.runtime import cpu_model
 
 SECTIONS = {
     "mnist_suite": "softmoe.experiments.mnist_suite",
+    "mnist_variants": "softmoe.experiments.mnist_variants",
     "l2norm": "softmoe.experiments.l2norm",
     "routers": "softmoe.experiments.routers",
     "vit": "softmoe.experiments.vit",
@@ -73,8 +74,13 @@ def collect_results(results_dir: str | Path) -> dict:
         path = results_dir / f"{key}.json"
         if path.exists():
             results[key] = read_json(path)
+    variants = sorted(results_dir.glob("mnist_suite_*.json"))
+    if variants:  # other (model, protocol) pairs of the MNIST suite, shown beside the default one
+        files = [results_dir / "mnist_suite.json"] * ("mnist_suite" in results) + variants
+        results["mnist_variants"] = {path.stem: read_json(path) for path in files}
     if len(results) == 1:
-        raise FileNotFoundError(f"no experiment results ({', '.join(f'{k}.json' for k in SECTIONS)}) in {results_dir}")
+        names = ", ".join(f"{key}.json" for key in SECTIONS if key != "mnist_variants")
+        raise FileNotFoundError(f"no experiment results ({names}) in {results_dir}")
     write_json(results_dir / "results.json", results)
     return results
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from softmoe.layer import SoftMoE
+from softmoe.topk import top_k
 
 STRATEGIES = ("combine", "random", "all")
 
@@ -54,10 +55,9 @@ def combine_scores(combine: torch.Tensor) -> torch.Tensor:
 def top_k_by_combine(combine: torch.Tensor, k: int) -> torch.Tensor:
     """Algorithm 1: the k experts with the largest C_sum per input -> (batch, k) int64, ascending indices.
 
-    Ties are broken towards the lower expert index (stable descending sort).
+    Ties are broken towards the lower expert index (:func:`softmoe.topk.top_k`).
     """
-    order = torch.sort(combine_scores(combine), dim=1, descending=True, stable=True).indices
-    return order[:, :k].sort(dim=1).values
+    return top_k(combine_scores(combine), k, dim=1)[1].sort(dim=1).values
 
 
 def random_subsets(batch: int, num_experts: int, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -184,13 +184,13 @@ def masked_reference_forward(
 ) -> torch.Tensor:
     """The paper code's way: run ALL experts, zero the rows of unselected experts, combine. For tests/benchmarks.
 
-    x (batch, tokens, dim), selected (batch, k) -> (batch, tokens, dim). Same result as ``layer.forward_selected``
+    x (batch, tokens, dim), selected (batch, k) -> (batch, tokens, d_out). Same result as ``layer.forward_selected``
     but with no compute saved.
     """
     routing = layer.route(x, mask)
     batch, tokens, n, p = routing.combine.shape
     keep_slots = mask_from_subsets(selected, n).unsqueeze(-1).expand(batch, n, p).reshape(batch, 1, n * p)
-    slots = layer.dispatch_slots(x, routing.dispatch.reshape(batch, tokens, n * p))
+    slots = layer.dispatch_slots(layer.slot_inputs(x), routing.dispatch.reshape(batch, tokens, n * p))
     expert_out = layer.run_experts(slots) * keep_slots.transpose(1, 2).to(x.dtype)
     combine = routing.combine.reshape(batch, tokens, n * p)
     if renormalize:

@@ -108,7 +108,7 @@ def theorem1_witness(
             for the coordinate with the largest ``|phi_c|`` (relabelling features changes nothing in the proof, and
             the slot gap decays like ``a * exp(-a |phi_c|)``, so this converges fastest).
 
-    Equation (1), ``layer.normalize`` False: logits are ``X phi``; the three cases of Appendix B on ``phi_c``
+    Equation (1), ``layer.normalize`` "none": logits are ``X phi``; the three cases of Appendix B on ``phi_c``
     (all entries below are zero except those listed; e_c the c-th feature):
 
     - ``phi_c > 0``: A[token] = a e_c, A[partner] = -a e_c; B[token] = a e_c. The logit a*phi_c of ``token`` dominates
@@ -119,7 +119,7 @@ def theorem1_witness(
     - ``phi_c == 0`` (exactly): B[token] = a e_c; A[token] = A[partner] = (a/2) e_c. All logits are 0, dispatch is
       uniform 1/m, and both slots equal (a/m) e_c exactly, while t(B) - t(A) = (1 - 1/sqrt(2)) a.
 
-    Normalized routing (``layer.normalize`` True, the authors' default, logits = scale * <x_i/|x_i|, phi/|phi|>):
+    Normalized routing (``layer.normalize`` "router", vmoe's default, logits = scale * <x_i/|x_i|, phi/|phi|>):
     the proof's first two cases do not carry over, because a logit no longer grows with ``a`` (it is bounded by
     ``|scale|``), so dispatch never concentrates and the slots of A and B stay a constant fraction of ``a`` apart.
     But the logits depend on the token *directions* only, and the slot is still built from the raw tokens, which
@@ -134,6 +134,11 @@ def theorem1_witness(
     normalizing the *input* X; our layer normalizes only inside the router.)
     """
     _check_single_expert(layer)
+    if layer.normalize == "inputs":
+        raise ValueError(
+            "Theorem 1 does not apply to a layer that normalizes its input tokens (normalize='inputs'): every token "
+            "then has norm about 1, so no two inputs differ in norm by a (the paper, section 3, 'Normalizing Input')"
+        )
     if not isinstance(num_tokens, int) or num_tokens < 2:
         raise ValueError(f"num_tokens must be an integer >= 2 (Theorem 1 needs m >= 2), got {num_tokens!r}")
     a = float(a)
@@ -154,7 +159,7 @@ def theorem1_witness(
     factory = {"dtype": layer.phi.dtype, "device": layer.phi.device}
     A = torch.zeros(num_tokens, layer.dim, **factory)
     B = torch.zeros(num_tokens, layer.dim, **factory)
-    if layer.normalize:
+    if layer.normalize == "router":
         case = CASE_NORMALIZED
         A[token, coord] = A[partner, coord] = a / 2
         B[token, coord] = (1 - SPLIT) * a
@@ -197,7 +202,7 @@ def witness_gaps(layer: SoftMoE, witness: Witness, dtype: torch.dtype | None = t
     model = _analysis_copy(layer, dtype)
     x = torch.stack([witness.A, witness.B]).to(model.phi.dtype)
     routing = model.route(x)
-    slots = model.dispatch_slots(x, routing.dispatch.flatten(2))
+    slots = model.dispatch_slots(model.slot_inputs(x), routing.dispatch.flatten(2))
     out = model(x)
     return {
         "a": witness.a,
@@ -243,7 +248,7 @@ def single_expert_collapse(layer: SoftMoE, x: torch.Tensor) -> Collapse:
     _check_single_expert(layer)
     out = layer(x)
     routing = layer.route(x)
-    slots = layer.dispatch_slots(x, routing.dispatch.flatten(2))
+    slots = layer.dispatch_slots(layer.slot_inputs(x), routing.dispatch.flatten(2))
     expert_out = layer.run_experts(slots)[:, 0]
     spread = (out - out[:, :1]).abs().amax() if out.numel() else out.new_zeros(())
     gap = (out - expert_out.unsqueeze(1)).abs().amax() if out.numel() else out.new_zeros(())

@@ -3,7 +3,8 @@
 A run folder holds, for every finished epoch e, ``epoch_{e:03d}.safetensors`` (model weights) and
 ``epoch_{e:03d}.json`` (metrics), plus ``optimizer_{e:03d}.safetensors`` for the latest epoch only. Everything is written
 atomically and the epoch's JSON last, so an epoch counts as done exactly when its JSON exists. Batches of epoch e
-are shuffled by a generator seeded with (seed, e), so a resumed run continues exactly as an uninterrupted one.
+are shuffled by a generator seeded with (seed, e) (or taken in order without shuffling), so a resumed run continues
+exactly as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -32,12 +33,19 @@ from softmoe.distributed import (
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Appendix E.1 of the paper: Adam (default betas), constant lr 1e-3, batch 256, 15 epochs."""
+    """Appendix E.1 of the paper: Adam (default betas), constant lr 1e-3, batch 256, 15 epochs.
+
+    shuffle: reshuffle the training set every epoch (False: in stored order every epoch, as the authors' code).
+    frozen_first_epoch: epoch 1 runs the forward passes but takes no optimizer step (the authors' code does this,
+        so its 15 epochs make 14 of updates).
+    """
 
     epochs: int = 15
     batch_size: int = 256
     lr: float = 1e-3
     seed: int = 0
+    shuffle: bool = True
+    frozen_first_epoch: bool = False
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
@@ -132,16 +140,20 @@ def train_classifier(
         started = time.perf_counter()
         model.train()
         total_loss, seen = 0.0, 0
-        epoch_batches = batches(splits.train, config.batch_size, True, epoch_generator(config.seed, epoch))
+        generator = epoch_generator(config.seed, epoch) if config.shuffle else None
+        epoch_batches = batches(splits.train, config.batch_size, config.shuffle, generator)
+        frozen = config.frozen_first_epoch and epoch == 1
         for images, labels, count in dist.shard_batches(epoch_batches):
-            loss_sum = F.cross_entropy(model(images), labels, reduction="sum")
-            loss = dist.global_mean(loss_sum, count)  # the plain mean in one process
-            auxiliary = getattr(unwrap(model), "auxiliary_loss", None)  # e.g. a sparse router's balancing losses
-            if auxiliary is not None:
-                loss = loss + auxiliary
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            with torch.set_grad_enabled(not frozen):
+                loss_sum = F.cross_entropy(model(images), labels, reduction="sum")
+            if not frozen:
+                loss = dist.global_mean(loss_sum, count)  # the plain mean in one process
+                auxiliary = getattr(unwrap(model), "auxiliary_loss", None)  # e.g. a sparse router's balancing losses
+                if auxiliary is not None:
+                    loss = loss + auxiliary
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
             total_loss += float(loss_sum.detach())
             seen += labels.shape[0]
             bar.update(1)

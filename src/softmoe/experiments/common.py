@@ -62,12 +62,13 @@ def equal_accuracy_epochs(histories: dict[int, list[dict]]) -> tuple[float, dict
 
 
 def random_statistics(accuracies: list[float], algorithm1: float | None = None) -> dict:
-    """Mean and (population) std of the random-selection accuracies, and Algorithm 1's lead in stds (Table 10).
+    """Mean and sample std (ddof = 1, as the authors' scripts) of the random-selection accuracies, and Algorithm 1's
+    lead in stds (Table 10).
 
-    The lead is None without an Algorithm 1 accuracy or when every seed gave the same accuracy (std 0).
+    The std is 0 for a single seed; the lead is None without an Algorithm 1 accuracy or when the std is 0.
     """
     mean = statistics.fmean(accuracies)
-    std = statistics.pstdev(accuracies) if len(accuracies) > 1 else 0.0
+    std = statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0
     lead = (algorithm1 - mean) / std if algorithm1 is not None and std > 0 else None
     return {"accuracies": accuracies, "mean": mean, "std": std, "stds_above_random": lead}
 
