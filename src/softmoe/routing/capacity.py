@@ -1,24 +1,29 @@
-"""Buffer capacity: how many tokens (or slots) each expert processes per group.
+"""Buffer capacity: how many tokens (or slots) each expert processes per group, as vmoe computes it.
 
-The router study (section 3.1) sets ``C = round(c * T / E)`` for every router: ``c`` is the capacity factor of the
-Expert Choice routers and of Soft MoE, and for the Token Choice routers the number of selected experts ``k`` plays the
-role of ``c`` (``C = round(k * T / E)``). The authors' sparse-MoE code (vmoe) uses
-``ceil(k * T * c / E)`` instead, by default rounded up to a multiple of 4. Both are available here.
+vmoe's ``compute_capacity(num_tokens, num_experts, capacity_factor, ceil_or_round, multiple_of)`` (vmoe/moe.py)
+evaluates ``num_tokens * capacity_factor / num_experts`` in plain Python float arithmetic, left to right, then takes
+``math.ceil`` or ``round`` (half to even, as numpy and JAX round), raises when the result is below 1, and rounds it up
+to a multiple of ``multiple_of``. For Token Choice vmoe passes ``num_tokens = T * k``. The float arithmetic is part
+of the behaviour: ``10 * 1.1 / 1`` is 11.000000000000002, so its ceiling is 12, not 11.
+
+The router study sets ``C = round(c * T / E)`` (``rounding="round"``, ``multiple_of=1``: the routers' defaults here);
+vmoe's sparse-MoE default is ``rounding="ceil"``, ``multiple_of=4``.
 """
 
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 
 ROUNDINGS = ("round", "ceil")
 
 
-def _exact(value: float | int) -> Fraction:
-    """``value`` as the decimal the user wrote (1.1 -> 11/10), so that ceil(1.1 * 10) is 11, not 12."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"expected a number, got {value!r}")
-    return Fraction(value) if isinstance(value, int) else Fraction(repr(float(value)))
+def check_capacity_factor(capacity_factor: float) -> float:
+    """``capacity_factor`` if it is a finite number > 0 (int or float), else a ValueError."""
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+        raise ValueError(f"capacity_factor must be a number > 0, got {capacity_factor!r}")
+    if not 0 < capacity_factor < math.inf:
+        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor!r}")
+    return capacity_factor
 
 
 def buffer_capacity(
@@ -29,34 +34,38 @@ def buffer_capacity(
     k: int = 1,
     rounding: str = "round",
     multiple_of: int = 1,
-    minimum: int = 1,
     maximum: int | None = None,
 ) -> int:
-    """``C = rounding(capacity_factor * k * num_tokens / num_experts)``, then up to a multiple, then clamped.
+    """vmoe's ``compute_capacity`` for ``k * num_tokens`` tokens, then clamped to ``maximum``.
+
+    ``C = rounding(k * num_tokens * capacity_factor / num_experts)`` in float arithmetic in that order, a ValueError
+    if C < 1, then C rounded up to a multiple of ``multiple_of`` and lowered to ``maximum``.
 
     Args:
         num_tokens: T, the tokens of one routing group.
         num_experts: E.
         capacity_factor: c (> 0).
         k: experts selected per token (Token Choice); 1 for Expert Choice and Soft MoE.
-        rounding: "round" (the router study; Python's round-half-to-even, as numpy and JAX round) or "ceil" (vmoe).
-        multiple_of: round the result up to a multiple of this (vmoe's default for sparse MoEs is 4).
-        minimum: the smallest capacity returned (default 1).
+        rounding: "round" (the router study; Python's round-half-to-even) or "ceil" (vmoe's default).
+        multiple_of: round the result up to a multiple of this (vmoe's default for sparse MoEs is 4; 1: no effect).
         maximum: the largest capacity returned (e.g. T for Expert Choice, where an expert cannot take more tokens
             than there are), or None.
     """
-    for name, value in (("num_tokens", num_tokens), ("num_experts", num_experts), ("k", k), ("multiple_of", multiple_of)):
+    integers = (("num_tokens", num_tokens), ("num_experts", num_experts), ("k", k), ("multiple_of", multiple_of))
+    for name, value in integers:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    factor = _exact(capacity_factor)
-    if factor <= 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
-    raw = factor * k * num_tokens / num_experts
-    capacity = math.ceil(raw) if rounding == "ceil" else round(raw)
-    capacity = -(-capacity // multiple_of) * multiple_of
-    capacity = max(minimum, capacity)
+    check_capacity_factor(capacity_factor)
+    raw = k * num_tokens * capacity_factor / num_experts
+    capacity = int(math.ceil(raw)) if rounding == "ceil" else int(round(raw))
+    if capacity < 1:
+        raise ValueError(
+            f"num_tokens = {num_tokens}, num_experts = {num_experts}, capacity_factor = {capacity_factor!r} and "
+            f"k = {k} give capacity {rounding}({raw!r}) = {capacity}; it must be >= 1"
+        )
+    capacity += -capacity % multiple_of
     if maximum is not None:
         capacity = min(capacity, maximum)
     return capacity

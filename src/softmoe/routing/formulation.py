@@ -5,6 +5,8 @@ and the MoE layer computes
 
     MoE(X)[t] = sum_{r, c} C[t, r, c] * MLP_r(X^T D[:, r, c])                                   (eq. 2)
 
+(the experts may map d to any output width d_out).
+
 Two representations of the routing tensors, one per kind of router:
 
 - :class:`SparseRouting` (Token Choice, Expert Choice, Sinkhorn, sparsity-constrained): D is binary with at most one
@@ -97,12 +99,17 @@ class SparseRouting:
 
 @dataclass
 class DenseRouting:
-    """Dense routing tensors (Soft MoE): dispatch and combine (G, T, E, C), float."""
+    """Dense routing tensors (Soft MoE): dispatch and combine (G, T, E, C), float.
+
+    ``metrics``: monitoring values of this call (detached 0-dim tensors, e.g. Soft MoE's
+    :func:`~softmoe.routing.soft.soft_moe_metrics`), empty unless the router was asked for them.
+    """
 
     dispatch: torch.Tensor
     combine: torch.Tensor
     auxiliary_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     auxiliary_weights: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def groups(self) -> int:
@@ -132,14 +139,15 @@ def _flat_slot_targets(token_index: torch.Tensor, num_tokens: int) -> torch.Tens
 
 
 def run_experts_on_buffers(experts: nn.Module, buffers: torch.Tensor) -> torch.Tensor:
-    """buffers (G, E, C, d) -> expert outputs (G, E, C, d); expert r runs once on its G*C rows (batched over E)."""
+    """buffers (G, E, C, d) -> expert outputs (G, E, C, d_out), d_out the experts' output width; expert r runs once
+    on its G*C rows (batched over E)."""
     g, e, c, d = buffers.shape
     out = experts(buffers.transpose(0, 1).reshape(e, g * c, d))
-    return out.view(e, g, c, d).transpose(0, 1)
+    return out.view(e, g, c, out.shape[-1]).transpose(0, 1)
 
 
 def dense_moe(x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, experts: nn.Module) -> torch.Tensor:
-    """Equation (2) on dense routing tensors: x (G, T, d), dispatch / combine (G, T, E, C) -> (G, T, d).
+    """Equation (2) on dense routing tensors: x (G, T, d), dispatch / combine (G, T, E, C) -> (G, T, d_out).
 
     The buffer of (expert r, slot c) is ``X^T D[:, r, c]``; the output of token t is
     ``sum_{r,c} C[t, r, c] * MLP_r(buffer[r, c])``.
@@ -152,18 +160,19 @@ def dense_moe(x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, ex
 def sparse_moe(x: torch.Tensor, routing: SparseRouting, experts: nn.Module) -> torch.Tensor:
     """Equation (2) for index-form routing: gather the selected tokens, run the experts, scatter-add back.
 
-    x: (G, T, d) -> (G, T, d). Each expert runs on G*C rows (empty slots hold zeros and carry weight 0); a token in
-    no slot (dropped) gets exactly zero output.
+    x: (G, T, d) -> (G, T, d_out), d_out the experts' output width. Each expert runs on G*C rows (empty slots hold
+    zeros and carry weight 0); a token in no slot (dropped) gets exactly zero output.
     """
     g, t, d = x.shape
     if routing.num_tokens != t or routing.groups != g:
         raise ValueError(f"routing is for {routing.groups} groups of {routing.num_tokens} tokens, x is {tuple(x.shape)}")
     rows = torch.cat([x.reshape(g * t, d), x.new_zeros(1, d)])
     target = _flat_slot_targets(routing.token_index, t)  # (G, E, C)
-    out = run_experts_on_buffers(experts, rows[target])  # (G, E, C, d)
+    out = run_experts_on_buffers(experts, rows[target])  # (G, E, C, d_out)
+    d_out = out.shape[-1]
     weighted = out * routing.combine.to(out.dtype).unsqueeze(-1)
-    result = out.new_zeros(g * t + 1, d).index_add(0, target.reshape(-1), weighted.reshape(-1, d))
-    return result[: g * t].view(g, t, d)
+    result = out.new_zeros(g * t + 1, d_out).index_add(0, target.reshape(-1), weighted.reshape(-1, d_out))
+    return result[: g * t].view(g, t, d_out)
 
 
 def check_affinity(affinity: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ from softmoe.routing.formulation import (
 
 
 class MoELayer(nn.Module):
-    """A router plus ``MLPExperts``: (batch, tokens, dim) -> (batch, tokens, dim); dropped tokens get zero output.
+    """A router plus ``MLPExperts``: (batch, tokens, dim) -> (batch, tokens, out_dim); dropped tokens get zero output.
 
     Args:
         dim: token size d.
@@ -32,11 +32,14 @@ class MoELayer(nn.Module):
         activation, expert_bias, identical_expert_init: as for :class:`softmoe.SoftMoE`.
         group_size: images per routing group for the sparse routers (None: the whole batch). Ignored by per-image
             routers.
-        experts: an optional module with the ``MLPExperts`` calling convention (E, rows, d) -> (E, rows, d).
+        experts: an optional module with the ``MLPExperts`` calling convention (E, rows, d) -> (E, rows, out_dim).
+        out_dim: the experts' output size (default dim); eq. (2) combines expert outputs of any size.
 
     After every forward: ``auxiliary_loss`` is the weighted sum of the router's auxiliary losses (a scalar tensor,
-    0 for routers without any), ``auxiliary_losses`` the unweighted losses, and ``last_stats`` a dict of floats
-    ("dropped": fraction of tokens in no buffer slot, "fill": fraction of buffer slots holding a token; sparse only).
+    0 for routers without any), ``auxiliary_losses`` the unweighted losses, ``last_stats`` a dict of floats
+    ("dropped": fraction of tokens in no buffer slot, "fill": fraction of buffer slots holding a token; sparse only)
+    and ``last_metrics`` the router's monitoring metrics (detached 0-dim tensors, e.g. a ``SoftMoERouter`` built
+    with ``metrics=True``; empty for routers without any).
     """
 
     def __init__(
@@ -49,19 +52,24 @@ class MoELayer(nn.Module):
         identical_expert_init: bool = False,
         group_size: int | None = None,
         experts: nn.Module | None = None,
+        out_dim: int | None = None,
     ) -> None:
         super().__init__()
         if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
             raise ValueError(f"group_size must be None or an integer >= 1, got {group_size!r}")
         self.dim, self.router, self.group_size = dim, router, group_size
+        self.out_dim = dim if out_dim is None else out_dim
         self.num_experts = router.num_experts
         if experts is None:
             hidden = 4 * dim if expert_hidden is None else expert_hidden
-            experts = MLPExperts(router.num_experts, dim, hidden, activation, expert_bias, identical_expert_init)
+            experts = MLPExperts(
+                router.num_experts, dim, hidden, activation, expert_bias, identical_expert_init, out_dim=self.out_dim
+            )
         self.experts = experts
         self.auxiliary_loss: torch.Tensor = torch.zeros(())
         self.auxiliary_losses: dict[str, torch.Tensor] = {}
         self.last_stats: dict[str, float] = {}
+        self.last_metrics: dict[str, torch.Tensor] = {}
 
     @classmethod
     def from_soft_moe(cls, layer: SoftMoE) -> MoELayer:
@@ -71,7 +79,8 @@ class MoELayer(nn.Module):
         if not isinstance(layer.experts, MLPExperts):
             raise ValueError("from_soft_moe needs a layer with the default MLP experts")
         src = layer.experts
-        moe = cls(layer.dim, SoftMoERouter.from_layer(layer), src.hidden, src.activation, src.bias1 is not None)
+        router = SoftMoERouter.from_layer(layer)
+        moe = cls(layer.dim, router, src.hidden, src.activation, src.bias1 is not None, out_dim=src.out_dim)
         moe.experts.to(device=layer.phi.device, dtype=layer.phi.dtype).load_state_dict(src.state_dict())
         return moe
 
@@ -93,8 +102,8 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_tokens(x, self.dim)
-        batch, tokens, d = x.shape
-        outputs, losses, weights, counts = [], {}, {}, []
+        batch, tokens, _ = x.shape
+        outputs, losses, weights, counts, metrics = [], {}, {}, [], {}
         dropped, fill, slots = 0.0, 0.0, 0
         for part in self._groups(x):
             routing = self.router(part)
@@ -106,6 +115,7 @@ class MoELayer(nn.Module):
                     slots += routing.token_index.numel()
             else:
                 outputs.append(dense_moe(part, routing.dispatch, routing.combine, self.experts))
+                metrics.update(routing.metrics)  # per-image routers route the batch as one part
             counts.append(part.shape[0])
             for name, value in routing.auxiliary_losses.items():
                 losses.setdefault(name, []).append(value)
@@ -117,7 +127,12 @@ class MoELayer(nn.Module):
         total = sum((weights.get(name, 0.0) * value for name, value in self.auxiliary_losses.items()), x.new_zeros(()))
         self.auxiliary_loss = total
         self.last_stats = {"dropped": dropped / (batch * tokens), "fill": fill / slots} if slots else {}
-        return torch.cat([out.reshape(-1, tokens, d) for out in outputs])
+        self.last_metrics = metrics
+        width = outputs[0].shape[-1]
+        if width != self.out_dim:
+            raise ValueError(f"the experts return {width} features per token, expected out_dim = {self.out_dim}")
+        return torch.cat([out.reshape(-1, tokens, width) for out in outputs])
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_experts={self.num_experts}, group_size={self.group_size}"
+        out = "" if self.out_dim == self.dim else f", out_dim={self.out_dim}"
+        return f"dim={self.dim}, num_experts={self.num_experts}, group_size={self.group_size}{out}"

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from softmoe.topk import top_k
+
 
 def squared_cv(values: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """(std / mean)^2 along ``dim`` with the population std (ddof 0)."""
@@ -30,6 +32,6 @@ def load_loss(clean_logits: torch.Tensor, noisy_logits: torch.Tensor, k: int, no
     """Clean and noisy logits (G, T, E), k selected experts, the noise's std (> 0) -> scalar load loss."""
     if noise_std <= 0:
         raise ValueError(f"the load loss needs noise_std > 0, got {noise_std}")
-    threshold = noisy_logits.topk(k, dim=-1).values[..., -1:]
+    threshold = top_k(noisy_logits, k)[0][..., -1:]  # the k-th largest noisy logit of each token
     prob = torch.special.ndtr((clean_logits - threshold) / noise_std)
     return squared_cv(prob.mean(dim=1), dim=-1).mean()

@@ -44,5 +44,5 @@ def make_router(
         return ExpertChoiceRouter(dim, num_experts, capacity_factor, affinity=affinity, **options)
     if tokens_per_image is None:
         raise ValueError("soft_moe needs tokens_per_image to set its slots per expert")
-    slots = buffer_capacity(tokens_per_image, num_experts, capacity_factor)
+    slots = buffer_capacity(tokens_per_image, num_experts, capacity_factor)  # vmoe SoftRouter: round, multiple_of=1
     return SoftMoERouter(dim, num_experts, slots, **options)

@@ -1,82 +1,108 @@
-"""Sparsity-constrained optimal transport (Liu et al., 2023) for the sparsity-constrained Expert Choice router.
+"""Sparsity-constrained optimal transport for the sparsity-constrained Expert Choice router, as vmoe solves it.
 
-Problem (9) of the router study, for a utility U = softmax(X W) (T, E):
+vmoe's KSparseProjectionTransportTopItemsPerExpertRouter (vmoe/projects/sparsity_constrained_ot/
+ksparse_projection_routing.py) hands jaxopt's ``_regularized_transport_semi_dual`` the similarity S = softmax(X W)
+(T, E) of each group, cost -S, token marginals a = 1_T and expert marginals b = (T/E) 1_E. With prices alpha (T,),
+column r of the plan is
 
-    max_P <P, U> - 1/2 ||P||_F^2   s.t.  P >= 0,  P 1_E = 1_T,  P^T 1_T = (T/E) 1_E,  ||P[:, r]||_0 <= C.
+    P[:, r] = b_r * p_r,   p_r = the projection of (alpha + S[:, r]) / b_r onto the unit simplex with at most C
+                                 nonzeros (its C largest entries, ties to the lower token, projected onto the simplex),
 
-We solve it approximately in the *semi-dual*: dualizing the token marginals with prices alpha (T,), each expert's
-column is the top-C sparse projection of ``U[:, r] - alpha`` onto the simplex of mass T/E (keep the C largest entries,
-project them onto the scaled simplex, zero the rest), and the semi-dual
-
-    D(alpha) = sum_t alpha_t + sum_r max_{p in b*Simplex, ||p||_0 <= C} <p, U[:, r] - alpha> - 1/2 ||p||^2
-
-is minimized by gradient descent with Nesterov momentum, its gradient being ``1 - P(alpha) 1_E``. With a fixed
-support each column map is 1-Lipschitz (so 1/E would be a safe step), but the top-C support jumps, so the step is
-``step / sqrt(i + 1)`` with ``step = 1 / (4E)`` by default (tuned on random logits: it cuts the mean token-marginal
-error of plain Expert Choice by 2.5 to 7 times in 30 iterations). Every column of every iterate has at most C nonzeros
-by construction; the token marginals hold only approximately (the problem is not convex).
+and the semi-dual ``f(alpha) = sum_r b_r * maxop_r(alpha + S[:, r]) - sum_t alpha_t`` (maxop with p_r held constant)
+has the gradient ``P(alpha) 1_E - 1_T``. jaxopt's OptaxSolver minimizes it with ``optax.adam(1e-2)`` from alpha = 0,
+``maxiter=20``, ``tol=1e-3``: the first Adam step is always taken; each later one only while the L2 norm of the
+gradient at the previous step's prices exceeds ``tol``. The groups are independent (vmapped), so each stops on its
+own. The plan is P at the final prices: every column sums to T/E and has at most C nonzeros; the token marginals hold
+only approximately. Nothing here is differentiated (the router calls it on a detached similarity).
 """
 
 from __future__ import annotations
 
 import torch
 
+from softmoe.topk import top_k
+
+ADAM_BETAS = (0.9, 0.999)
+"""optax.adam's default b1, b2."""
+ADAM_EPS = 1e-8
+"""optax.adam's default eps (added to the root of the second moment; eps_root = 0)."""
+
 
 def sparse_simplex_projection(values: torch.Tensor, mass: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Euclidean projection of each row of ``values`` (..., n) onto {p >= 0, sum p = mass, ||p||_0 <= k}.
 
-    Returns (weights (..., k), indices (..., k)): the projection's possibly-nonzero entries (the k largest inputs,
-    in decreasing order) and where they sit; every other entry of the projection is 0.
+    As jaxopt's ``projection_sparse_simplex(values, k, value=mass)``: ``mass`` times the projection of
+    ``values / mass`` onto the unit simplex restricted to its k largest entries (ties to the lower index; k is
+    clamped to n). Returns (weights (..., k), indices (..., k)): the projection's possibly-nonzero entries (in
+    decreasing order of ``values``) and where they sit; every other entry of the projection is 0.
     """
-    k = min(k, values.shape[-1])
-    top, index = values.topk(k, dim=-1)  # sorted in decreasing order
+    top, index = top_k(values / mass, min(k, values.shape[-1]))
     cumsum = top.cumsum(dim=-1)
-    ranks = torch.arange(1, k + 1, device=values.device, dtype=values.dtype)
-    # The support of the simplex projection is the largest j with top[j] > (cumsum[j] - mass) / j.
-    support = (top * ranks > cumsum - mass).to(values.dtype)
-    rho = support.sum(dim=-1, keepdim=True).clamp_min(1)
-    tau = (cumsum.gather(-1, rho.long() - 1) - mass) / rho
-    return (top - tau).clamp_min(0), index
+    ranks = torch.arange(1, top.shape[-1] + 1, device=values.device, dtype=top.dtype)
+    # The support is the j largest entries for the largest j with top[j] > (cumsum[j] - 1) / j (j >= 1 unless the
+    # row holds NaN, for which the clamp keeps the gather in range).
+    support = (top * ranks > cumsum - 1).sum(dim=-1, keepdim=True).clamp_min(1)
+    tau = (cumsum.gather(-1, support - 1) - 1) / support.to(top.dtype)
+    return mass * (top - tau).clamp_min(0), index
 
 
-def _column_plan(utility: torch.Tensor, alpha: torch.Tensor, mass: float, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse columns for prices alpha: utility (G, T, E), alpha (G, T) -> (weights, indices), each (G, E, C)."""
-    scores = (utility - alpha.unsqueeze(-1)).transpose(1, 2)  # (G, E, T)
+def _plan_columns(
+    similarity: torch.Tensor, alpha: torch.Tensor, mass: float, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's columns at prices alpha: similarity (G, T, E), alpha (G, T) -> (weights, token indices), each
+    (G, E, C') with C' = min(C, T)."""
+    scores = (alpha.unsqueeze(-1) + similarity).transpose(1, 2)  # (G, E, T): alpha - cost, cost = -similarity
     return sparse_simplex_projection(scores, mass, capacity)
 
 
+def _token_sums(weights: torch.Tensor, index: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Row sums of a plan in column form: weights, indices (G, E, C) -> (G, T)."""
+    g = weights.shape[0]
+    return weights.new_zeros(g, num_tokens).scatter_add(1, index.reshape(g, -1), weights.reshape(g, -1))
+
+
 def sparse_plan_columns(
-    utility: torch.Tensor,
+    similarity: torch.Tensor,
     capacity: int,
-    iterations: int = 30,
-    expert_marginal: float | None = None,
-    step: float | None = None,
+    max_iterations: int = 20,
+    tolerance: float = 1e-3,
+    learning_rate: float = 1e-2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Approximate sparsity-constrained plan of ``utility`` (G, T, E) in column form.
+    """vmoe's k-sparse transport plan of ``similarity`` (G, T, E) in column form, computed in float32 or wider.
 
-    Returns (weights (G, E, C), token indices (G, E, C)): column r of the plan has the value weights[g, r, c] at
-    token indices[g, r, c] and zero elsewhere, so it has at most ``capacity`` nonzeros. ``iterations`` semi-dual
-    steps (0: plain top-C projection with zero prices), ``expert_marginal`` the column mass (default T/E), ``step``
-    the initial step size (default 1 / (4E)).
+    Returns (weights (G, E, C'), token indices (G, E, C')), C' = min(capacity, T): column r of the plan is
+    weights[g, r, c] at token indices[g, r, c] and zero elsewhere. Adam (``learning_rate``, optax's defaults
+    otherwise) on the semi-dual prices for at most ``max_iterations`` steps, stopping per group as jaxopt's
+    OptaxSolver does with ``tol=tolerance`` (see the module doc); ``max_iterations=0`` keeps alpha = 0.
     """
-    g, t, e = utility.shape
-    mass = t / e if expert_marginal is None else expert_marginal
-    utility = utility.to(torch.promote_types(utility.dtype, torch.float32))
-    step = 0.25 / e if step is None else step
-    alpha = utility.new_zeros(g, t)
-    previous = alpha
-    for i in range(iterations):
-        # Nesterov momentum on the semi-dual prices.
-        lookahead = alpha + (i / (i + 3)) * (alpha - previous)
-        weights, index = _column_plan(utility, lookahead, mass, capacity)
-        row_sums = utility.new_zeros(g, t).scatter_add(1, index.reshape(g, -1), weights.reshape(g, -1))
-        previous, alpha = alpha, lookahead - step / (i + 1) ** 0.5 * (1.0 - row_sums)
-    return _column_plan(utility, alpha, mass, capacity)
+    if capacity < 1 or max_iterations < 0:
+        raise ValueError(f"capacity must be >= 1 and max_iterations >= 0, got {capacity} and {max_iterations}")
+    g, t, e = similarity.shape
+    mass = t / e
+    similarity = similarity.to(torch.promote_types(similarity.dtype, torch.float32))
+    alpha = similarity.new_zeros(g, t)
+    first, second = torch.zeros_like(alpha), torch.zeros_like(alpha)
+    active = torch.ones(g, 1, dtype=torch.bool, device=similarity.device)
+    b1, b2 = ADAM_BETAS
+    for step in range(1, max_iterations + 1):
+        weights, index = _plan_columns(similarity, alpha, mass, capacity)
+        grad = _token_sums(weights, index, t) - 1.0
+        first = b1 * first + (1 - b1) * grad
+        second = b2 * second + (1 - b2) * grad.square()
+        update = (first / (1 - b1**step)) / ((second / (1 - b2**step)).sqrt() + ADAM_EPS)
+        alpha = torch.where(active, alpha - learning_rate * update, alpha)
+        active = active & (torch.linalg.vector_norm(grad, dim=-1, keepdim=True) > tolerance)
+    return _plan_columns(similarity, alpha, mass, capacity)
 
 
-def sparse_plan(utility: torch.Tensor, capacity: int, iterations: int = 30, expert_marginal: float | None = None) -> torch.Tensor:
-    """The approximate sparsity-constrained plan as a dense (G, T, E) tensor (for tests and inspection)."""
-    g, t, e = utility.shape
-    weights, index = sparse_plan_columns(utility, capacity, iterations, expert_marginal)
-    dense = weights.new_zeros(g, e, t).scatter(-1, index, weights)
-    return dense.transpose(1, 2)
+def sparse_plan(
+    similarity: torch.Tensor,
+    capacity: int,
+    max_iterations: int = 20,
+    tolerance: float = 1e-3,
+    learning_rate: float = 1e-2,
+) -> torch.Tensor:
+    """The k-sparse transport plan of :func:`sparse_plan_columns` as a dense (G, T, E) tensor."""
+    g, t, e = similarity.shape
+    weights, index = sparse_plan_columns(similarity, capacity, max_iterations, tolerance, learning_rate)
+    return weights.new_zeros(g, e, t).scatter(-1, index, weights).transpose(1, 2)

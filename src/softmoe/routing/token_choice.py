@@ -1,6 +1,7 @@
 """Token Choice: Algorithm 1 of the router study, and the Softmax / Sinkhorn Token Choice routers.
 
-Token Choice allocation, for each group: every token picks its top-k experts by the affinity; assignments are made
+Token Choice allocation, for each group: every token picks its top-k experts by the affinity (ties to the lower
+expert index, as ``jax.lax.top_k`` in vmoe: :func:`softmoe.topk.top_k`); assignments are made
 in K-major order (all first choices, then all second choices, ...), tokens in array order or, with Batch Priority
 Routing (BPR), in decreasing order of their top-1 affinity; an assignment whose expert's buffer already holds C
 tokens is dropped. The combine weight of a kept (token, expert) pair is the affinity there, or, for Sinkhorn, the
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from softmoe.routing.capacity import buffer_capacity
+from softmoe.routing.capacity import buffer_capacity, check_capacity_factor
 from softmoe.routing.formulation import Router, SparseRouting, check_affinity
-from softmoe.routing.gate import LinearGate
+from softmoe.routing.gate import LinearGate, add_logit_noise
 from softmoe.routing.losses import importance_loss, load_loss
 from softmoe.routing.sinkhorn import sinkhorn_plan
+from softmoe.topk import top_k
 
 
 def token_choice_allocation(
@@ -42,7 +44,7 @@ def token_choice_allocation(
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     device = affinity.device
-    values, experts = affinity.topk(k, dim=-1)  # (G, T, k)
+    values, experts = top_k(affinity, k)  # (G, T, k)
     weights = values if combine_from is None else combine_from.gather(-1, experts)
     if priority is None:
         order = torch.arange(t, device=device).expand(g, t)
@@ -77,12 +79,15 @@ class TokenChoiceRouter(Router):
         dim, num_experts: token size d and E.
         k: experts per token (1 or 2 in the study).
         capacity_factor: C = round(capacity_factor * k * T / E) (the study uses capacity_factor 1, so C = round(kT/E)).
-        affinity: "softmax" (Pi = softmax(XW + noise)) or "sinkhorn" (Pi = the entropic plan of XW; combine from
-            softmax(XW); no gradient through Sinkhorn).
-        noise_std: during training, Gaussian noise of std ``noise_std / E`` is added to the logits (softmax only;
-            V-MoE's default 1.0); 0 disables it and the load loss.
+        affinity: "softmax" (Pi = softmax(XW + noise), also the combine weights) or "sinkhorn" (Pi = the entropic
+            plan of XW + noise; combine from the clean softmax(XW); no gradient through Sinkhorn), as vmoe's
+            NoisyTopExpertsPerItemRouter and KLProjectionNoisyTopExpertsPerItemRouter.
+        noise_std: in training mode only, Gaussian noise of std ``noise_std / E`` is added to the logits that choose
+            the experts (vmoe's default 1.0); 0 disables it.
         batch_priority: Batch Priority Routing (tokens with the highest top-1 affinity are served first).
-        importance_weight, load_weight: weights of the auxiliary losses (softmax only; V-MoE: 0.005 each).
+        importance_weight, load_weight: weights of the auxiliary losses (softmax only; V-MoE: 0.005 each). The
+            importance loss (of the clean softmax) is always reported; the load loss only in training mode with
+            noise, as vmoe computes it only for a stochastic (non-deterministic) router.
         sinkhorn_iterations: Sinkhorn iterations (20 in the authors' code).
         rounding, multiple_of: see :func:`softmoe.routing.capacity.buffer_capacity`.
     """
@@ -114,7 +119,7 @@ class TokenChoiceRouter(Router):
         self.affinity, self.noise_std, self.batch_priority = affinity, noise_std, batch_priority
         self.auxiliary_weights = {"importance": importance_weight, "load": load_weight} if affinity == "softmax" else {}
         self.sinkhorn_iterations, self.rounding, self.multiple_of = sinkhorn_iterations, rounding, multiple_of
-        buffer_capacity(1, 1, capacity_factor)  # validates the factor
+        check_capacity_factor(capacity_factor)
 
     def capacity(self, num_tokens: int) -> int:
         return buffer_capacity(
@@ -126,18 +131,17 @@ class TokenChoiceRouter(Router):
         """x (G, T, d) -> index-form routing with buffer capacity ``self.capacity(T)``."""
         logits = self.gate(x)
         capacity = self.capacity(x.shape[1])
+        std = self.noise_std / self.num_experts if self.training else 0.0
+        noisy = add_logit_noise(logits, std)
         losses: dict[str, torch.Tensor] = {}
         if self.affinity == "softmax":
-            std = self.noise_std / self.num_experts
-            noisy = logits + std * torch.randn_like(logits) if self.training and std > 0 else logits
-            probs = noisy.softmax(dim=-1)
+            selection, combine_from = noisy.softmax(dim=-1), None
             losses["importance"] = importance_loss(logits.softmax(dim=-1))
             if std > 0:
                 losses["load"] = load_loss(logits, noisy, self.k, std)
-            selection, combine_from = probs, None
         else:
             with torch.no_grad():
-                selection = sinkhorn_plan(logits, self.sinkhorn_iterations)
+                selection = sinkhorn_plan(noisy, self.sinkhorn_iterations)
             combine_from = logits.softmax(dim=-1)
         priority = selection.max(dim=-1).values if self.batch_priority else None
         routing = token_choice_allocation(selection, capacity, self.k, combine_from, priority)
