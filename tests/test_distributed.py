@@ -153,7 +153,7 @@ def classifier_batches(dtype=torch.float64):
 
 def make_classifier() -> nn.Module:
     torch.manual_seed(3)
-    return SoftMoEClassifier((1, 8, 8), num_experts=4, num_classes=3, normalize=True).double()
+    return SoftMoEClassifier((1, 8, 8), num_experts=4, num_classes=3).double()
 
 
 def train_steps(model, optimizer, steps, ctx: DistContext = LOCAL):
@@ -235,7 +235,7 @@ def _worker_main(rank: int, world: int, out_dir: Path) -> dict:
 
     # Every rank reads the full checkpoint itself (no communication) and gets the same outputs.
     ctx = DistContext(rank, world, expert_parallel=True)
-    model = ctx.prepare(SoftMoEClassifier((1, 8, 8), num_experts=4, num_classes=3, normalize=True).double())
+    model = ctx.prepare(SoftMoEClassifier((1, 8, 8), num_experts=4, num_classes=3).double())
     load_full_state_dict(model, load_tensors(out_dir / "ep_model.safetensors"))
     with torch.no_grad():
         results["ep_local_load_out"] = model(ctx.shard(batches[2][0])[0])
@@ -384,7 +384,7 @@ def test_resume_from_full_checkpoint(main_results, mode):
 
 def test_checkpoint_from_two_ranks_loads_in_one_process(main_results):
     results, out_dir = main_results
-    model = SoftMoEClassifier((1, 8, 8), num_experts=4, num_classes=3, normalize=True).double()
+    model = SoftMoEClassifier((1, 8, 8), num_experts=4, num_classes=3).double()
     model.load_state_dict(load_tensors(out_dir / "ep_model.safetensors"))
     probe = classifier_batches()[2][0]
     with torch.no_grad():
@@ -392,7 +392,7 @@ def test_checkpoint_from_two_ranks_loads_in_one_process(main_results):
     for key in ("ep_probe_out", "ep_local_load_out"):
         got = torch.cat([r[key] for r in results])
         _close(got, expected, 1e-12, key)
-    dp_model = SoftMoEClassifier((1, 8, 8), num_experts=4, num_classes=3, normalize=True).double()
+    dp_model = SoftMoEClassifier((1, 8, 8), num_experts=4, num_classes=3).double()
     dp_model.load_state_dict(load_tensors(out_dir / "dp_model.safetensors"))
     with torch.no_grad():
         _close(torch.cat([r["dp_probe_out"] for r in results]), dp_model(probe), 1e-12, "dp outputs")

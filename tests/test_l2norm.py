@@ -31,7 +31,7 @@ def test_expert_parameter_count_is_20_d_squared(tokens, dim, n):
     assert experts.weight2.shape == (n, 10 * dim // n, dim)
     assert experts.bias1 is None and experts.bias2 is None
     assert experts.activation == "relu"
-    assert not model.moe.normalize and model.moe.slots_per_expert == 1 and model.moe.num_experts == n
+    assert model.moe.normalize == "none" and model.moe.slots_per_expert == 1 and model.moe.num_experts == n
     # the only other parameter is the router; the sum head has none
     others = {name for name, _ in model.named_parameters() if not name.startswith("moe.experts.")}
     assert others == {"moe.phi"}

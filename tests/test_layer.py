@@ -481,7 +481,7 @@ def test_single_expert_single_slot_gives_one_row(use_mask):
 
 
 @pytest.mark.parametrize("path", ["tokens", "slots"])
-@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("normalize", ["router", "inputs", "none"])
 def test_gradcheck(path, normalize):
     torch.manual_seed(8)
     layer = SoftMoE(**GRAD_CONFIGS[path], normalize=normalize, activation="gelu_tanh", dtype=F64)
@@ -959,3 +959,70 @@ def test_valid_inputs_do_not_raise(small_layer):
     mask = torch.ones(2, 5, dtype=torch.bool)
     assert small_layer(x, mask).shape == (2, 5, 8)
     assert small_layer.double()(x.double(), mask).dtype == F64
+
+
+def test_logit_noise_only_in_training():
+    """noise_std adds noise_std * N(0, 1) to the logits in training (vmoe's SoftRouter.add_noise), none in eval."""
+    layer = SoftMoE(6, 3, expert_hidden=4, noise_std=0.5, dtype=F64)
+    x = torch.randn(2, 5, 6, dtype=F64)
+    quiet = SoftMoE(6, 3, expert_hidden=4, dtype=F64)
+    quiet.load_state_dict(layer.state_dict())
+    layer.eval()
+    assert torch.equal(layer(x), quiet(x))
+    layer.train()
+    torch.manual_seed(7)
+    noisy = layer(x)
+    torch.manual_seed(7)
+    noise = 0.5 * torch.randn(2, 5, 3, dtype=F64)
+    logits = quiet.route(x).logits.reshape(2, 5, 3) + noise
+    expected = reference_forward_from_logits(quiet, x, logits)
+    assert (noisy - expected).abs().max().item() < PARITY_TOL
+    with pytest.raises(ValueError, match=r"noise_std must be >= 0, got -1"):
+        SoftMoE(6, 3, noise_std=-1)
+
+
+def reference_forward_from_logits(layer: SoftMoE, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """C f(D^T X) for given logits (batch, tokens, n) with one slot per expert, by loops over experts."""
+    dispatch, combine = logits.softmax(dim=1), logits.softmax(dim=-1)
+    f = mlp_expert_fn(layer.experts)
+    out = torch.zeros_like(x)
+    for b in range(x.shape[0]):
+        for j in range(layer.num_experts):
+            y = f(j, dispatch[b, :, j] @ x[b])
+            out[b] += combine[b, :, j, None] * y
+    return out
+
+
+@pytest.mark.parametrize("path", ["tokens", "slots"])
+@pytest.mark.parametrize("normalize", ["router", "inputs"])
+def test_out_dim_matches_reference_and_selection(path, normalize, monkeypatch):
+    """Experts with an output size other than dim: (batch, tokens, dim) -> (batch, tokens, out_dim), both paths,
+    and the selected-experts path against the masked dense reference."""
+    from softmoe.selection import masked_reference_forward
+
+    layer = make_layer(path, 2, normalize=normalize, out_dim=5)
+    force_path(layer, path, monkeypatch)
+    torch.manual_seed(8)
+    x = torch.randn(3, TOKENS, layer.dim, dtype=F64)
+    with torch.no_grad():
+        out = layer(x)
+        assert out.shape == (3, TOKENS, 5)
+        assert (out - reference_forward(layer, x)).abs().max().item() < PARITY_TOL
+        selected = torch.tensor([[0, 2], [1, 2], [0, 1]])
+        fast = layer.forward_selected(x, selected)
+        assert (fast - masked_reference_forward(layer, x, selected)).abs().max().item() < PARITY_TOL
+
+
+def test_inputs_normalization_is_scale_free_and_finite_at_a_zero_token():
+    """normalize="inputs": the normalized tokens replace X, so scaling an input changes nothing; a zero token gives
+    finite outputs and gradients (its normalized value is 0, with a zero subgradient)."""
+    layer = make_layer("slots", 2, normalize="inputs")
+    torch.manual_seed(9)
+    x = torch.randn(2, TOKENS, layer.dim, dtype=F64)
+    with torch.no_grad():
+        assert (layer(7.0 * x) - layer(x)).abs().max().item() < 1e-6  # only the 1e-6 of the norm differs
+    x[0, 1] = 0.0
+    x.requires_grad_(True)
+    out = layer(x)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()

@@ -53,7 +53,7 @@ def make_layer(seed: int, dim: int, kind: str, normalize: bool = False, phi_firs
 def sizes_for(layer: SoftMoE, coord: int) -> list[float]:
     """Sizes in units of 1/|phi_c| (the slot gap decays like a exp(-a |phi_c|)), plain sizes when phi_c = 0."""
     phi_c = abs(float(layer.phi.detach()[coord, 0, 0]))
-    unit = 1.0 / phi_c if phi_c > 0 and not layer.normalize else 1.0
+    unit = 1.0 / phi_c if phi_c > 0 and layer.normalize == "none" else 1.0
     return [unit * k for k in (0.5, 2.0, 8.0, 30.0, 100.0, 300.0)]
 
 

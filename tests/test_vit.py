@@ -104,7 +104,7 @@ def test_moe_in_the_second_half_by_default(size, first):
     assert [block.is_moe for block in model.blocks] == [i >= first for i in range(depth)]
     assert len(soft_moe_layers(model)) == depth - first
     for layer in model.moe_layers():
-        assert (layer.num_experts, layer.slots_per_expert, layer.normalize) == (4, 1, True)
+        assert (layer.num_experts, layer.slots_per_expert, layer.normalize) == (4, 1, "router")
         assert layer.experts.hidden == VIT_SIZES[size].mlp_dim and layer.experts.activation == "gelu_tanh"
     assert model.classifier == "gap" and model.cls_token is None
 

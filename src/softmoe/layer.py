@@ -103,6 +103,14 @@ def soft_moe_logits(
         return _NormalizedTokenLogits.forward(tokens, phi)
 
 
+def add_logit_noise(logits: torch.Tensor, std: float) -> torch.Tensor:
+    """``logits + std * N(0, 1)``, the noise drawn with ``torch.randn_like`` on the logits' device and dtype; the
+    logits themselves when ``std`` is 0. The layer and the routers call it in training mode only."""
+    if std == 0:
+        return logits
+    return logits + std * torch.randn_like(logits)
+
+
 def token_product(tokens: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     """tokens (..., dim) @ phi (dim, slots) -> (..., slots).
 
@@ -218,6 +226,8 @@ class SoftMoE(nn.Module):
         expert: an optional module mapping (rows, dim) -> (rows, d_out); the layer stacks ``num_experts``
             independently initialized copies and runs them with ``torch.func.vmap``.
         identical_expert_init: start every expert from the same weights, as the authors' configs do.
+        noise_std: in training mode, ``noise_std * N(0, 1)`` is added to the logits before both softmaxes (vmoe's
+            ``SoftRouter.add_noise``; default 0, no noise).
 
     Parameters: ``phi`` (dim, num_experts, slots_per_expert), ``scale`` () when normalizing, ``experts``.
     """
@@ -234,6 +244,7 @@ class SoftMoE(nn.Module):
         out_dim: int | None = None,
         expert: nn.Module | None = None,
         identical_expert_init: bool = False,
+        noise_std: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -241,6 +252,9 @@ class SoftMoE(nn.Module):
         for name, value in (("dim", dim), ("num_experts", num_experts), ("slots_per_expert", slots_per_expert)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not noise_std >= 0:
+            raise ValueError(f"noise_std must be >= 0, got {noise_std!r}")
+        self.noise_std = noise_std
         self.dim, self.num_experts, self.slots_per_expert = dim, num_experts, slots_per_expert
         self.out_dim = dim if out_dim is None else out_dim
         self.normalize = check_normalization(normalize)
@@ -293,6 +307,8 @@ class SoftMoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Routing tensors of the slot inputs ``tokens`` with the slots flattened: each (batch, tokens, n*p), float32."""
         logits = soft_moe_logits(tokens, self.phi.reshape(self.dim, self.num_slots), self.scale, self.normalize)
+        if self.training:
+            logits = add_logit_noise(logits, self.noise_std)
         if mask is None:
             return logits, logits.softmax(dim=1), logits.softmax(dim=-1)
         keep = mask.unsqueeze(-1)

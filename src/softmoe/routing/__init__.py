@@ -18,6 +18,7 @@ top-k breaks ties towards the lower index (:func:`softmoe.topk.top_k`). Modules,
 - :mod:`~softmoe.routing.registry`: the six routers by name at a capacity factor c.
 """
 
+from softmoe.layer import add_logit_noise
 from softmoe.routing.capacity import buffer_capacity, check_capacity_factor
 from softmoe.routing.expert_choice import ExpertChoiceRouter, expert_choice_allocation
 from softmoe.routing.formulation import (
@@ -27,7 +28,7 @@ from softmoe.routing.formulation import (
     dense_moe,
     sparse_moe,
 )
-from softmoe.routing.gate import LinearGate, add_logit_noise
+from softmoe.routing.gate import LinearGate
 from softmoe.routing.layer import MoELayer
 from softmoe.routing.losses import importance_loss, load_loss, squared_cv
 from softmoe.routing.registry import ROUTERS, make_router

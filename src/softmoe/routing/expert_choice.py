@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from softmoe.layer import add_logit_noise
 from softmoe.routing.capacity import buffer_capacity, check_capacity_factor
 from softmoe.routing.formulation import Router, SparseRouting, check_affinity
-from softmoe.routing.gate import LinearGate, add_logit_noise
+from softmoe.routing.gate import LinearGate
 from softmoe.routing.sinkhorn import sinkhorn_plan
 from softmoe.routing.sparse_ot import sparse_plan
 from softmoe.topk import top_k

@@ -32,10 +32,3 @@ class LinearGate(nn.Module):
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_experts={self.num_experts}, bias=False"
 
-
-def add_logit_noise(logits: torch.Tensor, std: float) -> torch.Tensor:
-    """``logits + std * N(0, 1)``, the noise drawn with ``torch.randn_like`` on the logits' device and dtype; the
-    logits themselves when ``std`` is 0. Routers call it in training mode only."""
-    if std == 0:
-        return logits
-    return logits + std * torch.randn_like(logits)

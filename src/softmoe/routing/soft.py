@@ -17,9 +17,8 @@ import math
 import torch
 from torch import nn
 
-from softmoe.layer import SoftMoE, check_normalization, l2_normalize, soft_moe_logits
+from softmoe.layer import SoftMoE, add_logit_noise, check_normalization, l2_normalize, soft_moe_logits
 from softmoe.routing.formulation import DenseRouting, Router
-from softmoe.routing.gate import add_logit_noise
 
 COSINE_EPS = 1e-9
 """vmoe's ``cosine_psim`` normalizes with rsqrt(sum x^2 + 1e-9)."""
