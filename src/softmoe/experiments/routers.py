@@ -559,7 +559,9 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         "-> LayerNorm -> mean over tokens -> linear head. Sparse routers route groups of "
         f"{model['group_images']} images ({model['group_images'] * (tokens or 0)} tokens) in training and evaluation; "
         "Soft MoE routes each image alone. Softmax Token Choice trains with the importance and load losses "
-        "(weights 0.005 each) and noisy gating (std 1/E).",
+        "(weights 0.005 each); as in vmoe, the Softmax and Sinkhorn routers (Token and Expert Choice) add Gaussian "
+        "noise of std 1/E to their logits in training, the sparsity-constrained router and Soft MoE none; ties in "
+        "every top-k go to the lowest index and capacities follow vmoe's compute_capacity.",
         f"Recipe: Adam, lr {train['lr']}, batch {train['batch_size']}, {train['epochs']} epochs, seed {train['seed']}, "
         f"one run per router. {results['compute_budget']}",
         "",
