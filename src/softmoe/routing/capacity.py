@@ -4,7 +4,7 @@ vmoe's ``compute_capacity(num_tokens, num_experts, capacity_factor, ceil_or_roun
 evaluates ``num_tokens * capacity_factor / num_experts`` in plain Python float arithmetic, left to right, then takes
 ``math.ceil`` or ``round`` (half to even, as numpy and JAX round), raises when the result is below 1, and rounds it up
 to a multiple of ``multiple_of``. For Token Choice vmoe passes ``num_tokens = T * k``. The float arithmetic is part
-of the behaviour: ``10 * 1.1 / 1`` is 11.000000000000002, so its ceiling is 12, not 11.
+of the behaviour: ``100 * 1.1 / 10`` is 11.000000000000002, so its ceiling is 12, not 11.
 
 The router study sets ``C = round(c * T / E)`` (``rounding="round"``, ``multiple_of=1``: the routers' defaults here);
 vmoe's sparse-MoE default is ``rounding="ceil"``, ``multiple_of=4``.
