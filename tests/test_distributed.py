@@ -501,7 +501,7 @@ def test_fit_two_ranks_match_one_process_and_resume(tmp_path):
 
     results = run_ranks(_worker_fit, tmp_path)
     assert results[0]["files"] == [
-        "epoch_001.json", "epoch_001.safetensors", "metrics.csv", "optimizer_001.safetensors"
+        ".lock", "epoch_001.json", "epoch_001.safetensors", "metrics.csv", "optimizer_001.safetensors", "run.json"
     ]
     reference, reference_history = fit(fit_factory, fit_splits(), fit_config(), tmp_path / "reference", progress=False)
     after_one = load_epoch(fit_factory(), tmp_path / "reference", 1).state_dict()

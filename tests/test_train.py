@@ -37,9 +37,10 @@ def test_training_learns_and_is_deterministic(tmp_path):
         assert torch.equal(pa, pb)
     assert history_a[-1]["train_loss"] < history_a[0]["train_loss"]
     assert [h["epoch"] for h in finished_epochs(tmp_path / "a")] == [1, 2, 3]
-    # Only the last epoch keeps optimizer state; every epoch keeps weights and metrics.
+    # The last two epochs keep optimizer state; every epoch keeps weights and metrics; run.json and the lock.
     names = sorted(os.listdir(tmp_path / "a"))
-    assert names == [f"epoch_{e:03d}.{ext}" for e in (1, 2, 3) for ext in ("json", "safetensors")] + ["optimizer_003.safetensors"]
+    epochs = [f"epoch_{e:03d}.{ext}" for e in (1, 2, 3) for ext in ("json", "safetensors")]
+    assert names == [".lock", *epochs, "optimizer_002.safetensors", "optimizer_003.safetensors", "run.json"]
 
 
 def test_resume_after_interruption_equals_uninterrupted_run(tmp_path, monkeypatch):
@@ -160,3 +161,53 @@ def test_authors_protocol_frozen_first_epoch_and_stored_order(tmp_path, monkeypa
     first = load_epoch(factory(), tmp_path / "run", 1).state_dict()
     assert all(torch.equal(first[k], initial[k]) for k in initial)
     assert not all(torch.equal(model.state_dict()[k], initial[k]) for k in initial)
+
+
+def test_a_run_folder_refuses_another_configuration_before_writing(tmp_path):
+    splits = tiny_splits()
+    short = TrainConfig(epochs=1, batch_size=16, lr=1e-2, seed=1)
+    train_classifier(factory, splits, short, tmp_path / "run", progress=False, model_config={"experts": 4})
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()}
+    other = Splits(splits.train.subset(slice(0, 48)), splits.val, splits.test)
+    cases = [
+        (dict(splits=splits, config=TrainConfig(epochs=2, batch_size=16, lr=1e-3, seed=1)), r"train\.lr: 0\.01 -> 0\.001"),
+        (dict(splits=splits, config=TrainConfig(epochs=2, batch_size=16, lr=1e-2, seed=2)), r"train\.seed: 1 -> 2"),
+        (dict(splits=other, config=TrainConfig(epochs=2, batch_size=16, lr=1e-2, seed=1)), r"data\.fingerprint: '"),
+    ]
+    for kwargs, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            train_classifier(factory, kwargs["splits"], kwargs["config"], tmp_path / "run", progress=False,
+                             model_config={"experts": 4})
+    with pytest.raises(ValueError, match=r"another configuration \(model\.experts: 4 -> 8\); use another folder"):
+        train_classifier(factory, splits, short, tmp_path / "run", progress=False, model_config={"experts": 8})
+    after = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()}
+    assert after == before  # nothing written by the refused calls
+    # More epochs of the same run are a continuation, not another configuration.
+    _, history = train_classifier(factory, splits, TrainConfig(epochs=2, batch_size=16, lr=1e-2, seed=1),
+                                  tmp_path / "run", progress=False, model_config={"experts": 4})
+    assert [h["epoch"] for h in history] == [1, 2]
+
+
+@pytest.mark.parametrize("damaged", ["epoch_002.safetensors", "optimizer_002.safetensors"])
+def test_a_damaged_last_checkpoint_is_named_and_skipped_only_when_asked(tmp_path, damaged):
+    splits = tiny_splits()
+    two = TrainConfig(epochs=2, batch_size=16, lr=1e-2, seed=1)
+    train_classifier(factory, splits, two, tmp_path / "run", progress=False)
+    path = tmp_path / "run" / damaged
+    path.write_bytes(path.read_bytes()[:100])  # truncated
+    three = TrainConfig(epochs=3, batch_size=16, lr=1e-2, seed=1)
+    with pytest.raises(ValueError, match=rf"{damaged}: not a readable safetensors file .*epoch 2\) is unusable"):
+        train_classifier(factory, splits, three, tmp_path / "run", progress=False)
+    assert path.exists()  # nothing removed without asking
+    _, history = train_classifier(factory, splits, three, tmp_path / "run", progress=False, resume_last_good=True)
+    assert [h["epoch"] for h in history] == [1, 2, 3]  # epoch 2 trained again from epoch 1's checkpoint
+    reference = train_classifier(factory, splits, three, tmp_path / "ref", progress=False)[1]
+    assert [h["train_loss"] for h in history] == [h["train_loss"] for h in reference]
+
+
+def test_one_writer_per_run_folder(tmp_path):
+    from softmoe.checkpoint import run_lock
+
+    with run_lock(tmp_path / "run"):
+        with pytest.raises(ValueError, match=rf"{tmp_path / 'run'} is in use by process {os.getpid()}"):
+            train_classifier(factory, tiny_splits(), CONFIG, tmp_path / "run", progress=False)

@@ -75,7 +75,7 @@ def test_fit_learns_is_deterministic_and_writes_the_run_folder(tmp_path):
     names = sorted(os.listdir(tmp_path / "a"))
     assert names == sorted(
         [f"epoch_{e:03d}.{ext}" for e in (1, 2, 3) for ext in ("json", "safetensors")]
-        + ["optimizer_003.safetensors", "metrics.csv"]
+        + ["optimizer_003.safetensors", "metrics.csv", "run.json", ".lock"]
     )
     with open(tmp_path / "a" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
@@ -128,7 +128,7 @@ def test_resume_refuses_a_different_config(tmp_path):
     splits = tiny_splits()
     config = TrainerConfig(epochs=1, batch_size=16, seed=0)
     fit(factory, splits, config, tmp_path, progress=False)
-    with pytest.raises(ValueError, match="different TrainerConfig"):
+    with pytest.raises(ValueError, match=r"another configuration \(train\.seed: 0 -> 1\)"):
         fit(factory, splits, TrainerConfig(epochs=1, batch_size=16, seed=1), tmp_path, progress=False)
 
 

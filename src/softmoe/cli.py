@@ -1,6 +1,8 @@
 """The ``softmoe`` command: train, evaluate, reproduce the paper, write the report.
 
-Every user mistake (bad option, missing or corrupt data, impossible k) ends as one line on stderr and exit code 2.
+Every user mistake (bad option, missing or corrupt data or checkpoint, impossible k, a run folder of another
+configuration) and every operating-system error (a read-only folder, a full disk, a path under a file) ends as one
+line on stderr naming the problem and exit code 2, with nothing half-written left behind.
 """
 
 from __future__ import annotations
@@ -101,17 +103,28 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0, help="seed of initialization and shuffling (default: 0)")
     train.add_argument("--no-progress", action="store_true", help="hide progress bars")
     train.add_argument(
+        "--resume-last-good",
+        action="store_true",
+        help="if the run's last checkpoint is damaged, remove that epoch and continue from the one before",
+    )
+    train.add_argument(
         "--expert-parallel",
         action="store_true",
         help="under torchrun: shard each Soft MoE layer's experts across the ranks (experts divisible by ranks)",
     )
 
     evaluate = commands.add_parser("evaluate", help="test accuracy of a trained classifier with k of n experts")
-    evaluate.add_argument("run_dir", type=Path, help="a folder written by 'softmoe train'")
+    evaluate.add_argument(
+        "run_dir",
+        type=Path,
+        help="a run folder of 'softmoe train', or one model's folder of the MNIST suite (runs/<model>_<protocol>/nNNN)",
+    )
     evaluate.add_argument("--epoch", type=_positive_int, help="epoch to load (default: the last)")
     evaluate.add_argument("--k", type=_k_value, help="experts per input: an int, or a fraction of n like 0.25")
     evaluate.add_argument(
-        "--strategy", default="combine", choices=("combine", "random", "all"), help="combine = Algorithm 1 (default)"
+        "--strategy",
+        choices=("combine", "random", "all"),
+        help="combine = Algorithm 1 (the default with --k); all (the default without --k): every expert",
     )
     evaluate.add_argument("--seeds", type=_positive_int, default=10, help="seeds for the random strategy (default: 10)")
     evaluate.add_argument("--renormalize", action="store_true", help="rescale combine weights over the kept slots")
@@ -132,7 +145,8 @@ def _reproduce(args: argparse.Namespace) -> None:
     if dataset is None:
         vision = args.experiment in ("routers", "vit") and args.preset != "smoke"
         dataset = default_vision_dataset()[0] if vision else preset.dataset
-    default_out = Path("runs/smoke") if args.preset == "smoke" else Path("results") / dataset.split(":")[0]
+    name = dataset.split(":")[0]
+    default_out = Path(f"runs/smoke-{name}") if args.preset == "smoke" else Path("results") / name
     out = args.out or default_out
     progress = not args.no_progress
     dist = setup_distributed(expert_parallel=args.expert_parallel)  # a single process without torchrun
@@ -156,24 +170,21 @@ def _reproduce(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from softmoe.checkpoint import write_json
-    from softmoe.data import load_dataset
+    from softmoe.data import load_dataset, portable_spec
     from softmoe.distributed import setup_distributed
     from softmoe.train import TrainConfig, train_classifier
 
     dist = setup_distributed(expert_parallel=args.expert_parallel)  # single process without torchrun
     try:
-        splits = load_dataset(args.dataset)
+        spec = portable_spec(args.dataset)
+        splits = load_dataset(spec)
         model_config = {
-            "dataset": args.dataset,
+            "dataset": spec,
             "image_shape": list(splits.train.image_shape),
             "num_experts": args.experts,
             "num_classes": splits.train.num_classes,
             "model": args.model,
         }
-        if dist.is_main:
-            args.run_dir.mkdir(parents=True, exist_ok=True)
-            write_json(args.run_dir / "model.json", model_config)
         config = TrainConfig(args.epochs, args.batch_size, args.lr, args.seed)
         _, history = train_classifier(
             lambda: _classifier(model_config),
@@ -183,6 +194,8 @@ def _train(args: argparse.Namespace) -> None:
             progress=not args.no_progress,
             description=f"n={args.experts}",
             dist=dist,
+            model_config=model_config,
+            resume_last_good=args.resume_last_good,
         )
         if dist.is_main:
             print(json.dumps(history[-1]))
@@ -191,42 +204,53 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _classifier(config: dict):
-    """The classifier a run folder's model.json describes (folders written before "model" was recorded held the
-    definition1 model)."""
+    """The classifier a run folder's model description builds."""
     from softmoe.models import SoftMoEClassifier
 
-    shape = tuple(config["image_shape"])
-    return SoftMoEClassifier(shape, config["num_experts"], config["num_classes"], model=config.get("model", "definition1"))
+    grid = tuple(config.get("grid", (2, 2)))
+    return SoftMoEClassifier(tuple(config["image_shape"]), config["num_experts"], config["num_classes"], grid, config["model"])
+
+
+def _run_model(run_dir: Path) -> dict:
+    """The model description in a run folder's run.json, or a ValueError saying what the folder is not."""
+    from softmoe.checkpoint import read_json
+    from softmoe.train import RUN_FILE
+
+    path = run_dir / RUN_FILE
+    if not path.is_file():
+        raise FileNotFoundError(2, f"no {RUN_FILE}: not a run folder of 'softmoe train' or of the MNIST suite", str(path))
+    model = read_json(path).get("model", {})
+    needed = ("dataset", "image_shape", "num_experts", "num_classes", "model")
+    if not isinstance(model, dict) or any(key not in model for key in needed):
+        raise ValueError(f"{path} does not describe a Soft MoE classifier (needs {', '.join(needed)})")
+    return model
 
 
 def _evaluate(args: argparse.Namespace) -> None:
-    from softmoe.checkpoint import read_json
     from softmoe.data import load_dataset
-    from softmoe.experiments.common import random_statistics
+    from softmoe.experiments.common import limit_splits, random_statistics
     from softmoe.selection import select_experts
     from softmoe.train import accuracy, finished_epochs, load_epoch
 
-    config_path = args.run_dir / "model.json"
-    if not config_path.exists():
-        raise FileNotFoundError(f"{config_path} not found: is {args.run_dir} a folder written by 'softmoe train'?")
-    config = read_json(config_path)
+    config = _run_model(args.run_dir)
     done = len(finished_epochs(args.run_dir))
     epoch = args.epoch or done
     if not 1 <= epoch <= done:
         raise ValueError(f"epoch {epoch} is not available in {args.run_dir} (finished epochs: 1..{done})")
-    splits = load_dataset(config["dataset"])
+    splits = limit_splits(load_dataset(config["dataset"]), test=config.get("limit_examples"))
     model = _classifier(config)
     load_epoch(model, args.run_dir, epoch).eval()
-    result = {"epoch": epoch, "all_experts": accuracy(model, splits.test), "strategy": args.strategy, "k": args.k}
-    if args.strategy != "all":
-        if args.k is None:
-            raise ValueError(f"--strategy {args.strategy} needs --k")
-        seeds = range(args.seeds) if args.strategy == "random" else [0]
+    strategy = args.strategy or ("all" if args.k is None else "combine")
+    if strategy != "all" and args.k is None:
+        raise ValueError(f"--strategy {strategy} needs --k")
+    result = {"epoch": epoch, "all_experts": accuracy(model, splits.test), "strategy": strategy, "k": args.k}
+    if strategy != "all":
+        seeds = range(args.seeds) if strategy == "random" else [0]
         accuracies = []
         for seed in seeds:
-            with select_experts(model, k=args.k, strategy=args.strategy, renormalize=args.renormalize, seed=seed):
+            with select_experts(model, k=args.k, strategy=strategy, renormalize=args.renormalize, seed=seed):
                 accuracies.append(accuracy(model, splits.test))
-        if args.strategy == "random":
+        if strategy == "random":
             result["random"] = random_statistics(accuracies)
         else:
             result["accuracy"] = accuracies[0]
@@ -251,8 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"reproduce": _reproduce, "train": _train, "evaluate": _evaluate, "report": _report}
     try:
         handlers[args.command](args)
-    except (ValueError, FileNotFoundError, DatasetError, MissingDependencyError) as error:
+    except (ValueError, DatasetError, MissingDependencyError) as error:
         print(f"softmoe {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a missing file, a read-only folder, a full disk, a path under a file, ...
+        where = error.filename or ""
+        reason = error.strerror or str(error)
+        print(f"softmoe {args.command}: error: {where}: {reason}" if where else f"softmoe {args.command}: error: {reason}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("softmoe: interrupted; run the same command again to resume", file=sys.stderr)

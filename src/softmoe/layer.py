@@ -252,6 +252,8 @@ class SoftMoE(nn.Module):
         for name, value in (("dim", dim), ("num_experts", num_experts), ("slots_per_expert", slots_per_expert)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if expert_hidden is not None and (isinstance(expert_hidden, bool) or not isinstance(expert_hidden, int) or expert_hidden < 1):
+            raise ValueError(f"expert_hidden must be an integer >= 1, got {expert_hidden!r}")
         if not noise_std >= 0:
             raise ValueError(f"noise_std must be >= 0, got {noise_std!r}")
         self.noise_std = noise_std

@@ -68,7 +68,11 @@ def provenance() -> dict:
 
 
 def collect_results(results_dir: str | Path) -> dict:
-    """Gather every experiment JSON present in ``results_dir`` into ``results.json`` (atomically) and return it."""
+    """Gather every experiment JSON present in ``results_dir`` into ``results.json`` (atomically) and return it.
+
+    When ``results.json`` already holds exactly these experiments it is left as it is, provenance included, so
+    re-rendering a report never changes its data.
+    """
     results_dir = Path(results_dir)
     results = {"provenance": provenance()}
     for key in SECTIONS:
@@ -82,7 +86,12 @@ def collect_results(results_dir: str | Path) -> dict:
     if len(results) == 1:
         names = ", ".join(f"{key}.json" for key in SECTIONS if key != "mnist_variants")
         raise FileNotFoundError(f"no experiment results ({names}) in {results_dir}")
-    write_json(results_dir / "results.json", results)
+    path = results_dir / "results.json"
+    if path.exists():
+        previous = read_json(path)
+        if {k: v for k, v in previous.items() if k != "provenance"} == {k: v for k, v in results.items() if k != "provenance"}:
+            return previous
+    write_json(path, results)
     return results
 
 

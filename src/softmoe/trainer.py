@@ -49,7 +49,7 @@ from softmoe.distributed import (
     load_full_optimizer_tensors,
     unwrap,
 )
-from softmoe.train import accuracy, epoch_generator, finished_epochs, load_epoch
+from softmoe.train import accuracy, claimed_run_folder, epoch_generator, finished_epochs, load_epoch, run_identity
 
 METRICS = ("epoch", "lr", "train_loss", "val_accuracy", "test_accuracy", "seconds")
 
@@ -247,6 +247,7 @@ def fit(
     progress: bool = True,
     description: str = "train",
     dist: DistContext | None = None,
+    model_config: dict | None = None,
 ) -> tuple[nn.Module, list[dict]]:
     """Train (or resume, or just load) a classifier with the recipe; returns the model at its last epoch (in eval
     mode) and every epoch's metrics (epoch, lr, train_loss, val_accuracy, test_accuracy, seconds).
@@ -259,10 +260,20 @@ def fit(
     update is that of one process on the whole batch. Rank 0 alone reads and writes the run folder, whose files are
     those of a single process (a run resumes with any world size). Dropout draws differ from a single process.
 
+    The run folder records the model (``model_config``), the recipe and the data's fingerprint in ``run.json`` and
+    is refused to another run, under the same lock as :func:`softmoe.train.train_classifier`.
+
     Raises:
-        ValueError: ``run_dir`` already holds epochs trained with a different config.
+        ValueError: ``run_dir`` already holds epochs trained with a different config, model or data.
     """
     dist = dist or LOCAL
+    identity = run_identity(config.to_json(), splits, model_config) if dist.is_main else None
+    with claimed_run_folder(Path(run_dir), identity):
+        return _fit(model_factory, splits, config, run_dir, progress, description, dist)
+
+
+def _fit(model_factory, splits, config, run_dir, progress, description, dist):
+    """The body of :func:`fit`, inside the run folder's lock."""
     distributed = dist.is_distributed
     dist.local_batch_size(config.batch_size)  # the global batch must split evenly across ranks
     run_dir = Path(run_dir)

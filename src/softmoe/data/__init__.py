@@ -33,7 +33,7 @@ from softmoe.data.mnist import (
     load_mnist,
 )
 from softmoe.data.mnist5k import load_mnist5k
-from softmoe.data.registry import DATASET_SPECS, load_dataset, parse_spec
+from softmoe.data.registry import DATASET_SPECS, load_dataset, parse_spec, portable_spec
 from softmoe.data.splits import SPLIT_SEED
 
 __all__ = [
@@ -63,5 +63,6 @@ __all__ = [
     "load_mnist5k",
     "num_batches",
     "parse_spec",
+    "portable_spec",
     "read_idx",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -72,6 +74,15 @@ class Splits:
 
     def __iter__(self) -> Iterator[ImageDataset]:
         return iter((self.train, self.val, self.test))
+
+    def fingerprint(self) -> str:
+        """A SHA-256 of every split's images and labels (hex, 16 digits): the data's identity, whatever its path."""
+        digest = hashlib.sha256()
+        for part in self:
+            for tensor in (part.images, part.labels):
+                digest.update(str(tuple(tensor.shape)).encode())
+                digest.update(tensor.contiguous().numpy().data)
+        return digest.hexdigest()[:16]
 
 
 def from_uint8(images: np.ndarray, labels: np.ndarray, num_classes: int, name: str) -> ImageDataset:

@@ -72,6 +72,13 @@ def parse_spec(spec: str, root: str | Path | None = None) -> tuple[str, Path | N
     return name, where
 
 
+def portable_spec(spec: str) -> str:
+    """The spec with its directory made absolute (``mnist:data`` -> ``mnist:/home/me/data``), so that a run folder
+    recording it names the same files from any working directory."""
+    name, where = parse_spec(spec)
+    return name if where is None else f"{name}:{where.resolve()}"
+
+
 def load_dataset(spec: str, root: str | Path | None = None) -> Splits:
     """Load the dataset named by ``spec`` (see :data:`DATASET_SPECS`) as train / val / test :class:`Splits`.
 

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from softmoe.checkpoint import write_json
-from softmoe.data import Splits, load_dataset
+from softmoe.data import Splits, load_dataset, portable_spec
 from softmoe.distributed import LOCAL, DistContext
 from softmoe.experiments.common import (
     equal_accuracy_epochs,
@@ -179,9 +179,22 @@ def run_suite(
     def factory(n: int):
         return lambda: SoftMoEClassifier(image_shape, n, splits.train.num_classes, preset.grid, preset.model)
 
+    def description(n: int) -> dict:  # what run.json records: enough for `softmoe evaluate` to rebuild the model
+        return {
+            "dataset": portable_spec(preset.dataset),
+            "image_shape": list(image_shape),
+            "num_experts": n,
+            "num_classes": splits.train.num_classes,
+            "grid": list(preset.grid),
+            "model": preset.model,
+            "limit_examples": limit,
+        }
+
     histories = {}
     for n in tqdm(preset.experts, desc="models", disable=not progress or not dist.is_main):
-        _, histories[n] = train_classifier(factory(n), splits, train_config, runs / f"n{n:03d}", progress, f"n={n}", dist)
+        _, histories[n] = train_classifier(
+            factory(n), splits, train_config, runs / f"n{n:03d}", progress, f"n={n}", dist, model_config=description(n)
+        )
     if not dist.is_main:
         return None
     target, chosen = chosen_epochs(histories, preset.protocol)
