@@ -129,16 +129,24 @@ def differences(stored: dict, wanted: dict, prefix: str = "") -> list[str]:
 
 
 @contextlib.contextmanager
-def claimed_run_folder(run_dir: Path, identity: dict | None) -> Iterator[None]:
-    """Hold ``run_dir``'s lock for the block, after refusing (:func:`check_run_folder`) a folder of another run and
-    recording ``identity`` in a new one; ``identity`` None (ranks other than 0) does neither."""
-    if identity is None:
-        yield
-        return
-    with run_lock(run_dir):
-        check_run_folder(run_dir, identity)
-        if not (run_dir / RUN_FILE).exists():
-            write_json(run_dir / RUN_FILE, identity)
+def claimed_run_folder(run_dir: Path, identity: dict | None, dist: DistContext = LOCAL) -> Iterator[None]:
+    """On rank 0: hold ``run_dir``'s lock for the block, after refusing (:func:`check_run_folder`) a folder of another
+    run and recording ``identity`` in a new one. A refusal on rank 0 is raised on every rank (collective)."""
+    with contextlib.ExitStack() as stack:
+        problem = None
+        if dist.is_main:
+            try:
+                stack.enter_context(run_lock(run_dir))
+                check_run_folder(run_dir, identity)
+                if not (run_dir / RUN_FILE).exists():
+                    write_json(run_dir / RUN_FILE, identity)
+            except (ValueError, OSError) as error:
+                problem = error
+        message = dist.broadcast_object(None if problem is None else str(problem))
+        if problem is not None:
+            raise problem
+        if message is not None:
+            raise ValueError(message)
         yield
 
 
@@ -210,7 +218,7 @@ def train_classifier(
     dist.local_batch_size(config.batch_size)  # the global batch must split evenly across ranks
     run_dir = Path(run_dir)
     identity = run_identity(asdict(config), splits, model_config) if dist.is_main else None
-    with claimed_run_folder(run_dir, identity):
+    with claimed_run_folder(run_dir, identity, dist):
         return _train(model_factory, splits, config, run_dir, progress, description, dist, resume_last_good)
 
 

@@ -268,7 +268,7 @@ def fit(
     """
     dist = dist or LOCAL
     identity = run_identity(config.to_json(), splits, model_config) if dist.is_main else None
-    with claimed_run_folder(Path(run_dir), identity):
+    with claimed_run_folder(Path(run_dir), identity, dist):
         return _fit(model_factory, splits, config, run_dir, progress, description, dist)
 
 
