@@ -12,7 +12,7 @@ the forward pass (under ``torch.no_grad``) and forward+backward (``out.backward(
 grad and all gradients reset to None before each step) of:
 
 - ``softmoe.SoftMoE`` itself;
-- ``loop``: the same layer math as the public ports write it, the layer's own routing (``layer._route_flat``)
+- ``loop``: the same layer math as the public ports write it, the layer's own routing (``layer.route``)
   followed by a Python loop over an ``nn.ModuleList`` of ``n`` pairs of ``nn.Linear`` holding the layer's expert
   weights (its outputs are checked against the layer's);
 - ``dense``: a dense MLP ``nn.Linear(d, h') -> act -> nn.Linear(h', d)`` applied to all ``batch*tokens`` tokens,
@@ -37,14 +37,15 @@ Definitions (B batch, M tokens, D dim, N experts, P slots per expert, H expert h
 - Roofline time = max(FLOPs / matmul peak, bytes / copy bandwidth), with the row's limits; "x roofline" =
   measured time / roofline.
 - Speed-up vs loop = loop time / layer time; dense-MLP ratio = layer time / dense MLP time (fwd, fwd+bwd).
-- Forward floor (rows on the slot path): the expert products alone (``layer.run_experts`` on the row's slots,
-  timed in the same rounds as the forward) and the time to read the expert weights once at the read bandwidth
+- Forward floor (rows on the "slots" and "native" backends): the expert products alone (the backend's batched
+  expert matmuls on the row's slots, timed in the same rounds as the forward) and the time to read the expert weights once at the read bandwidth
   (``sum`` of 256 MB, bytes read), each as a multiple of the forward roofline. The roofline's bandwidth is the copy
   probe's, which counts written bytes too. No implementation reads its weights faster than the read floor; where
   the products alone approach a target, this one can meet it only by running the routing inside the weight stream.
-- path: "fused" (the native one-pass kernel of ``softmoe.kernels.soft_moe_mixing``, for small relu experts), else
-  "slot" (dispatch, batched experts, combine) or "token" (the exact token-space rewrite), as chosen by
-  ``layer._token_space_is_cheaper``.
+- backend: the one the layer's "auto" backend picks for the row (``layer.backend_for(x)``, see
+  ``softmoe.backends``): "native" (softmoe's custom ops: the fused one-pass mixing of small relu experts, or the
+  native expert matmul for few rows through large weights), "slots" (dispatch, batched experts, combine) or
+  "tokens" (the exact token-space rewrite).
 - other load: cores kept busy by other processes while a row was timed (from /proc/stat); above 0.2 the row's
   multi-threaded timings are inflated and the script says so.
 
@@ -81,7 +82,7 @@ from common import (  # noqa: E402
 )
 
 import softmoe  # noqa: E402
-from softmoe.kernels import native_mixing_applies  # noqa: E402
+from softmoe.kernels import expert_matmul, native_mixing_applies  # noqa: E402
 from softmoe.models.mnist import expert_hidden_for  # noqa: E402
 from softmoe.runtime import tune_cpu_allocator  # noqa: E402
 
@@ -112,7 +113,7 @@ VIT_S = Shape("ViT-S/16", 8, 196, 384, 128, 1, 1536, "gelu")
 class LoopSoftMoE(nn.Module):
     """The layer's math with a Python loop over an ``nn.ModuleList`` of experts (as the public ports do it).
 
-    Routing is the layer's own (``layer._route_flat``: shared ``phi`` and ``scale``); the experts are copies of the
+    Routing is the layer's own (``layer.route``: shared ``phi`` and ``scale``); the experts are copies of the
     layer's expert weights as ``nn.Linear`` pairs, so the output equals the layer's.
     """
 
@@ -138,7 +139,8 @@ class LoopSoftMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]
-        _, dispatch, combine = self.router._route_flat(x, None)
+        routing = self.router.route(x)
+        dispatch, combine = routing.dispatch.flatten(2), routing.combine.flatten(2)
         slots = torch.bmm(dispatch.transpose(1, 2), x).view(batch, self.n, self.p, self.d)
         # Iterating over a tensor unbinds it (one UnbindBackward, not n full-size zero gradients of a select).
         outs = [expert(chunk) for expert, chunk in zip(self.experts, slots.transpose(0, 1))]
@@ -151,13 +153,6 @@ def dense_mlp(shape: Shape) -> nn.Module:
     return nn.Sequential(
         nn.Linear(shape.dim, hidden), ACTIVATION_MODULES[shape.activation](), nn.Linear(hidden, shape.dim)
     )
-
-
-def layer_path(layer: softmoe.SoftMoE, x: torch.Tensor) -> str:
-    """How the layer computes x: "fused" (the native one-pass kernel), "token" (token-space rewrite) or "slot"."""
-    if native_mixing_applies(x, layer.experts.hidden, layer.experts.activation):
-        return "fused"
-    return "token" if layer._token_space_is_cheaper(x.shape[1]) else "slot"
 
 
 def layer_flops(s: Shape) -> float:
@@ -244,17 +239,17 @@ def measure_shape(
     }
     for name, module in (("layer", layer), ("loop", loop), ("dense", dense)):
         fns[name] = step_fns(module, params[name], x, grad)
-    path = layer_path(layer, x)
+    path = layer.backend_for(x).name
     forwards = {k: v[0] for k, v in fns.items()}
-    if path == "slot":
-        forwards["experts"] = expert_products(layer, x)
+    if path == "slots" or (path == "native" and not native_mixing_applies(x, s.hidden, s.activation)):
+        forwards["experts"] = expert_products(layer, x, native=path == "native")
     with OtherLoad() as other:
         before = machine_limits(limit_repeats)
         fwd = measure_interleaved(forwards, warmup, repeats, budget_s)
         fwdbwd = measure_interleaved({k: v[1] for k, v in fns.items()}, warmup, repeats, budget_s)
         after = machine_limits(limit_repeats)
     return {
-        "path": path,
+        "backend": path,
         "dense_hidden": dense[0].out_features,
         "loop_relative_error": error,
         "fwd_bytes": layer_bytes(s, layer, backward=False),
@@ -290,7 +285,7 @@ def summarize_shape(s: Shape, sweeps: list[dict]) -> dict:
         "slots": s.slots,
         "hidden": s.hidden,
         "activation": s.activation,
-        "path": first["path"],
+        "backend": first["backend"],
         "dense_hidden": first["dense_hidden"],
         "loop_relative_error": first["loop_relative_error"],
         "fwd_flops": flops,
@@ -320,15 +315,23 @@ def summarize_shape(s: Shape, sweeps: list[dict]) -> dict:
     return row
 
 
-def expert_products(layer: softmoe.SoftMoE, x: torch.Tensor) -> Callable[[], None]:
-    """The forward's expert products alone (the layer's experts on its slots, under no_grad), slots built once."""
+def expert_products(layer: softmoe.SoftMoE, x: torch.Tensor, native: bool) -> Callable[[], None]:
+    """The forward's expert products alone (the layer's experts on its slots, under no_grad), slots built once:
+    torch's batched matmuls, or with ``native`` the native expert matmul (activation fused) the backend runs."""
+    experts = layer.experts
     with torch.no_grad():
-        _, dispatch, _ = layer._route_flat(x, None)
-        slots = layer.dispatch_slots(x, dispatch)
+        slots = layer.dispatch_slots(x, layer.route(x).dispatch.flatten(2))
+        rows = slots.view(x.shape[0], layer.num_experts, -1, layer.dim).transpose(0, 1).reshape(
+            layer.num_experts, -1, layer.dim
+        )
 
     def run() -> None:
         with torch.no_grad():
-            layer.run_experts(slots)
+            if native:
+                hidden = expert_matmul(rows, experts.weight1, experts.bias1, experts.activation)
+                expert_matmul(hidden, experts.weight2, experts.bias2)
+            else:
+                layer.run_experts(slots)
 
     return run
 
@@ -346,7 +349,7 @@ HEADERS = [
     "shape",
     "n",
     "h",
-    "path",
+    "backend",
     "fwd ms",
     "fwd GFLOP/s",
     "fwd x roofline",
@@ -367,7 +370,7 @@ def table_row(r: dict) -> list[str]:
         r["shape"],
         str(r["experts"]),
         str(r["hidden"]),
-        r["path"],
+        r["backend"],
         f"{r['fwd_ms']:.2f}",
         f"{r['fwd_gflops']:.0f}",
         f"{r['fwd_x_roofline']:.2f}",
@@ -452,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             layer_times = {key: 1e3 * measured[-1]["times"][key]["layer"]["min"] for key in ("fwd", "fwdbwd")}
             print(
                 f"  sweep {sweep + 1}/{args.sweeps} {s.name} n={s.experts}: fwd {layer_times['fwd']:.2f} ms, "
-                f"fwd+bwd {layer_times['fwdbwd']:.2f} ms ({measured[-1]['path']})",
+                f"fwd+bwd {layer_times['fwdbwd']:.2f} ms ({measured[-1]['backend']})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -465,8 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         "bytes (compulsory): fwd 4(params + 2BMD), fwd+bwd 4(3 params + 4BMD); x roofline = time / "
         "max(FLOPs/peak, bytes/bandwidth), with the best limits (matmul peak, copy bandwidth) measured right before "
         "and after the row in each sweep; speed-up vs loop = nn.ModuleList-loop time / layer time; dense-MLP ratio "
-        "= layer time / time of a dense MLP with the experts' FLOPs; path: fused native kernel, slot formulation or "
-        "token-space rewrite; "
+        "= layer time / time of a dense MLP with the experts' FLOPs; backend: the one layer.backend_for(x) names "
+        "(native custom ops, slot formulation or token-space rewrite); "
         "other load: cores kept busy by other processes while the row was timed (> 0.2: timings inflated)."
     )
     print()

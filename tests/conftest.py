@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from softmoe.kernels import native_library
+from softmoe.kernels import native_available, native_status
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -21,10 +21,9 @@ def _single_thread():
 
 @pytest.fixture(scope="session")
 def library():
-    """The built native kernels. On Linux (CI included) a C compiler is part of the supported set-up, so none is a
+    """The built native kernels. On Linux (CI included) a C++ compiler is part of the supported set-up, so none is a
     failure."""
     if sys.platform.startswith("linux"):
-        assert shutil.which("cc") or shutil.which("gcc"), "a C compiler (cc) is needed to build softmoe's kernels"
-    lib = native_library()
-    assert lib is not None, "softmoe could not build its native kernels (csrc/*.c)"
-    return lib
+        assert shutil.which("c++") or shutil.which("g++"), "a C++ compiler (c++) is needed to build softmoe's kernels"
+    assert native_available(), f"softmoe could not build its native kernels (csrc): {native_status()}"
+    return native_status()

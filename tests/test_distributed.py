@@ -184,7 +184,8 @@ def _worker_main(rank: int, world: int, out_dir: Path) -> dict:
     # Expert parallel layer vs the single-process layer.
     for case in LAYER_CASES:
         layer = make_layer(case)
-        token_space = layer._token_space_is_cheaper(LAYER_CASES[case][2])
+        probe = torch.zeros(1, LAYER_CASES[case][2], layer.dim, dtype=layer.phi.dtype)
+        backend_before = layer.backend_for(probe).name
         shard_experts(layer)
         assert isinstance(layer.experts, ExpertParallelExperts)
         ddp = data_parallel(layer)
@@ -196,8 +197,8 @@ def _worker_main(rank: int, world: int, out_dir: Path) -> dict:
         out = ddp(x_local, mask_local)
         ctx.global_mean((out * target_local).sum(), x.shape[0]).backward()
         results[case] = {
-            "token_space_before": token_space,
-            "token_space_after": layer._token_space_is_cheaper(LAYER_CASES[case][2]),
+            "backend_before": backend_before,
+            "backend_after": layer.backend_for(probe).name,
             "out": out.detach(),
             "x_grad": x_local.grad,
             "grads": {name: p.grad for name, p in layer.named_parameters()},
@@ -325,7 +326,7 @@ def test_expert_parallel_matches_single_process(main_results, case):
         _close(result["out"], out[rows], tol, f"{case} rank {rank} output")
         # Each rank's loss is its sum scaled by world/global, hence world times the global-mean gradient.
         _close(result["x_grad"], WORLD * x.grad[rows], tol, f"{case} rank {rank} input gradient")
-        assert not result["token_space_after"]
+        assert result["backend_after"] == "reference"  # sharded experts: slots exchanged with all_to_all
         offset = result["offset"]
         assert offset == rank * n_local
         reference = dict(layer.named_parameters())
@@ -339,7 +340,7 @@ def test_expert_parallel_matches_single_process(main_results, case):
             n if "experts." not in n else n.replace("experts.", "experts.shard.") for n in reference
         }
     if case == "mlp_f32_token_space":
-        assert results[0][case]["token_space_before"]  # the full layer would have used the token-space rewrite
+        assert results[0][case]["backend_before"] == "tokens"  # the full layer would have used the token-space rewrite
 
 
 def _reference_training(steps):

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from reference import kernels_called, ref_activation
+from reference import ref_activation
 from torch import nn
 
-import softmoe.experts as experts_module
 from softmoe import MLPExperts, StackedExperts
+from softmoe.experts import Experts
 
 F64 = torch.float64
 
@@ -78,137 +78,69 @@ def test_mlp_forward_rejects_bad_shapes():
         experts(torch.randn(24, 5, dtype=F64))
 
 
+# Expert of each group, for groups of 3 rows: unsorted, repeated, experts left out, one expert only.
+GROUP_EXPERTS = [[2, 0, 3, 0, 1], [3, 3, 1], [0], [1, 1, 1, 1]]
+
+
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("counts", [[3, 1, 4, 2], [0, 5, 0, 2], [6, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0]])
-def test_mlp_run_grouped_equals_blocks(bias, counts):
+@pytest.mark.parametrize("expert", GROUP_EXPERTS)
+def test_mlp_forward_selected_equals_each_groups_expert(bias, expert):
     experts = make_mlp(bias=bias)
-    rows = sum(counts)
-    x = torch.randn(rows, 5, dtype=F64)
+    rows = torch.randn(len(expert), 3, 5, dtype=F64)
     with torch.no_grad():
-        out = experts.run_grouped(x, torch.tensor(counts))
-    assert out.shape == (rows, 5)
-    start = 0
-    for j, count in enumerate(counts):
-        if count:
-            block = slice(start, start + count)
-            assert (out[block] - ref_expert(experts, j, x[block])).abs().max().item() < 1e-12
-        start += count
+        out = experts.forward_selected(rows, torch.tensor(expert))
+    assert out.shape == (len(expert), 3, 5)
+    for g, j in enumerate(expert):
+        assert (out[g] - ref_expert(experts, j, rows[g])).abs().max().item() < 1e-12
 
 
-def test_mlp_run_grouped_skips_empty_experts():
-    """An expert with no rows is never evaluated: NaN weights in it cannot reach the output."""
+def test_mlp_forward_selected_skips_unnamed_experts():
+    """An expert no group names is never evaluated: NaN weights in it cannot reach the output."""
     experts = make_mlp()
-    counts = torch.tensor([2, 0, 3, 0])
     with torch.no_grad():
         for name in ("weight1", "bias1", "weight2", "bias2"):
             getattr(experts, name)[1].fill_(float("nan"))
             getattr(experts, name)[3].fill_(float("nan"))
-    x = torch.randn(5, 5, dtype=F64)
+    rows = torch.randn(3, 2, 5, dtype=F64)
     with torch.no_grad():
-        out = experts.run_grouped(x, counts)
+        out = experts.forward_selected(rows, torch.tensor([2, 0, 2]))
     assert torch.isfinite(out).all()
-    assert (out[:2] - ref_expert(experts, 0, x[:2])).abs().max().item() < 1e-12
-    assert (out[2:] - ref_expert(experts, 2, x[2:])).abs().max().item() < 1e-12
-
-
-def test_mlp_run_grouped_gradients():
-    experts = make_mlp()
-    counts = torch.tensor([2, 0, 3, 1])
-    x = torch.randn(6, 5, dtype=F64, requires_grad=True)
-    experts.run_grouped(x, counts).sum().backward()
-    assert torch.all(experts.weight1.grad[1] == 0) and torch.all(experts.weight2.grad[1] == 0)
-    for j in (0, 2, 3):
-        assert experts.weight1.grad[j].abs().sum() > 0
-        assert experts.weight2.grad[j].abs().sum() > 0
-    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
-
-
-@pytest.fixture
-def large_experts_on_two_threads(monkeypatch):
-    """Every expert counts as large (the fast single-expert kernels of MLPExperts.run_one apply) on 2 threads."""
-    monkeypatch.setattr(experts_module, "LARGE_EXPERT", 1)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_row_block_matmul_sums_blocks_exactly():
-    x, w = torch.randn(3, 12, dtype=F64), torch.randn(12, 5, dtype=F64)
-    for blocks in (1, 2, 3, 4, 5):  # 5 does not divide 12: plain matmul
-        assert (experts_module.row_block_matmul(x, w, blocks) - x @ w).abs().max().item() < 1e-12
-
-
-@pytest.mark.parametrize("dim, hidden", [(6, 16), (5, 7)])  # both weights in 2 row blocks; neither divisible
-@pytest.mark.parametrize("bias", [True, False])
-def test_mlp_run_one_row_blocks_exact_with_gradients(large_experts_on_two_threads, dim, hidden, bias):
-    experts = make_mlp(dim=dim, hidden=hidden, bias=bias)
-    x = torch.randn(3, dim, dtype=F64, requires_grad=True)
-    assert "mkldnn::_linear_pointwise" not in kernels_called(lambda: experts.run_one(x, 2))  # float64, gradients
-    out = experts.run_one(x, 2)
-    assert (out - ref_expert(experts, 2, x.detach())).abs().max().item() < 1e-12
-    out.square().sum().backward()
-    grads = {"x": x.grad.clone()} | {name: p.grad[2].clone() for name, p in experts.named_parameters()}
-    x.grad = None
-    ref = {name: p[2].detach().clone().requires_grad_() for name, p in experts.named_parameters()}
-    h = x @ ref["weight1"] + (ref["bias1"] if bias else 0)
-    y = ref_activation(experts.activation, h) @ ref["weight2"] + (ref["bias2"] if bias else 0)
-    y.square().sum().backward()
-    expected = {"x": x.grad} | {name: t.grad for name, t in ref.items()}
-    assert grads.keys() == expected.keys()
-    for name, want in expected.items():
-        assert (grads[name] - want).abs().max().item() < 1e-10, name
-
-
-@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
-@pytest.mark.parametrize("bias", [True, False])
-def test_mlp_run_one_onednn_inference_kernel(large_experts_on_two_threads, activation, bias):
-    torch.manual_seed(0)
-    experts = MLPExperts(3, 12, 40, activation, bias)
-    x = torch.randn(experts_module.ONEDNN_MIN_ROWS + 2, 12)
-    with torch.no_grad():
-        assert "mkldnn::_linear_pointwise" in kernels_called(lambda: experts.run_one(x, 1))
-        out = experts.run_one(x, 1)
-    want = ref_expert(experts.double(), 1, x.double())
-    assert (out.double() - want).abs().max().item() < 1e-5
-    experts.float()
-    few = x[: experts_module.ONEDNN_MIN_ROWS - 1]
-    with torch.no_grad():
-        assert "mkldnn::_linear_pointwise" not in kernels_called(lambda: experts.run_one(few, 1))
-    # with gradients needed, the differentiable kernels run and the gradient reaches the weights
-    assert "mkldnn::_linear_pointwise" not in kernels_called(lambda: experts.run_one(x, 1).sum().backward())
-    assert experts.weight1.grad[1].abs().sum() > 0 and experts.weight1.grad[0].abs().sum() == 0
+    assert (out[1] - ref_expert(experts, 0, rows[1])).abs().max().item() < 1e-12
 
 
 @pytest.mark.parametrize("kind", ["mlp", "stacked"])
-def test_run_grouped_bad_counts_raise(kind):
+def test_forward_selected_gradients_equal_the_per_group_loop(kind):
+    """Gradients of rows and of every stacked parameter equal those of running each group through its expert
+    one at a time (float64); experts no group names get exactly zero gradient."""
     experts = make_mlp() if kind == "mlp" else make_stacked()[0]
-    x = torch.randn(6, 5, dtype=F64)
-    with pytest.raises(ValueError, match=r"counts must have shape \(4,\), got \(3,\)"):
-        experts.run_grouped(x, torch.tensor([2, 2, 2]))
-    with pytest.raises(ValueError, match=r"counts must have shape \(4,\), got \(2, 2\)"):
-        experts.run_grouped(x, torch.tensor([[2, 1], [2, 1]]))
-    with pytest.raises(ValueError, match=r"counts sum to 7 but x has 6 rows"):
-        experts.run_grouped(x, torch.tensor([2, 2, 2, 1]))
-    with pytest.raises(ValueError, match=r"counts sum to 5 but x has 6 rows"):
-        experts.run_grouped(x, torch.tensor([2, 0, 2, 1]))
+    expert = torch.tensor([2, 0, 2, 3])
+    rows = torch.randn(4, 3, 5, dtype=F64, requires_grad=True)
+    weights = torch.randn(4, 3, 5, dtype=F64)
+    params = dict(experts.named_parameters())
+    got = torch.autograd.grad((experts.forward_selected(rows, expert) * weights).sum(), [rows, *params.values()])
+    loop = torch.stack([experts(rows[g].expand(4, 3, 5))[j] for g, j in enumerate(expert.tolist())])
+    want = torch.autograd.grad((loop * weights).sum(), [rows, *params.values()])
+    for name, g, w in zip(["rows", *params], got, want, strict=True):
+        assert (g - w).abs().max().item() < 1e-12, name
+    for g in got[1:]:
+        assert torch.count_nonzero(g[1]) == 0
 
 
 @pytest.mark.parametrize("kind", ["mlp", "stacked"])
-def test_run_grouped_negative_counts_raise(kind):
-    """Counts that sum to the number of rows but contain a negative entry must be rejected, not mis-assigned."""
+def test_forward_selected_bad_inputs_raise(kind):
     experts = make_mlp() if kind == "mlp" else make_stacked()[0]
-    x = torch.randn(6, 5, dtype=F64)
-    with pytest.raises(ValueError, match=r"-1"):
-        experts.run_grouped(x, torch.tensor([4, -1, 2, 1]))
+    rows = torch.randn(3, 2, 5, dtype=F64)
+    with pytest.raises(ValueError, match=r"selected rows must have shape \(groups, rows, dim=5\), got \(3, 2, 4\)"):
+        experts.forward_selected(torch.randn(3, 2, 4, dtype=F64), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"expert must be an int64 tensor of shape \(groups=3,\), got torch.int64 \(2,\)"):
+        experts.forward_selected(rows, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"got torch.float32"):
+        experts.forward_selected(rows, torch.tensor([0.0, 1.0, 2.0]))
 
 
-@pytest.mark.parametrize("kind", ["mlp", "stacked"])
-def test_run_grouped_non_integer_counts_raise(kind):
-    experts = make_mlp() if kind == "mlp" else make_stacked()[0]
-    x = torch.randn(6, 5, dtype=F64)
-    with pytest.raises(ValueError, match=r"float"):
-        experts.run_grouped(x, torch.tensor([2.0, 1.0, 2.0, 1.0]))
+def test_both_banks_implement_the_experts_protocol():
+    assert isinstance(make_mlp(), Experts)
+    assert isinstance(make_stacked()[0], Experts)
 
 
 def test_mlp_init_bounds():
@@ -269,46 +201,31 @@ def test_stacked_matches_mlp_experts_with_same_weights():
         stacked.get_parameter("2__weight").copy_(mlp.weight2.transpose(1, 2))
         stacked.get_parameter("2__bias").copy_(mlp.bias2)
     x = torch.randn(4, 6, 5, dtype=F64)
-    counts = torch.tensor([1, 0, 3, 2])
-    flat = torch.randn(6, 5, dtype=F64)
+    expert = torch.tensor([2, 0, 3, 2, 3])
+    rows = torch.randn(5, 2, 5, dtype=F64)
     with torch.no_grad():
         assert (stacked(x) - mlp(x)).abs().max().item() < 1e-12
-        assert (stacked.run_grouped(flat, counts) - mlp.run_grouped(flat, counts)).abs().max().item() < 1e-12
+        grouped = stacked.forward_selected(rows, expert) - mlp.forward_selected(rows, expert)
+        assert grouped.abs().max().item() < 1e-12
 
 
-def test_stacked_run_grouped_equals_forward():
+@pytest.mark.parametrize("expert", GROUP_EXPERTS)
+def test_stacked_forward_selected_equals_each_groups_expert(expert):
+    stacked, template = make_stacked()
+    rows = torch.randn(len(expert), 3, 5, dtype=F64)
+    with torch.no_grad():
+        out = stacked.forward_selected(rows, torch.tensor(expert))
+        for g, j in enumerate(expert):
+            assert (out[g] - stacked_ref(stacked, template, j, rows[g])).abs().max().item() < 1e-12
+
+
+def test_stacked_forward_selected_skips_unnamed_experts():
     stacked, _ = make_stacked()
-    x = torch.randn(4, 3, 5, dtype=F64)
-    counts = torch.full((4,), 3)
-    with torch.no_grad():
-        grouped = stacked.run_grouped(x.reshape(12, 5), counts)
-        assert (grouped - stacked(x).reshape(12, 5)).abs().max().item() < 1e-12
-
-
-@pytest.mark.parametrize("counts", [[1, 0, 3, 2], [0, 0, 4, 0], [0, 0, 0, 0]])
-def test_stacked_run_grouped_uneven_blocks(counts):
-    stacked, template = make_stacked()
-    rows = sum(counts)
-    x = torch.randn(rows, 5, dtype=F64)
-    with torch.no_grad():
-        out = stacked.run_grouped(x, torch.tensor(counts))
-        start = 0
-        for j, count in enumerate(counts):
-            if count:
-                block = slice(start, start + count)
-                assert (out[block] - stacked_ref(stacked, template, j, x[block])).abs().max().item() < 1e-12
-            start += count
-    assert out.shape == (rows, 5)
-
-
-def test_stacked_run_grouped_skips_empty_experts():
-    stacked, template = make_stacked()
     with torch.no_grad():
         for _, value in stacked.named_parameters():
             value[0].fill_(float("nan"))
-    x = torch.randn(4, 5, dtype=F64)
     with torch.no_grad():
-        out = stacked.run_grouped(x, torch.tensor([0, 1, 3, 0]))
+        out = stacked.forward_selected(torch.randn(3, 2, 5, dtype=F64), torch.tensor([1, 2, 2]))
     assert torch.isfinite(out).all()
 
 

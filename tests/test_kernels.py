@@ -1,4 +1,5 @@
-"""softmoe.kernels: oneDNN's linear for CPU inference, and where the layer takes it."""
+"""softmoe.kernels: oneDNN's linear for CPU inference (softmoe.kernels.onednn), where the layer takes it, and the
+package's exports."""
 
 from __future__ import annotations
 
@@ -58,3 +59,17 @@ def test_large_logits_take_onednn_and_match(monkeypatch):
     assert ONEDNN in kernels_called(lambda: logits_and_gradients(layer, x))
     for got, want in zip(logits_and_gradients(layer, x), mkl, strict=True):
         assert (got - want).abs().max().item() < 1e-5 * max(1.0, want.abs().max().item())
+
+
+def test_the_package_exports_what_the_layer_and_experts_import():
+    import softmoe.kernels as kernels
+
+    names = ["expert_matmul", "soft_moe_mixing", "native_applies", "native_mixing_applies", "onednn_applies",
+             "onednn_linear", "needs_grad", "plain_eager_mode", "NATIVE_ACTIVATIONS", "MIXING_MAX_TOKENS",
+             "MIXING_MAX_HIDDEN", "NATIVE_MIN_ROWS", "NATIVE_MAX_ROWS", "NATIVE_MIN_WEIGHT", "native_available",
+             "native_status", "cpu_isa", "use_isa", "supported_isas"]
+    missing = [name for name in names if not hasattr(kernels, name)]
+    assert missing == []
+    assert set(kernels.__all__) >= set(names)
+    assert not hasattr(kernels, "native_library")  # replaced by native_available / native_status
+    assert kernels.onednn_linear is kernels.onednn.onednn_linear

@@ -1,9 +1,9 @@
 """Tests of the SoftMoE layer against a slow reference written from Definition 1 / equation (1).
 
-The layer has two internal code paths, chosen by a cost model (``layer._token_space_is_cheaper(tokens)``):
-the slot formulation (dispatch -> experts on slots -> combine) and the exact token-space rewrite
-(``MLPExperts.forward_through_tokens``). Every parity test runs on shapes where each path is chosen, asserts
-which one is chosen, and checks with a spy that it is the one actually run.
+The layer's mixing step runs on one of its backends (``SoftMoE(backend=...)``, see softmoe.backends). In float64 on
+CPU "auto" picks, by a cost model, the slot formulation ("slots") or the exact token-space rewrite ("tokens").
+Every parity test runs on shapes where each of these is chosen, asserts which one ``layer.backend_for`` names, and
+checks with a spy that it is the one actually run; other tests set the backend explicitly.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from reference import ref_activation
 from torch import nn
 
 from softmoe import MLPExperts, Routing, SoftMoE, StackedExperts
-from softmoe.kernels import native_library
-from softmoe.layer import soft_moe_logits
+from softmoe.kernels import native_available
+from softmoe.layer import soft_moe_logits, soft_moe_reference
 
 F64 = torch.float64
 EPS = 1e-6
@@ -190,38 +190,35 @@ def make_mask(batch: int, tokens: int, seed: int = 1) -> torch.Tensor:
 
 
 class PathSpy:
-    """Counts calls of the token-space rewrite and of the slot formulation (either of its two implementations:
-    MLPExperts' one autograd node, or the layer's dispatch, run_experts and combine) on one layer."""
+    """Records the backend that computed each forward of one layer: the name handed to ``experts.mix``, or
+    "reference" when the layer ran its experts on all slots itself."""
 
     def __init__(self, layer: SoftMoE, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.token_calls = 0
-        self.slot_calls = 0
+        self.ran: list[str] = []
+        mix, run_experts = layer.experts.mix, layer.run_experts
 
-        def counted(fn, counter):
-            def call(*args, **kwargs):
-                setattr(self, counter, getattr(self, counter) + 1)
-                return fn(*args, **kwargs)
+        def spy_mix(backend, *args, **kwargs):
+            self.ran.append(backend)
+            return mix(backend, *args, **kwargs)
 
-            return call
+        def spy_run_experts(*args, **kwargs):
+            self.ran.append("reference")
+            return run_experts(*args, **kwargs)
 
-        if isinstance(layer.experts, MLPExperts):
-            for name, counter in (("forward_through_tokens", "token_calls"), ("forward_through_slots", "slot_calls")):
-                monkeypatch.setattr(layer.experts, name, counted(getattr(layer.experts, name), counter))
-        monkeypatch.setattr(layer, "run_experts", counted(layer.run_experts, "slot_calls"))
+        monkeypatch.setattr(layer.experts, "mix", spy_mix)
+        monkeypatch.setattr(layer, "run_experts", spy_run_experts)
 
-    def assert_path(self, path: str) -> None:
-        if path == "tokens":
-            assert (self.token_calls, self.slot_calls) == (1, 0), "expected the token-space path to run"
-        else:
-            assert (self.token_calls, self.slot_calls) == (0, 1), "expected the slot path to run"
+    def assert_path(self, path: str, calls: int = 1) -> None:
+        assert self.ran == [path] * calls, f"expected the {path} backend to run {calls} time(s), ran {self.ran}"
 
 
 def assert_path_chosen(layer: SoftMoE, tokens: int, path: str) -> None:
-    assert layer._token_space_is_cheaper(tokens) is (path == "tokens"), f"shape does not select the {path} path"
+    x = torch.zeros(2, tokens, layer.dim, dtype=layer.phi.dtype)
+    assert layer.backend_for(x).name == path, f"shape does not select the {path} backend"
 
 
-def force_path(layer: SoftMoE, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(layer, "_token_space_is_cheaper", lambda tokens: path == "tokens")
+def force_path(layer: SoftMoE, path: str) -> None:
+    layer.backend = path
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -276,7 +273,7 @@ def test_paths_agree_on_same_layer(path, monkeypatch):
     mask = make_mask(2, TOKENS)
     results = {}
     for forced in ("tokens", "slots"):
-        force_path(layer, forced, monkeypatch)
+        force_path(layer, forced)
         layer.zero_grad()
         x.grad = None
         out = layer(x, mask)
@@ -541,7 +538,7 @@ def test_slot_path_in_one_autograd_node_equals_the_composed_one(activation, slot
     torch.manual_seed(11)
     layer = SoftMoE(6, 3, slots_per_expert, expert_hidden=5, activation=activation, expert_bias=expert_bias,
                     dtype=F64)
-    force_path(layer, "slots", monkeypatch)
+    force_path(layer, "slots")
     x = torch.randn(4, 5, 6, dtype=F64)
     mask = make_mask(4, 5)
     grad = torch.randn(4, 5, 6, dtype=F64)
@@ -555,8 +552,9 @@ def test_slot_path_in_one_autograd_node_equals_the_composed_one(activation, slot
 
     spy = PathSpy(layer, monkeypatch)
     one_node = run()
-    assert (spy.slot_calls, len(one_node)) == (1, 2 + len(list(layer.parameters())))
-    monkeypatch.setattr(MLPExperts, "slot_function_applies", lambda self, x, rows: False)
+    spy.assert_path("slots")
+    assert len(one_node) == 2 + len(list(layer.parameters()))
+    force_path(layer, "reference")
     composed = run()
     for got, want in zip(one_node, composed, strict=True):
         assert (got - want).abs().max().item() < 1e-12
@@ -567,7 +565,7 @@ def test_slot_path_in_one_autograd_node_has_second_derivatives(activation, monke
     """Double backward through MLPExperts.forward_through_slots equals the composed path's (a gradient penalty)."""
     torch.manual_seed(12)
     layer = SoftMoE(6, 3, 2, expert_hidden=5, activation=activation, dtype=F64)
-    force_path(layer, "slots", monkeypatch)
+    force_path(layer, "slots")
     x = torch.randn(4, 5, 6, dtype=F64)
 
     def penalty_grads() -> list[torch.Tensor]:
@@ -577,23 +575,63 @@ def test_slot_path_in_one_autograd_node_has_second_derivatives(activation, monke
 
     spy = PathSpy(layer, monkeypatch)
     one_node = penalty_grads()
-    assert spy.slot_calls == 1
-    monkeypatch.setattr(MLPExperts, "slot_function_applies", lambda self, x, rows: False)
+    spy.assert_path("slots")
+    force_path(layer, "reference")
     for got, want in zip(one_node, penalty_grads(), strict=True):
         assert (got - want).abs().max().item() < 1e-10
 
 
-def test_slot_path_in_one_node_only_in_eager_mode_and_off_the_native_kernels():
-    experts = MLPExperts(4, 8, 16)
+def test_auto_backend_rules_and_reasons():
+    """"auto" takes "slots" in plain CPU eager mode, "reference" under torch.func transforms and autocast (where the
+    one-node slot function does not apply), and the native ops for few rows through large float32 weights."""
+    layer = SoftMoE(8, 4, 3, expert_hidden=16)
     x = torch.randn(3, 5, 8)
-    assert experts.slot_function_applies(x, 3)
+    assert layer.backend_for(x) == ("slots", "CPU cost model: the slot formulation")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not experts.slot_function_applies(x, 3)
+        assert layer.backend_for(x).name == "reference"
     seen = []
-    torch.func.grad(lambda t: seen.append(experts.slot_function_applies(x, 3)) or t.sum())(torch.ones(2))
-    assert seen == [False]
-    large = MLPExperts(2, 64, 4096)  # few rows through large float32 weights: the native expert kernels' case
-    assert large.slot_function_applies(torch.randn(8, 2, 64), 8) is (native_library() is None)
+    torch.func.grad(lambda t: seen.append(layer.backend_for(x).name) or t.sum())(torch.ones(2))
+    assert seen == ["reference"]
+    large = SoftMoE(64, 2, 8, expert_hidden=4096)  # 8 rows per expert through 64 x 4096 weights
+    choice = large.backend_for(torch.randn(1, 64, 64))
+    assert choice.name == ("native" if native_available() else "slots")
+    assert choice.reason
+
+
+def test_explicit_backends_that_cannot_run_say_why():
+    x = torch.randn(2, 5, 8, dtype=F64)
+    layer = SoftMoE(8, 4, dtype=F64, backend="native")
+    with pytest.raises(ValueError, match=r"backend 'native' cannot run this input: the native ops take float32 CPU"):
+        layer(x)
+    layer.backend = "slots"
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="autocast is on"):
+        layer(x.float().to(F64))
+    custom = SoftMoE(8, 4, expert=nn.Linear(8, 8), dtype=F64, backend="tokens")
+    with pytest.raises(ValueError, match=r"backend .tokens. cannot run this input: custom experts \(StackedExperts\)"):
+        custom(x)
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'reference', 'slots', 'tokens', 'native'\)"):
+        SoftMoE(8, 4, backend="fast")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        layer.backend = "cuda"
+    assert "backend='slots'" in repr(layer)
+
+
+@pytest.mark.parametrize("normalize", ["router", "inputs", "none"])
+@pytest.mark.parametrize("backend", ["reference", "slots", "tokens"])
+def test_every_backend_matches_definition_1_in_float64(backend, normalize):
+    """Every backend, set explicitly, equals the loop reference and soft_moe_reference (output and gradients)."""
+    torch.manual_seed(31)
+    layer = SoftMoE(6, 4, 2, expert_hidden=5, normalize=normalize, dtype=F64, backend=backend)
+    x = torch.randn(3, 5, 6, dtype=F64, requires_grad=True)
+    mask = make_mask(3, 5)
+    out = layer(x, mask)
+    assert (out - reference_forward(layer, x.detach(), mask)).abs().max().item() < PARITY_TOL
+    want = soft_moe_reference(x, layer.phi, layer.scale, layer.experts, normalize, mask)
+    weights = torch.randn_like(out)
+    got_grads = torch.autograd.grad((out * weights).sum(), [x, *layer.parameters()])
+    want_grads = torch.autograd.grad((want * weights).sum(), [x, *layer.parameters()])
+    for got, expected in zip(got_grads, want_grads, strict=True):
+        assert (got - expected).abs().max().item() < PARITY_TOL
 
 
 @pytest.mark.parametrize("path", ["tokens", "slots"])
@@ -683,7 +721,7 @@ def test_custom_expert_matches_builtin_mlp(path, activation, monkeypatch):
         cfg["dim"], cfg["num_experts"], 2, expert=mlp_module(cfg["dim"], cfg["expert_hidden"], activation), dtype=F64
     )
     assert isinstance(custom.experts, StackedExperts)
-    assert not custom._token_space_is_cheaper(TOKENS)  # custom experts always take the slot path
+    assert custom.backend_for(torch.zeros(1, TOKENS, cfg['dim'], dtype=F64)).name == "reference"  # custom experts
     assert_path_chosen(builtin, TOKENS, path)
     mlp = builtin.experts
     with torch.no_grad():
@@ -1001,7 +1039,7 @@ def test_out_dim_matches_reference_and_selection(path, normalize, monkeypatch):
     from softmoe.selection import masked_reference_forward
 
     layer = make_layer(path, 2, normalize=normalize, out_dim=5)
-    force_path(layer, path, monkeypatch)
+    force_path(layer, path)
     torch.manual_seed(8)
     x = torch.randn(3, TOKENS, layer.dim, dtype=F64)
     with torch.no_grad():

@@ -1,9 +1,7 @@
-"""softmoe.kernels' native kernels: their build and cache, and the batched expert matmuls (csrc/expert_matmul.c):
-exactness, gradients, and where they run."""
+"""softmoe.kernels' native expert matmuls (softmoe::expert_matmul and its backward ops, csrc/expert_matmul.h):
+exactness of every kernel variant the CPU runs, gradients, and where the layer takes them."""
 
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
@@ -12,8 +10,25 @@ from reference import output_and_gradients, ref_activation, relative_error
 import softmoe.experts as experts_module
 import softmoe.kernels as kernels
 from softmoe import SoftMoE
-from softmoe.experts import MLPExperts
-from softmoe.kernels import expert_matmul, native_applies, native_library
+from softmoe.kernels import ISAS, expert_matmul, native_applies, use_isa
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, library):
+    """Each kernel variant in turn, run through use_isa (a variant this CPU lacks is skipped)."""
+    if request.param not in kernels.supported_isas():
+        pytest.skip(f"this CPU lacks {request.param} (it runs {', '.join(kernels.supported_isas())})")
+    with use_isa(request.param):
+        yield request.param
+
+
+@pytest.fixture
+def threads(request):
+    """torch's thread count (which the kernels use) set to request.param for the test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 def reference(x, w, b, g):
@@ -41,11 +56,10 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "E{}xM{}xK{}xN{}".format(*s))
-def test_expert_matmul_and_gradients_match_float64(library, shape, bias, threads, monkeypatch):
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the thread count handed to the kernels
+def test_expert_matmul_and_gradients_match_float64(isa, shape, bias, threads):
     experts, rows, k, n = shape
     torch.manual_seed(sum(shape))
     x = torch.randn(experts, rows, k, requires_grad=True)
@@ -63,10 +77,24 @@ def test_expert_matmul_and_gradients_match_float64(library, shape, bias, threads
         assert relative_error(b.grad, gb) < 1e-5
 
 
+def test_the_variants_agree(library):
+    """Every variant the CPU runs gives the same product to rounding (they differ in vector width only)."""
+    torch.manual_seed(7)
+    x, w, b = torch.randn(3, 6, 70), torch.randn(3, 70, 90), torch.randn(3, 90)
+    results = {}
+    for isa in kernels.supported_isas():
+        with use_isa(isa):
+            results[isa] = expert_matmul(x, w, b)
+    want = torch.baddbmm(b.double().unsqueeze(1), x.double(), w.double())
+    assert set(results) >= {"portable"}
+    for isa, got in results.items():
+        assert relative_error(got, want) < 1e-5, isa
+
+
 @pytest.mark.parametrize(
     "shape", [(0, 3, 5, 7), (2, 0, 5, 7), (2, 3, 0, 7), (2, 3, 5, 0)], ids=["experts", "rows", "K", "N"]
 )
-def test_empty_dimensions(library, shape):
+def test_empty_dimensions(isa, shape):
     experts, rows, k, n = shape
     x = torch.randn(experts, rows, k, requires_grad=True)
     w = torch.randn(experts, k, n, requires_grad=True)
@@ -79,17 +107,18 @@ def test_empty_dimensions(library, shape):
     assert torch.equal(b.grad, torch.full_like(b, float(rows)))
 
 
-def test_weight_gradient_streams_into_aligned_rows_and_plain_stores_elsewhere(library):
-    # N % 16 == 0 with a 64-byte aligned output takes non-temporal stores; N = 20 does not: both must be exact.
+def test_weight_gradient_streams_into_aligned_rows_and_plain_stores_elsewhere(isa):
+    # N % 16 == 0 in a 64-byte aligned output (torch's CPU allocations are) takes non-temporal stores; N = 20 does
+    # not: both must be exact.
     torch.manual_seed(1)
     for n in (64, 20):
         x, g = torch.randn(3, 6, 50), torch.randn(3, 6, n)
-        out = torch.full((3, 50, n), float("nan"))
-        kernels._native_call("expert_matmul_tn", out, x, g, sizes=(3, 6, 50, n))
+        out = torch.ops.softmoe.expert_matmul_tn(x, g, isa)
+        assert out.shape == (3, 50, n)
         assert relative_error(out, x.double().transpose(1, 2) @ g.double()) < 1e-5
 
 
-def test_noncontiguous_inputs_and_accumulated_gradients(library):
+def test_noncontiguous_inputs_and_accumulated_gradients(isa):
     torch.manual_seed(2)
     x_t = torch.randn(2, 33, 6).transpose(1, 2)  # (2, 6, 33), not contiguous
     w = torch.randn(2, 33, 48, requires_grad=True)
@@ -101,12 +130,6 @@ def test_noncontiguous_inputs_and_accumulated_gradients(library):
     assert relative_error(expert_matmul(x_t, w).detach(), x_t.double() @ w.double()) < 1e-5
 
 
-def large_experts(activation="gelu", bias=True) -> MLPExperts:
-    """4 experts of 64 x 4096 (262,144 weights each: the smallest the native kernels serve)."""
-    torch.manual_seed(3)
-    return MLPExperts(4, 64, 4096, activation, bias)
-
-
 def test_native_applies_to_few_rows_through_large_float32_weights(library):
     w = torch.empty(4, 64, 4096)
     assert native_applies(torch.empty(4, 8, 64), w)
@@ -116,46 +139,31 @@ def test_native_applies_to_few_rows_through_large_float32_weights(library):
     assert not native_applies(torch.empty(4, kernels.NATIVE_MAX_ROWS + 1, 64), w)
     assert not native_applies(torch.empty(4, 8, 64), torch.empty(4, 64, 4095))  # below NATIVE_MIN_WEIGHT
     assert not native_applies(torch.empty(4, 8, 64, dtype=torch.float64), w.double())
+    assert not native_applies(torch.empty(4, 8, 64, device="meta"), w.to("meta"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a custom op: autocast leaves its float32 inputs alone
+        assert native_applies(torch.empty(4, 8, 64), w)
+    seen = []
+
+    def inside(t):
+        seen.append(native_applies(torch.empty(4, 8, 64), w))
+        return t.sum()
+
+    torch.func.grad(inside)(torch.ones(3))  # the ops have no vmap rule: torch.func transforms keep torch's ops
+    assert seen == [False]
+
+
+def test_autocast_leaves_the_op_in_float32(library):
+    torch.manual_seed(3)
+    x, w = torch.randn(2, 8, 64), torch.randn(2, 64, 40)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not native_applies(torch.empty(4, 8, 64), w)
-
-
-def count_native_calls(monkeypatch) -> list[int]:
-    calls: list[int] = []
-
-    def counted(x, weight, bias=None, activation=None):
-        calls.append(x.shape[1])
-        return kernels.expert_matmul(x, weight, bias, activation)
-
-    monkeypatch.setattr(experts_module, "expert_matmul", counted)
-    return calls
-
-
-@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
-@pytest.mark.parametrize("bias", [True, False])
-def test_mlp_experts_take_the_native_kernels_and_match_float64(library, activation, bias, monkeypatch):
-    experts = large_experts(activation, bias)
-    calls = count_native_calls(monkeypatch)
-    x = torch.randn(4, 8, 64, requires_grad=True)
-    g = torch.randn(4, 8, 64)
-    out = experts(x)
-    out.backward(g)
-    assert calls == [8, 8]  # both layers ran in the native kernels
-
-    ref = MLPExperts(4, 64, 4096, activation, bias, dtype=torch.float64)
-    ref.load_state_dict({k: v.double() for k, v in experts.state_dict().items()})
-    x64 = x.detach().double().requires_grad_()
-    want = ref(x64)
-    want.backward(g.double())
-    assert relative_error(out, want.detach()) < 1e-5
-    assert relative_error(x.grad, x64.grad) < 1e-5
-    for name, param in experts.named_parameters():
-        assert relative_error(param.grad, getattr(ref, name).grad) < 1e-5, name
+        out = expert_matmul(x, w)
+    assert out.dtype == torch.float32
+    assert relative_error(out, x.double() @ w.double()) < 1e-5
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "E{}xM{}xK{}xN{}".format(*s))
-def test_fused_activation_matches_float64(library, shape, activation):
+def test_fused_activation_matches_float64(isa, shape, activation):
     experts, rows, k, n = shape
     torch.manual_seed(sum(shape))
     x, w, b = torch.randn(experts, rows, k), torch.randn(experts, k, n), torch.randn(experts, n)
@@ -166,7 +174,7 @@ def test_fused_activation_matches_float64(library, shape, activation):
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
-def test_fused_activation_over_the_whole_float_range(library, activation):
+def test_fused_activation_over_the_whole_float_range(isa, activation):
     """The kernel's activation (gelu's erf and tanh built on its own exp) on values from -1e4 to 1e4 and a NaN,
     through a product with one input row of ones: within 3e-7 of float64 relative to max(1, |result|), NaN kept."""
     values = torch.cat([torch.linspace(-12.0, 12.0, 24001), torch.tensor([0.0, -88.0, -90.0, 100.0, -1e4, 1e4])])
@@ -184,102 +192,100 @@ def test_fused_activation_is_for_inference_only(library):
         expert_matmul(x, w, None, "gelu")
     with torch.no_grad(), pytest.raises(ValueError, match="activation must be one of"):
         expert_matmul(x, w, None, "tanh")
+    # The op itself, called directly with a fused activation while recording: its backward refuses.
+    out = torch.ops.softmoe.expert_matmul(x, w, None, "relu", kernels.cpu_isa())
+    with pytest.raises(RuntimeError, match="fused relu has no backward"):
+        out.sum().backward()
+
+
+# ---- the layer: SoftMoE(backend="native") and "auto" take the op where it applies --------------------------------
+
+
+def count_native_calls(monkeypatch, recorded: list | None = None) -> list[int]:
+    """The rows of every expert_matmul call the experts make (and its activation into ``recorded``)."""
+    calls: list[int] = []
+
+    def counted(x, weight, bias=None, activation=None):
+        calls.append(x.shape[1])
+        if recorded is not None:
+            recorded.append(activation)
+        return kernels.expert_matmul(x, weight, bias, activation)
+
+    monkeypatch.setattr(experts_module, "expert_matmul", counted)
+    return calls
+
+
+def large_layer(activation="gelu", bias=True, backend="native", dtype=torch.float32) -> SoftMoE:
+    """4 experts of 64 x 4096 (262,144 weights each: the smallest the native kernels serve), 2 slots each."""
+    torch.manual_seed(3)
+    return SoftMoE(64, 4, slots_per_expert=2, expert_hidden=4096, activation=activation, expert_bias=bias,
+                   backend=backend, dtype=dtype)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
-def test_mlp_experts_fuse_the_activation_in_inference(library, activation, monkeypatch):
-    experts = large_experts(activation, True)
-    x = torch.randn(4, 8, 64)
-    seen = []
+@pytest.mark.parametrize("bias", [True, False])
+def test_native_layer_takes_the_op_and_matches_float64(library, activation, bias, monkeypatch):
+    layer = large_layer(activation, bias)
+    calls = count_native_calls(monkeypatch)
+    x, g = torch.randn(4, 10, 64), torch.randn(4, 10, 64)  # 4 inputs x 2 slots = 8 rows per expert
+    got = output_and_gradients(layer, x, g)
+    assert calls == [8, 8]  # both expert layers ran in the native op
+    ref = large_layer(activation, bias, backend="reference", dtype=torch.float64)
+    ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+    want = output_and_gradients(ref, x.double(), g.double())
+    for got_t, want_t in zip(got, want, strict=True):
+        assert relative_error(got_t, want_t) < 1e-5
 
-    def recorded(x, weight, bias=None, activation=None):
-        seen.append(activation)
-        return kernels.expert_matmul(x, weight, bias, activation)
 
-    monkeypatch.setattr(experts_module, "expert_matmul", recorded)
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+def test_native_layer_fuses_the_activation_in_inference(library, activation, monkeypatch):
+    layer = large_layer(activation)
+    x = torch.randn(4, 10, 64)
+    seen: list = []
+    count_native_calls(monkeypatch, seen)
     with torch.no_grad():
-        inference = experts(x)
-    training = experts(x)
-    assert seen == [activation, None, None, None]  # inference: activation in the kernel; training: by torch after it
+        inference = layer(x)
+    training = layer(x)
+    assert seen == [activation, None, None, None]  # inference: activation in the kernel; training: torch's after it
     assert relative_error(inference, training.detach().double()) < 1e-5
 
 
-def test_mlp_experts_outside_the_native_range_use_torch(library, monkeypatch):
-    experts = large_experts()
+def test_auto_takes_the_op_only_in_its_range(library, monkeypatch):
+    layer = large_layer(backend="auto")
     calls = count_native_calls(monkeypatch)
-    experts(torch.randn(4, 1, 64))
-    experts(torch.randn(4, 17, 64))
-    experts.double()(torch.randn(4, 8, 64, dtype=torch.float64))
+    assert layer.backend_for(torch.randn(4, 10, 64)).name == "native"
+    assert layer.backend_for(torch.randn(9, 10, 64)).name != "native"  # 18 rows per expert
+    layer(torch.randn(9, 10, 64))
+    layer.double()(torch.randn(4, 10, 64, dtype=torch.float64))
     assert calls == []
 
 
-def test_soft_moe_layer_is_the_same_with_and_without_native_kernels(library, monkeypatch):
-    torch.manual_seed(4)
-    layer = SoftMoE(64, 4, slots_per_expert=2, expert_hidden=4096)
-    x = torch.randn(4, 10, 64)  # 4 inputs x 2 slots = 8 rows per expert
-    g = torch.randn(4, 10, 64)
-    calls = count_native_calls(monkeypatch)
-    native = output_and_gradients(layer, x, g)
-    assert calls == [8, 8]
-    monkeypatch.setattr(experts_module, "native_applies", lambda x, weight, rows=None: False)
-    plain = output_and_gradients(layer, x, g)
-    assert len(calls) == 2
-    for got, want in zip(native, plain):
-        assert relative_error(got, want.double()) < 1e-5
-
-
 def test_torch_func_transforms_use_torch(library, monkeypatch):
-    experts = large_experts()
+    layer = large_layer(backend="auto")
     calls = count_native_calls(monkeypatch)
-    params = dict(experts.named_parameters())
-    x = torch.randn(4, 8, 64)
+    params = dict(layer.named_parameters())
+    x = torch.randn(4, 10, 64)
 
     def loss(p):
-        return torch.func.functional_call(experts, p, (x,)).square().sum()
+        return torch.func.functional_call(layer, p, (x,)).square().sum()
 
     grads = torch.func.grad(loss)(params)
     assert calls == []
     assert set(grads) == set(params)
 
 
-def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path):
-    monkeypatch.setenv("SOFTMOE_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
-    native_library.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match="building the native kernels failed"):
-            assert native_library() is None
-        assert not native_applies(torch.empty(4, 8, 64), torch.empty(4, 64, 4096))
-        assert list(tmp_path.iterdir()) == []  # nothing half-written is left in the cache
-        monkeypatch.setenv("SOFTMOE_NATIVE", "0")
-        monkeypatch.delenv("CC")
-        native_library.cache_clear()
-        assert native_library() is None
-    finally:
-        native_library.cache_clear()
+def test_torch_compile_of_the_native_layer_holds_the_op(library):
+    """torch.compile traces the native layer into a graph that holds softmoe::expert_matmul (where the ctypes
+    kernels of old were skipped), and the result is the eager one."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
 
-
-def test_build_goes_to_the_cache_directory(library, monkeypatch, tmp_path):
-    monkeypatch.setenv("SOFTMOE_CACHE", str(tmp_path))
-    native_library.cache_clear()
-    try:
-        assert native_library() is not None
-        built = list(tmp_path.glob("softmoe_native-*.so"))
-        assert len(built) == 1
-        native_library.cache_clear()
-        assert native_library() is not None  # reused, not rebuilt
-        assert list(tmp_path.glob("softmoe_native-*.so")) == built
-    finally:
-        native_library.cache_clear()
-
-
-def test_torch_compile_traces_torch_ops_and_matches_the_native_eager_result(library, monkeypatch):
-    experts = large_experts()
-    x = torch.randn(4, 8, 64)
-    calls = count_native_calls(monkeypatch)
+    torch._dynamo.reset()
+    layer = large_layer()
+    x = torch.randn(4, 10, 64)
+    recorder = EagerAndRecordGraphs()
     with torch.no_grad():
-        eager = experts(x)
-        assert calls == [8, 8]
-        compiled = torch.compile(experts, backend="eager", fullgraph=True)(x)
-    assert calls == [8, 8]  # the compiled graph holds torch's batched matmuls, not the ctypes calls
-    assert relative_error(compiled, eager.double()) < 1e-5
+        eager = layer(x)
+        compiled = torch.compile(layer, backend=recorder, fullgraph=True)(x)
+    targets = {str(node.target) for graph in recorder.graphs for node in graph.graph.nodes}
+    assert "softmoe.expert_matmul" in targets
+    assert relative_error(compiled, eager.double()) < 1e-6

@@ -1,5 +1,6 @@
-"""softmoe.kernels.soft_moe_mixing (csrc/soft_moe_small.c): the whole Soft MoE mixing of small relu experts in one
-native pass, against a float64 reference written slot by slot, and where the layer takes it."""
+"""softmoe.kernels.soft_moe_mixing (softmoe::soft_moe_mixing, csrc/soft_moe_small.h): the whole Soft MoE mixing of
+small relu experts in one native pass, every kernel variant the CPU runs against a float64 reference written slot by
+slot, and where the layer takes it."""
 
 from __future__ import annotations
 
@@ -7,15 +8,35 @@ import pytest
 import torch
 from reference import output_and_gradients, ref_activation, relative_error
 
+import softmoe.experts as experts_module
 import softmoe.kernels as kernels
-import softmoe.layer as layer_module
 from softmoe import SoftMoE
 from softmoe.kernels import (
+    ISAS,
     MIXING_MAX_HIDDEN,
     MIXING_MAX_TOKENS,
     native_mixing_applies,
     soft_moe_mixing,
+    use_isa,
 )
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, library):
+    """Each kernel variant in turn, run through use_isa (a variant this CPU lacks is skipped)."""
+    if request.param not in kernels.supported_isas():
+        pytest.skip(f"this CPU lacks {request.param} (it runs {', '.join(kernels.supported_isas())})")
+    with use_isa(request.param):
+        yield request.param
+
+
+@pytest.fixture
+def threads(request):
+    """torch's thread count (which the kernels use) set to request.param for the test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 def mixing_reference(x, dispatch, combine, w1, b1, w2, b2):
@@ -45,11 +66,11 @@ def random_inputs(batch, tokens, dim, experts, slots_per_expert, hidden, bias, s
     return [None if t is None else t.requires_grad_() for t in tensors]
 
 
-# (batch, tokens, dim, experts, slots per expert, hidden): partial last group of inputs (37 = 2 x 16 + 5), fewer
-# inputs than vector lanes, five groups (two group blocks), one token, the most tokens, hidden sizes that are one
-# block of 8 units, blocks plus a tail, several slots per expert, and full groups with more slots than a routing
-# chunk (64) in runs of 16 (transposed in registers) and a tail, and the largest hidden size served, with full
-# blocks of groups (64 inputs) and a dim with a tail chunk.
+# (batch, tokens, dim, experts, slots per expert, hidden): partial last group of inputs for every lane count (37 =
+# 2 x 16 + 5 = 4 x 8 + 5 = 9 x 4 + 1), fewer inputs than vector lanes, five groups (two group blocks), one token,
+# the most tokens, hidden sizes that are one block of 8 units, blocks plus a tail, several slots per expert, and full
+# groups with more slots than a routing chunk (64) in runs of 16 (transposed in registers) and a tail, and the
+# largest hidden size served, with full blocks of groups (64 inputs) and a dim with a tail chunk.
 SHAPES = [
     (37, 4, 20, 6, 1, 2),
     (64, 4, 21, 2, 1, MIXING_MAX_HIDDEN),
@@ -64,9 +85,8 @@ SHAPES = [
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_mixing_and_all_gradients_match_float64(library, shape, bias, threads, monkeypatch):
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the thread count handed to the kernels
+@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
+def test_mixing_and_all_gradients_match_float64(isa, shape, bias, threads):
     inputs = random_inputs(*shape, bias=bias, seed=sum(shape))
     out = soft_moe_mixing(*inputs)
     grad = torch.randn_like(out)
@@ -80,7 +100,7 @@ def test_mixing_and_all_gradients_match_float64(library, shape, bias, threads, m
             assert relative_error(got.grad, ref.grad) < 1e-5
 
 
-def test_empty_batch(library):
+def test_empty_batch(isa):
     x, dispatch, combine, w1, b1, w2, b2 = random_inputs(0, 4, 8, 3, 1, 2, bias=True)
     out = soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2)
     assert out.shape == (0, 4, 8)
@@ -93,6 +113,8 @@ def test_too_many_tokens_is_refused(library):
     inputs = random_inputs(3, MIXING_MAX_TOKENS + 1, 8, 2, 1, 2, bias=True)
     with pytest.raises(ValueError, match=f"1..{MIXING_MAX_TOKENS} tokens, got {MIXING_MAX_TOKENS + 1}"):
         soft_moe_mixing(*inputs)
+    with pytest.raises(RuntimeError, match=f"1..{MIXING_MAX_TOKENS} tokens, got {MIXING_MAX_TOKENS + 1}"):
+        torch.ops.softmoe.soft_moe_mixing(*inputs, kernels.cpu_isa())  # the op checks too
 
 
 def count_mixing_calls(monkeypatch) -> list[tuple[int, ...]]:
@@ -102,7 +124,7 @@ def count_mixing_calls(monkeypatch) -> list[tuple[int, ...]]:
         calls.append(tuple(x.shape))
         return soft_moe_mixing(x, *rest)
 
-    monkeypatch.setattr(layer_module, "soft_moe_mixing", counted)
+    monkeypatch.setattr(experts_module, "soft_moe_mixing", counted)
     return calls
 
 
@@ -115,6 +137,7 @@ def test_layer_takes_the_fused_pass_and_matches_float64_with_a_mask(library, mon
     mask[7] = False  # a fully padded input
     grad = torch.randn(19, 4, 24)
     calls = count_mixing_calls(monkeypatch)
+    assert layer.backend_for(x).name == "native"  # "auto" takes the fused pass
     got = output_and_gradients(layer, x, grad, mask)
     assert calls == [(19, 4, 24)]
     want = output_and_gradients(layer.double(), x.double(), grad.double(), mask)  # float64: torch's ops
@@ -127,11 +150,11 @@ def test_layer_takes_the_fused_pass_and_matches_float64_with_a_mask(library, mon
 
 def test_layer_is_the_same_with_and_without_the_fused_pass(library, monkeypatch):
     torch.manual_seed(6)
-    layer = SoftMoE(196, 64, expert_hidden=12, activation="relu")  # a layer of the paper's MNIST model
+    layer = SoftMoE(196, 64, expert_hidden=12, activation="relu", backend="native")  # the paper's MNIST layer
     x, grad = torch.randn(32, 4, 196), torch.randn(32, 4, 196)
     calls = count_mixing_calls(monkeypatch)
     fused = output_and_gradients(layer, x, grad)
-    monkeypatch.setattr(layer_module, "native_mixing_applies", lambda *args: False)
+    layer.backend = "reference"
     plain = output_and_gradients(layer, x, grad)
     assert len(calls) == 1
     for got, want in zip(fused, plain):
@@ -145,28 +168,41 @@ def test_the_fused_pass_applies_only_where_it_serves(library):
     assert not native_mixing_applies(x, 4, "gelu")
     assert not native_mixing_applies(torch.randn(2, MIXING_MAX_TOKENS + 1, 8), 4, "relu")
     assert not native_mixing_applies(x.double(), 4, "relu")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not native_mixing_applies(x, 4, "relu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a custom op: autocast leaves its float32 inputs alone
+        assert native_mixing_applies(x, 4, "relu")
     seen = []
 
     def inside(t):
         seen.append(native_mixing_applies(x, 4, "relu"))
         return t.sum()
 
-    torch.func.grad(inside)(torch.ones(3))
+    torch.func.grad(inside)(torch.ones(3))  # the ops have no vmap rule: torch.func transforms keep torch's ops
     assert seen == [False]
 
 
-def test_native_off_means_torch(monkeypatch):
+def test_native_off_means_torch(library, monkeypatch):
     monkeypatch.setenv("SOFTMOE_NATIVE", "0")
-    kernels.native_library.cache_clear()
+    kernels.build._reset()
     try:
         assert not native_mixing_applies(torch.randn(2, 4, 8), 4, "relu")
+        assert kernels.native_status() == "SOFTMOE_NATIVE=0: the native kernels are turned off"
+        assert kernels.cpu_isa() is None
+        with pytest.raises(RuntimeError, match="unavailable: SOFTMOE_NATIVE=0"):
+            soft_moe_mixing(*random_inputs(3, 2, 8, 2, 1, 2, bias=True))
     finally:
-        kernels.native_library.cache_clear()
+        kernels.build._reset()  # loaded again, with the environment restored, on the next use
 
 
-def test_a_broadcast_upstream_gradient_is_read_while_alive(library):
+def test_autocast_leaves_the_op_in_float32(library):
+    inputs = random_inputs(9, 4, 8, 3, 1, 5, bias=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = soft_moe_mixing(*inputs)
+    assert out.dtype == torch.float32
+    leaves = [t.detach().double() for t in inputs]
+    assert relative_error(out, mixing_reference(*leaves)) < 1e-5
+
+
+def test_a_broadcast_upstream_gradient_is_read_while_alive(isa):
     """out.sum().backward() hands the backward an expanded (stride-0) gradient; its contiguous copy must live until
     the kernel has read it (a temporary freed early was reused by the kernel's scratch memory: NaN gradients)."""
     for seed in range(5):
@@ -190,7 +226,7 @@ def test_inconsistent_inputs_are_refused(library):
         soft_moe_mixing(x, dispatch[..., :3], combine[..., :3], w1, b1, w2, b2)
 
 
-def test_frozen_biases_get_no_gradient_and_the_rest_stays_exact(library):
+def test_frozen_biases_get_no_gradient_and_the_rest_stays_exact(isa):
     inputs = random_inputs(20, 4, 8, 3, 1, 2, bias=True)
     inputs[4].requires_grad_(False)
     inputs[6].requires_grad_(False)

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import softmoe.experts as experts_module
+import softmoe.kernels.grouped_mm as grouped_mm_module
+import softmoe.layer as layer_module
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.selection import (
     Selector,
@@ -277,7 +278,7 @@ def test_k_equal_n_equals_plain_forward_when_plain_uses_token_space(strategy):
     """Few tokens and many slots: the plain forward takes MLPExperts' token-space rewrite; selection must agree."""
     layer = make_layer(p=4)
     x = make_input(tokens=1)
-    assert layer._token_space_is_cheaper(x.shape[1])
+    assert layer.backend_for(x).name == "tokens"
     with torch.no_grad():
         plain = layer(x)
         with select_experts(layer, k=N, strategy=strategy):
@@ -341,15 +342,16 @@ def test_batch_independence_under_selection(strategy, custom):
 
 
 def instrument(layer, monkeypatch):
-    """Record run_grouped's counts, the slot tensors built, and forbid every full-expert entry point."""
+    """Record the rows per expert handed to experts.forward_selected, the slot tensors built, and forbid every
+    full-expert entry point."""
     log = {"counts": [], "rows": [], "slots": []}
-    original_grouped = layer.experts.run_grouped
-    original_dispatch = layer.dispatch_slots
+    original_selected = layer.experts.forward_selected
+    original_dispatch = layer_module.dispatch_slots
 
-    def run_grouped(x, counts):
-        log["counts"].append(counts.clone())
-        log["rows"].append(x.shape[0])
-        return original_grouped(x, counts)
+    def forward_selected(rows, expert):
+        log["counts"].append(torch.bincount(expert, minlength=layer.num_experts) * rows.shape[1])
+        log["rows"].append(rows.shape[0] * rows.shape[1])
+        return original_selected(rows, expert)
 
     def dispatch_slots(x, dispatch):
         out = original_dispatch(x, dispatch)
@@ -362,8 +364,8 @@ def instrument(layer, monkeypatch):
 
         return fail
 
-    monkeypatch.setattr(layer.experts, "run_grouped", run_grouped)
-    monkeypatch.setattr(layer, "dispatch_slots", dispatch_slots)
+    monkeypatch.setattr(layer.experts, "forward_selected", forward_selected)
+    monkeypatch.setattr(layer_module, "dispatch_slots", dispatch_slots)
     monkeypatch.setattr(layer, "run_experts", forbidden("run_experts"))
     monkeypatch.setattr(layer.experts, "forward", forbidden("experts.forward"))
     if hasattr(layer.experts, "forward_through_tokens"):
@@ -383,15 +385,15 @@ def test_unselected_experts_do_not_run_mlp(p, entry, monkeypatch):
     # experts 3 and 6 are chosen by nobody; expert 0 by every input
     selected = torch.tensor([[0, 1], [0, 2], [0, 5], [0, 7]])
     keep = mask_from_subsets(selected, N)
-    # the per-expert computation itself: MLPExperts applies its activation once per expert block it runs
-    act_rows = []
-    original_act = layer.experts.act
+    # the per-expert computation itself: each grouped product runs one matmul per expert block it has rows for
+    block_rows = []
+    original_product = grouped_mm_module.group_product
 
-    def act(h):
-        act_rows.append(h.shape[0])
-        return original_act(h)
+    def group_product(x, w):
+        block_rows.append(x.shape[0])
+        return original_product(x, w)
 
-    monkeypatch.setattr(layer.experts, "act", act)
+    monkeypatch.setattr(grouped_mm_module, "group_product", group_product)
     log = instrument(layer, monkeypatch)
     with torch.no_grad():
         if entry == "forward_selected":
@@ -404,38 +406,32 @@ def test_unselected_experts_do_not_run_mlp(p, entry, monkeypatch):
     assert counts.tolist() == expected_counts(selected, N, p).tolist() == [4 * p, p, p, 0, 0, p, 0, p]
     assert log["rows"] == [4 * 2 * p]
     assert log["slots"] == [(4, 2 * p, DIM)]  # batch * k * p slot rows built, no more
-    assert act_rows == [c for c in counts.tolist() if c > 0]
+    assert block_rows == [c for c in counts.tolist() if c > 0] * 2  # both layers of the MLP
 
 
 @pytest.mark.parametrize("strategy", ["combine", "random"])
 def test_unselected_experts_do_not_run_custom_expert(strategy, monkeypatch):
-    """Identify which expert's weights actually execute via a forward hook on the shared template's first Linear."""
+    """Custom experts gather the parameters of the selected experts only: NaN in every unselected expert's
+    parameters cannot reach the output, which stays what it was before the poisoning."""
     p, k, batch = 2, 2, 3
     layer = make_layer(p, custom=True)
     x = make_input(batch=batch)
-    stacked_w = layer.experts.get_parameter("0__weight").detach()
-    ran = []
-
-    def hook(module, inputs, output):
-        w = module.weight.detach()
-        matches = [j for j in range(N) if torch.equal(w, stacked_w[j])]
-        assert len(matches) == 1
-        ran.append((matches[0], inputs[0].shape[0]))
-
-    handle = layer.experts.template[0].register_forward_hook(hook)
     log = instrument(layer, monkeypatch)
-    try:
-        with torch.no_grad(), select_experts(layer, k=k, strategy=strategy, seed=4) as layers:
-            records = capture_selections(layers)
-            layer(x)
-    finally:
-        handle.remove()
+    with torch.no_grad(), select_experts(layer, k=k, strategy=strategy, seed=4) as layers:
+        records = capture_selections(layers)
+        before = layer(x)
     (selected,) = records[id(layer)]
     want = expected_counts(selected, N, p)
     assert log["counts"][0].tolist() == want.tolist()
-    assert sorted(ran) == [(j, int(c)) for j, c in enumerate(want.tolist()) if c > 0]
-    assert all(want[j] == 0 for j in range(N) if j not in selected.unique().tolist())
     assert log["slots"] == [(batch, k * p, DIM)]
+    unused = [j for j in range(N) if j not in selected.unique().tolist()]
+    assert unused
+    with torch.no_grad():
+        for _, value in layer.experts.named_parameters():
+            value[unused] = float("nan")
+        with select_experts(layer, k=k, strategy=strategy, seed=4):
+            after = layer(x)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
 def test_unselected_experts_do_not_run_multi_layer_model(monkeypatch):
@@ -445,12 +441,14 @@ def test_unselected_experts_do_not_run_multi_layer_model(monkeypatch):
     with torch.no_grad(), select_experts(model, k=0.25) as layers:
         records = capture_selections(layers)
         model(x)
+    built = []  # the slot tensors built, layer by layer (dispatch_slots is one function, so both logs see both)
     for layer, log in zip((model.moe_a, model.moe_b), logs):
         (selected,) = records[id(layer)]
         k = layer.num_experts // 4
         assert selected.shape == (4, k)
         assert log["counts"][0].tolist() == expected_counts(selected, layer.num_experts, layer.slots_per_expert).tolist()
-        assert log["slots"] == [(4, k * layer.slots_per_expert, DIM)]
+        built.append((4, k * layer.slots_per_expert, DIM))
+    assert logs[0]["slots"] == logs[1]["slots"] == built
 
 
 # ------------------------------------------------------------------------- 5. hand-worked Algorithm 1 example
@@ -885,8 +883,8 @@ def test_gradients_reach_phi_and_only_selected_experts(custom, renormalize):
 @pytest.mark.parametrize("k", [2, 6])
 @pytest.mark.parametrize("batch", [1, 12])  # one row per expert (row blocks) and several (oneDNN in inference)
 def test_fast_path_with_large_expert_kernels_equals_masked_reference(k, batch, monkeypatch):
-    """The kernels MLPExperts.run_one uses for large experts on several CPU threads keep Algorithm 1 exact."""
-    monkeypatch.setattr(experts_module, "LARGE_EXPERT", 1)
+    """The kernels softmoe::grouped_mm uses for large weights on several CPU threads keep Algorithm 1 exact."""
+    monkeypatch.setattr(grouped_mm_module, "LARGE_WEIGHT", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -238,13 +238,13 @@ def test_each_layer_picks_its_own_experts_and_skips_the_others(monkeypatch):
     rows, full_runs, chosen = {}, [], {}
     for index, layer in enumerate(model.moe_layers()):
         experts = layer.experts
-        grouped = experts.run_grouped
+        grouped = experts.forward_selected
 
-        def run_grouped(x, counts, index=index, grouped=grouped):
-            rows[index] = counts.clone()
-            return grouped(x, counts)
+        def forward_selected(x, expert, index=index, grouped=grouped):
+            rows[index] = torch.bincount(expert, minlength=8) * x.shape[1]
+            return grouped(x, expert)
 
-        monkeypatch.setattr(experts, "run_grouped", run_grouped)
+        monkeypatch.setattr(experts, "forward_selected", forward_selected)
         monkeypatch.setattr(experts, "forward", lambda *a, **k: full_runs.append(1))
         monkeypatch.setattr(experts, "forward_through_tokens", lambda *a, **k: full_runs.append(1))
 

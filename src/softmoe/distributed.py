@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from softmoe.backends import ReferenceOnly
 from softmoe.checkpoint import load_optimizer_tensors, optimizer_tensors
 from softmoe.experts import check_expert_input
 from softmoe.layer import SoftMoE
@@ -254,7 +255,7 @@ def _stacked_tensors(experts: nn.Module) -> list[tuple[str, torch.Tensor, bool]]
     return own
 
 
-class ExpertParallelExperts(nn.Module):
+class ExpertParallelExperts(ReferenceOnly, nn.Module):
     """This rank's slice of a stacked expert bank, serving the slots of every rank of ``group`` via all_to_all.
 
     Same calling convention as the full bank: ``(num_experts, rows, dim) -> (num_experts, rows, dim)`` with the
@@ -281,8 +282,9 @@ class ExpertParallelExperts(nn.Module):
                 f"num_experts={experts.num_experts} is not divisible by the expert-parallel group size {size}"
             )
         self.group = group
+        self.reference_reason = "sharded experts (ExpertParallelExperts) exchange the slots with all_to_all"
         self.group_size, self.group_rank = size, rank
-        self.num_experts, self.dim = experts.num_experts, experts.dim
+        self.num_experts, self.dim, self.out_dim = experts.num_experts, experts.dim, experts.out_dim
         self.num_local_experts = experts.num_experts // size
         self.expert_offset = rank * self.num_local_experts
         self.grad_scale = 1.0 / size if average_gradients else 1.0
@@ -327,7 +329,7 @@ class ExpertParallelExperts(nn.Module):
         returned = all_to_all(back, send_sizes, recv_sizes, self.group)
         return returned.view(self.num_experts, rows, dim)
 
-    def run_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward_selected(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(
             "expert selection (select_experts / forward_selected) is not supported on sharded experts; save the "
             "model with full_state_dict and evaluate it in one process"

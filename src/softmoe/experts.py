@@ -1,16 +1,19 @@
-"""Batched experts: every weight carries a leading expert axis and all experts run in one call.
+"""Expert banks: every weight carries a leading expert axis and all experts run in one call.
 
-Two kinds share one calling convention, ``experts(x)`` with ``x`` of shape (num_experts, rows, dim)
-returning (num_experts, rows, out_dim): row block ``x[j]`` goes through expert ``j`` (``out_dim`` is ``dim`` unless
-set otherwise).
+Every bank implements :class:`Experts`, the interface the Soft MoE layer uses:
 
-- :class:`MLPExperts`: the two-layer MLP of the papers, run with batched matmuls (``torch.baddbmm``, or the native
-  kernels of :mod:`softmoe.kernels` for few rows through large weights).
+- all experts on their slots: ``experts(rows)``, rows (num_experts, rows, dim) -> (num_experts, rows, out_dim), row
+  block ``rows[j]`` through expert ``j``;
+- grouped rows of selected experts: ``experts.forward_selected(rows, expert)``, rows (groups, rows, dim) and
+  expert (groups,) int64 -> (groups, rows, out_dim), group ``g`` through expert ``expert[g]``; experts no group
+  names cost nothing, and nothing synchronizes with the host on a GPU;
+- the mixing backends it offers (:mod:`softmoe.backends`): ``choose_backend`` and ``mix``.
+
+Two banks:
+
+- :class:`MLPExperts`: the two-layer MLP of the papers, run with batched matmuls; it offers every backend.
 - :class:`StackedExperts`: any user module, copied ``num_experts`` times, parameters stacked, run with
-  ``torch.func.vmap`` over the stacked parameters.
-
-Both also run on *grouped rows* (``run_grouped``): a flat (rows, dim) tensor sorted by expert together with the
-number of rows of each expert, which is how expert selection skips the experts it does not need.
+  ``torch.func.vmap`` over the stacked parameters; it offers the "reference" backend.
 """
 
 from __future__ import annotations
@@ -18,18 +21,22 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from softmoe.backends import BackendChoice, ReferenceOnly, autocast_on, transforms_active, unsupported
+from softmoe.kernels.grouped_mm import grouped_mm
 from softmoe.kernels import (
     expert_matmul,
     native_applies,
+    native_available,
+    native_mixing_applies,
+    native_status,
     needs_grad,
-    onednn_applies,
-    onednn_linear,
-    plain_eager_mode,
+    soft_moe_mixing,
 )
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -37,6 +44,9 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
     "relu": F.relu,
 }
+# CPU machine balance of the cost model choosing between the "slots" and "tokens" backends: one byte of memory
+# traffic costs about as much as 8 FLOPs (measured on CPU; the model is not used on other devices).
+CPU_BYTES_TO_FLOPS = 8
 
 
 def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -59,62 +69,50 @@ def check_expert_input(x: torch.Tensor, num_experts: int, dim: int) -> None:
         )
 
 
-def grouped_output(x: torch.Tensor, out_dim: int) -> torch.Tensor:
-    """An uninitialized (rows, out_dim) tensor for the outputs of grouped rows x (rows, dim)."""
-    return x.new_empty(x.shape[0], out_dim)
+def check_selected_rows(rows: torch.Tensor, expert: torch.Tensor, dim: int) -> None:
+    """Raise a ValueError unless rows is (groups, rows, dim) and expert a (groups,) int64 tensor (shapes only)."""
+    if rows.dim() != 3 or rows.shape[2] != dim:
+        raise ValueError(f"selected rows must have shape (groups, rows, dim={dim}), got {tuple(rows.shape)}")
+    if expert.dtype != torch.int64 or expert.shape != rows.shape[:1]:
+        raise ValueError(
+            f"expert must be an int64 tensor of shape (groups={rows.shape[0]},), got {expert.dtype} {tuple(expert.shape)}"
+        )
 
 
-def check_groups(x: torch.Tensor, counts: torch.Tensor, num_experts: int) -> None:
-    """Raise a ValueError unless ``counts`` (num_experts,) splits the rows of ``x`` (rows, dim)."""
-    if counts.shape != (num_experts,):
-        raise ValueError(f"counts must have shape ({num_experts},), got {tuple(counts.shape)}")
-    if counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
-        raise ValueError(f"counts must be an integer tensor, got dtype {counts.dtype} (float counts are not row counts)")
-    if bool((counts < 0).any()):
-        raise ValueError(f"counts must be >= 0, got {counts.tolist()}")
-    if int(counts.sum()) != x.shape[0]:
-        raise ValueError(f"counts sum to {int(counts.sum())} but x has {x.shape[0]} rows")
+@runtime_checkable
+class Experts(Protocol):
+    """What the Soft MoE layer needs of an expert bank (see the module doc)."""
+
+    num_experts: int
+    dim: int
+    out_dim: int
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (num_experts, rows, dim) -> (num_experts, rows, out_dim): all experts on their slots."""
+        ...
+
+    def forward_selected(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """rows (groups, rows, dim), expert (groups,) int64 -> (groups, rows, out_dim)."""
+        ...
+
+    def choose_backend(self, backend: str, x: torch.Tensor, slots_per_expert: int) -> BackendChoice:
+        """The backend that runs the mixing of tokens x (batch, tokens, dim) when the layer asks for ``backend``;
+        a ValueError when an explicitly requested one cannot."""
+        ...
+
+    def mix(
+        self, backend: str, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, slots_per_expert: int
+    ) -> torch.Tensor:
+        """C f(D^T X) with a backend other than "reference": x (batch, tokens, dim), dispatch and combine
+        (batch, tokens, n * p) -> (batch, tokens, out_dim)."""
+        ...
 
 
-# A large expert (dim * hidden >= LARGE_EXPERT) run alone on CPU takes faster kernels than plain matmuls: oneDNN's
-# (activation fused) for inference on >= ONEDNN_MIN_ROWS float32 rows, else row blocks (see MLPExperts.run_one).
-LARGE_EXPERT = 1 << 20
-ONEDNN_MIN_ROWS = 4
-
-
-def row_block_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
-    """x (rows, K) @ w (K, N) -> (rows, N), w cut into ``blocks`` contiguous blocks of K/blocks rows.
-
-    The blocks (views of w, no copy) run as one batched matmul, which threaded BLAS spreads over its threads
-    one matrix each, and their partial products are summed. Plain matmul when ``blocks`` does not divide K.
-    """
-    rows, k = x.shape
-    if blocks == 1 or k % blocks:
-        return x @ w
-    return torch.bmm(x.reshape(rows, blocks, k // blocks).transpose(0, 1), w.view(blocks, k // blocks, -1)).sum(0)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (E, rows, K) @ weight (E, K, N) (+ bias (E, N)) with torch's batched matmul."""
-    return torch.bmm(x, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, weight)
-
-
-def expert_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None = None
-) -> torch.Tensor:
-    """activation(x (E, rows, K) @ weight (E, K, N) + bias (E, N)) -> (E, rows, N), every expert in one call.
-
-    Few rows per expert through large weights (a ViT-S layer: 8 rows, 384 x 1536) take the native kernels of
-    :mod:`softmoe.kernels`, which stream the weights about twice as fast as MKL and, in inference, apply the
-    activation to the product while it is in cache; everything else runs torch's batched matmul.
-    """
-    if native_applies(x, weight):
-        if activation is not None and not needs_grad(x, weight, bias):
-            return expert_matmul(x, weight, bias, activation)
-        out = expert_matmul(x, weight, bias)
-    else:
-        out = _linear(x, weight, bias)
-    return out if activation is None else activation_fn(activation)(out)
+def token_counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries of ``expert`` (int64) name each expert -> (num_experts,) int64, without a host sync (unlike
+    ``torch.bincount``, whose output size depends on the data)."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=expert.device)
+    return counts.index_add_(0, expert.reshape(-1), torch.ones_like(expert.reshape(-1)))
 
 
 class MLPExperts(nn.Module):
@@ -174,9 +172,107 @@ class MLPExperts(nn.Module):
                     param.copy_(param[:1].expand_as(param))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (num_experts, rows, dim) -> (num_experts, rows, out_dim)."""
+        """x: (num_experts, rows, dim) -> (num_experts, rows, out_dim), in torch's batched matmuls."""
         check_expert_input(x, self.num_experts, self.dim)
-        return expert_linear(expert_linear(x, self.weight1, self.bias1, self.activation), self.weight2, self.bias2)
+        return _linear(self.act(_linear(x, self.weight1, self.bias1)), self.weight2, self.bias2)
+
+    def forward_selected(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """rows (groups, rows, dim), expert (groups,) int64 -> (groups, rows, out_dim).
+
+        The groups are sorted by expert and both layers run as grouped products (:mod:`softmoe.kernels.grouped_mm`):
+        an expert no group names costs nothing; no host synchronization where torch's grouped GEMM serves.
+        """
+        check_selected_rows(rows, expert, self.dim)
+        groups, per_group, _ = rows.shape
+        order = torch.argsort(expert, stable=True)
+        sorted_expert = expert[order]
+        ends = (token_counts(expert, self.num_experts).cumsum(0) * per_group).to(torch.int32)
+        flat = rows[order].reshape(groups * per_group, self.dim)
+        h = grouped_mm(flat, self.weight1, ends).view(groups, per_group, self.hidden)
+        if self.bias1 is not None:
+            h = h + self.bias1[sorted_expert].unsqueeze(1)
+        flat_h = self.act(h).reshape(groups * per_group, self.hidden)
+        y = grouped_mm(flat_h, self.weight2, ends).view(groups, per_group, self.out_dim)
+        if self.bias2 is not None:
+            y = y + self.bias2[sorted_expert].unsqueeze(1)
+        return torch.empty_like(y).index_copy(0, order, y)
+
+    def token_space_is_cheaper(self, tokens: int, slots_per_expert: int) -> bool:
+        """The CPU cost model between the "slots" and "tokens" backends, per input.
+
+        cost = FLOPs + CPU_BYTES_TO_FLOPS * bytes moved through memory for the large intermediates: the slot
+        formulation writes and reads (n*p, dim) tensors about six times; the token-space one handles
+        (tokens, n*hidden) tensors about four times but spends tokens/p times the expert FLOPs.
+        """
+        n, p, d, h = self.num_experts, slots_per_expert, self.dim, self.hidden
+        slot_cost = 2 * n * p * d * (2 * tokens + 2 * h) + CPU_BYTES_TO_FLOPS * 4 * n * p * d * 6
+        token_cost = 4 * tokens * d * n * h + 4 * tokens * n * p * h + CPU_BYTES_TO_FLOPS * 4 * tokens * n * h * 4
+        return token_cost < slot_cost
+
+    def _fused_native_applies(self, x: torch.Tensor) -> bool:
+        return self.out_dim == self.dim and native_mixing_applies(x, self.hidden, self.activation)
+
+    def _unavailable(self, backend: str, x: torch.Tensor) -> str | None:
+        """Why ``backend`` cannot run tokens x, or None when it can."""
+        if backend in ("slots", "native") and transforms_active():
+            return "a torch.func transform is active (use 'reference')"
+        if backend in ("slots", "native") and autocast_on(x):
+            return "autocast is on (use 'reference')"
+        if backend == "native":
+            if x.device.type != "cpu" or x.dtype != torch.float32 or self.weight1.dtype != torch.float32:
+                return f"the native ops take float32 CPU tensors, got {x.dtype} on {x.device}"
+            if not native_available():
+                return native_status()
+        return None
+
+    def choose_backend(self, backend: str, x: torch.Tensor, slots_per_expert: int) -> BackendChoice:
+        """The backend for tokens x (batch, tokens, dim) (see :mod:`softmoe.backends` for the rules of "auto")."""
+        if backend != "auto":
+            why = self._unavailable(backend, x)
+            if why is not None:
+                raise unsupported(backend, why)
+            return BackendChoice(backend, "requested")
+        if transforms_active():
+            return BackendChoice("reference", "a torch.func transform is active: plain torch ops")
+        slots = self._unavailable("slots", x) is None
+        if x.device.type != "cpu":
+            if not slots:
+                return BackendChoice("reference", "autocast is on: plain torch ops")
+            return BackendChoice("slots", f"on {x.device.type}: torch's batched matmuls (the CPU cost model is not used)")
+        native = self._unavailable("native", x) is None
+        if native and self._fused_native_applies(x):
+            return BackendChoice("native", "many small relu experts on few float32 tokens: the fused native mixing")
+        batch, tokens, _ = x.shape
+        if self.token_space_is_cheaper(tokens, slots_per_expert):
+            return BackendChoice("tokens", "CPU cost model: the token-space rewrite moves less memory")
+        if native and native_applies(x, self.weight1, batch * slots_per_expert):
+            return BackendChoice("native", f"{batch * slots_per_expert} rows per expert through large float32 "
+                                           "weights: the native expert matmul streams them faster")
+        if not slots:
+            return BackendChoice("reference", "CPU cost model: the slot formulation; autocast is on: plain torch ops")
+        return BackendChoice("slots", "CPU cost model: the slot formulation")
+
+    def mix(
+        self, backend: str, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, slots_per_expert: int
+    ) -> torch.Tensor:
+        """C f(D^T X) with the "slots", "tokens" or "native" backend: x (batch, tokens, dim), dispatch and combine
+        (batch, tokens, n * p) float32 or wider -> (batch, tokens, out_dim)."""
+        dispatch, combine = dispatch.to(x.dtype), combine.to(x.dtype)
+        if backend == "tokens":
+            shape = (*x.shape[:2], self.num_experts, slots_per_expert)
+            return self.forward_through_tokens(x, dispatch.view(shape), combine.view(shape))
+        weights = (self.weight1, self.bias1, self.weight2, self.bias2)
+        if backend == "slots":
+            return _SlotMixing.apply(x, dispatch, combine, *weights, slots_per_expert, self.activation)
+        if self._fused_native_applies(x):
+            return soft_moe_mixing(x, dispatch, combine, *weights)
+        rows = _expert_rows(torch.bmm(dispatch.transpose(1, 2), x), self.num_experts, slots_per_expert)
+        if needs_grad(rows, self.weight1, self.bias1):
+            h = self.act(expert_matmul(rows, self.weight1, self.bias1))
+        else:  # inference: the activation applied inside the kernel
+            h = expert_matmul(rows, self.weight1, self.bias1, self.activation)
+        y = _slot_rows(expert_matmul(h, self.weight2, self.bias2), x.shape[0], slots_per_expert)
+        return torch.bmm(combine, y)
 
     def forward_through_tokens(self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
         """The whole Soft MoE mixing C f(D^T X) computed in token space, without materializing any slot.
@@ -207,73 +303,17 @@ class MLPExperts(nn.Module):
             out = out + combine.sum(-1) @ self.bias2
         return out
 
-    def forward_through_slots(
-        self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, slots_per_expert: int
-    ) -> torch.Tensor:
-        """The whole Soft MoE mixing C f(D^T X) in the slot formulation, as one autograd node.
-
-        x (batch, tokens, dim); dispatch, combine (batch, tokens, num_experts * slots_per_expert) of x's dtype ->
-        (batch, tokens, out_dim). The same batched matmuls as the layer's dispatch, experts and combine, with the
-        backward written out (:class:`_SlotMixing`): no copies between the (batch, slots) and (expert, rows)
-        layouts for one slot per expert, and none of autograd's per-op bookkeeping, which for a few tokens and a
-        few experts (the MNIST layer, n = 2 and 4) costs about as much as the products themselves. Only where
-        :meth:`slot_function_applies`.
-        """
-        weights = (self.weight1, self.bias1, self.weight2, self.bias2)
-        return _SlotMixing.apply(x, dispatch, combine, *weights, slots_per_expert, self.activation)
-
-    def slot_function_applies(self, x: torch.Tensor, rows_per_expert: int) -> bool:
-        """Whether :meth:`forward_through_slots` serves x: eager mode (not under torch.compile, torch.func transforms
-        or autocast), and experts that run torch's batched matmuls (not the native kernels for few rows)."""
-        return plain_eager_mode(autocast_device(x)) and not native_applies(x, self.weight1, rows_per_expert)
-
-    def run_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: (rows, dim) sorted by expert, counts: (num_experts,) rows per expert -> (rows, out_dim).
-
-        Experts with no rows cost nothing; each other expert runs once on its contiguous block.
-        """
-        check_groups(x, counts, self.num_experts)
-        out = grouped_output(x, self.out_dim)
-        start = 0
-        for j, count in enumerate(counts.tolist()):
-            if count:
-                out[start : start + count] = self.run_one(x[start : start + count], j)
-                start += count
-        return out
-
-    def run_one(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """x (rows, dim) through expert ``expert`` alone -> (rows, out_dim).
-
-        Threaded CPU BLAS (MKL) runs a skinny product through one large matrix far below the machine's limits: 25
-        rows through 768 x 30720 reach about 40% of the matmul peak, one row reads it at about 23 GB/s on the
-        reference machine's 2 cores. So a large expert on CPU takes one of two faster kernels, chosen per call:
-
-        - inference (no gradient needed) on at least ONEDNN_MIN_ROWS float32 rows: oneDNN's linear with bias and
-          activation fused (:mod:`softmoe.kernels`), 1.5-2x MKL's FLOP rate at 8-100 rows;
-        - otherwise each weight is cut into one block of rows per thread (:func:`row_block_matmul`): every thread
-          streams its own contiguous part, 1.2-1.5x faster (one row: 28-35 GB/s).
-
-        Small experts, other devices and one thread: plain matmuls.
-        """
-        large = x.device.type == "cpu" and self.dim * self.hidden >= LARGE_EXPERT
-        bias1 = None if self.bias1 is None else self.bias1[expert]
-        bias2 = None if self.bias2 is None else self.bias2[expert]
-        if large and x.shape[0] >= ONEDNN_MIN_ROWS and onednn_applies(x, self.weight1):
-            h = onednn_linear(x, self.weight1[expert], bias1, self.activation)
-            return onednn_linear(h, self.weight2[expert], bias2)
-        blocks = torch.get_num_threads() if large else 1
-        h = row_block_matmul(x, self.weight1[expert], blocks)
-        if bias1 is not None:
-            h = h + bias1
-        y = row_block_matmul(self.act(h), self.weight2[expert], blocks)
-        return y if bias2 is None else y + bias2
-
     def extra_repr(self) -> str:
         out = "" if self.out_dim == self.dim else f", out_dim={self.out_dim}"
         return (
             f"num_experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}{out}, "
             f"activation={self.activation!r}, bias={self.bias1 is not None}"
         )
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (E, rows, K) @ weight (E, K, N) (+ bias (E, N)) with torch's batched matmul."""
+    return torch.bmm(x, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, weight)
 
 
 def _expert_rows(slots: torch.Tensor, experts: int, slots_per_expert: int) -> torch.Tensor:
@@ -357,7 +397,7 @@ def _reinitialize(module: nn.Module) -> None:
             reset()
 
 
-class StackedExperts(nn.Module):
+class StackedExperts(ReferenceOnly, nn.Module):
     """``num_experts`` copies of a user module mapping (rows, dim) -> (rows, out_dim), run with ``torch.func.vmap``.
 
     The copies are re-initialized independently (every submodule's ``reset_parameters``) unless
@@ -384,6 +424,7 @@ class StackedExperts(nn.Module):
             self.register_parameter(name.replace(".", "__"), nn.Parameter(value.detach().clone()))
         for name, value in buffers.items():
             self.register_buffer(name.replace(".", "__"), value.clone())
+        self.reference_reason = "custom experts (StackedExperts) run Definition 1 with torch.func.vmap"
         # Kept outside the module tree: the template only supplies the computation, never its own weights.
         self.__dict__["template"] = copy.deepcopy(expert).to("meta")
 
@@ -401,20 +442,19 @@ class StackedExperts(nn.Module):
         params, buffers = self._stacked()
         return torch.func.vmap(self._call_one)(params, buffers, x)
 
+    def forward_selected(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """rows (groups, rows, dim), expert (groups,) int64 -> (groups, rows, out_dim).
+
+        Each group's expert parameters are gathered (one copy per group) and the groups run under one
+        ``torch.func.vmap``: no host synchronization and no recompilation for a new selection, at the memory cost of
+        ``groups`` parameter copies (custom experts are usually small).
+        """
+        check_selected_rows(rows, expert, self.dim)
+        params, buffers = self._stacked()
+        gathered = ({k: v[expert] for k, v in params.items()}, {k: v[expert] for k, v in buffers.items()})
+        return torch.func.vmap(self._call_one)(*gathered, rows)
+
     def expert_state(self, j: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The parameters and buffers of expert ``j`` as plain dicts keyed by the template's names."""
         params, buffers = self._stacked()
         return {k: v[j] for k, v in params.items()}, {k: v[j] for k, v in buffers.items()}
-
-    def run_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: (rows, dim) sorted by expert, counts: (num_experts,) -> (rows, out_dim); empty experts are skipped."""
-        check_groups(x, counts, self.num_experts)
-        out = grouped_output(x, self.out_dim)
-        start = 0
-        for j, count in enumerate(counts.tolist()):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            out[rows] = self._call_one(*self.expert_state(j), x[rows])
-            start += count
-        return out

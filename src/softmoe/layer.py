@@ -19,6 +19,10 @@ first two:
     "none"    equation (1) of the paper as written: logits = X phi.
 
 Logits and both softmaxes are computed in float32 (float64 for float64 inputs), whatever the autocast dtype.
+
+:func:`soft_moe_routing` computes the routing (shared with ``softmoe.routing.SoftMoERouter``) and
+:func:`soft_moe_reference` is the whole layer in plain torch ops; the mixing step ``C f(D^T X)`` runs on the
+backend ``SoftMoE(backend=...)`` names (:mod:`softmoe.backends`), every one of which equals the reference.
 """
 
 from __future__ import annotations
@@ -31,21 +35,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from softmoe.experts import MLPExperts, StackedExperts, autocast_device
-from softmoe.kernels import (
-    native_mixing_applies,
-    needs_grad,
-    onednn_applies,
-    onednn_linear,
-    soft_moe_mixing,
-)
+from softmoe.backends import BackendChoice, check_backend, transforms_active
+from softmoe.experts import Experts, MLPExperts, StackedExperts, autocast_device
+from softmoe.kernels import needs_grad, onednn_applies, onednn_linear
 
 NORM_EPS = 1e-6
 NORMALIZATIONS = ("router", "inputs", "none")
 # Inference inputs of at least this many elements compute their logits with oneDNN (see soft_moe_logits).
 ONEDNN_MIN_TOKEN_ELEMENTS = 1 << 20
-# Machine balance used by the layer's cost model: one byte of memory traffic costs about as much as 8 FLOPs.
-BYTES_TO_FLOPS = 8
+# Truncated normal on [-2 std, 2 std] has standard deviation 0.8796... std: LeCun init divides by it.
+TRUNCATED_NORMAL_STD = 0.87962566103423978
 
 
 class Routing(NamedTuple):
@@ -186,16 +185,98 @@ def check_tokens(
             raise ValueError(f"mask must be a bool tensor (True = real token), got dtype {mask.dtype}")
 
 
-def check_selected(selected: torch.Tensor, batch: int, num_experts: int) -> None:
-    """Raise a ValueError unless ``selected`` is an int64 (batch, k) tensor of distinct expert indices per row."""
+def check_selected(selected: torch.Tensor, batch: int, num_experts: int, values: bool = True) -> None:
+    """Raise a ValueError unless ``selected`` is an int64 (batch, k) tensor of distinct expert indices per row.
+
+    ``values=False`` checks the dtype and shape only: the values' checks read them on the host (a synchronization
+    on a GPU, a graph break under torch.compile).
+    """
     if selected.dtype != torch.int64 or selected.dim() != 2 or selected.shape[0] != batch:
         raise ValueError(
             f"selected must be an int64 tensor of shape (batch={batch}, k), got {selected.dtype} {tuple(selected.shape)}"
         )
+    if not values:
+        return
     if selected.numel() and (int(selected.min()) < 0 or int(selected.max()) >= num_experts):
         raise ValueError(f"selected expert indices must lie in [0, {num_experts}), got {selected.tolist()}")
     if selected.shape[1] > 1 and bool((selected.sort(dim=1).values.diff(dim=1) == 0).any()):
         raise ValueError(f"selected must not repeat an expert within a row, got {selected.tolist()}")
+
+
+def checks_are_free(x: torch.Tensor) -> bool:
+    """Whether checking tensor values costs nothing: a CPU tensor, outside torch.compile and torch.func transforms."""
+    return (
+        x.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not transforms_active()
+    )
+
+
+def truncated_lecun_normal_(tensor: torch.Tensor, fan_in: int) -> torch.Tensor:
+    """LeCun normal truncated to two standard deviations, in place: std 1/sqrt(fan_in) after truncation (JAX's
+    ``lecun_normal``, which vmoe uses for phi and the patch embedding)."""
+    std = 1.0 / math.sqrt(fan_in) / TRUNCATED_NORMAL_STD
+    return nn.init.trunc_normal_(tensor, std=std, a=-2 * std, b=2 * std)
+
+
+def soft_moe_routing(
+    tokens: torch.Tensor,
+    phi: torch.Tensor,
+    scale: torch.Tensor | None,
+    normalize: str,
+    noise_std: float = 0.0,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits, dispatch and combine of the slot inputs ``tokens`` (batch, tokens, dim) with phi (dim, slots):
+    each (batch, tokens, slots), float32 or wider. The routing of :class:`SoftMoE` and of
+    ``softmoe.routing.SoftMoERouter``.
+
+    ``noise_std * N(0, 1)`` is added to the logits when ``noise_std`` > 0 (the callers pass it in training only).
+    Padded tokens (``mask`` False) get zero dispatch and zero combine weight.
+    """
+    logits = add_logit_noise(soft_moe_logits(tokens, phi, scale, normalize), noise_std)
+    if mask is None:
+        return logits, logits.softmax(dim=1), logits.softmax(dim=-1)
+    keep = mask.unsqueeze(-1)
+    # A finite fill keeps a fully padded input finite (uniform softmax), then the mask zeroes it.
+    filled = logits.masked_fill(~keep, torch.finfo(logits.dtype).min)
+    return logits, filled.softmax(dim=1) * keep, logits.softmax(dim=-1) * keep
+
+
+def dispatch_slots(x: torch.Tensor, dispatch: torch.Tensor) -> torch.Tensor:
+    """slots = D^T X: x (batch, tokens, dim), dispatch (batch, tokens, n*p) -> (batch, n*p, dim)."""
+    return torch.bmm(dispatch.to(x.dtype).transpose(1, 2), x)
+
+
+def experts_on_slots(experts: Experts, slots: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Y~: every expert on its own p slots, (batch, n*p, dim) -> (batch, n*p, d_out)."""
+    batch, slot_count, dim = slots.shape
+    p = slot_count // num_experts
+    per_expert = slots.view(batch, num_experts, p, dim).transpose(0, 1).reshape(num_experts, batch * p, dim)
+    out = experts(per_expert)
+    return out.view(num_experts, batch, p, -1).transpose(0, 1).reshape(batch, slot_count, -1)
+
+
+def combine_slots(combine: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor:
+    """output = C Y~: combine (batch, tokens, n*p), expert_out (batch, n*p, d_out) -> (batch, tokens, d_out)."""
+    return torch.bmm(combine.to(expert_out.dtype), expert_out)
+
+
+def soft_moe_reference(
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    scale: torch.Tensor | None,
+    experts: Experts,
+    normalize: str = "router",
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Definition 1 in plain torch ops: x (batch, m, d), phi (d, n, p), experts (n, rows, d) -> (n, rows, d_out)
+    -> (batch, m, d_out). The "reference" backend of :class:`SoftMoE`; every other backend equals it."""
+    dim, n, p = phi.shape
+    if normalize == "inputs":
+        x = l2_normalize_outside_eps(x, dim=-1)
+    _, dispatch, combine = soft_moe_routing(x, phi.reshape(dim, n * p), scale, normalize, mask=mask)
+    return combine_slots(combine, experts_on_slots(experts, dispatch_slots(x, dispatch), n))
 
 
 class ExpertSelector(Protocol):
@@ -209,7 +290,7 @@ class ExpertSelector(Protocol):
 
 
 class SoftMoE(nn.Module):
-    """Soft Mixture of Experts: (batch, tokens, dim) -> (batch, tokens, dim).
+    """Soft Mixture of Experts: (batch, tokens, dim) -> (batch, tokens, d_out), d_out = ``out_dim`` or dim.
 
     Args:
         dim: token feature size d.
@@ -221,13 +302,14 @@ class SoftMoE(nn.Module):
             tokens replace X, slots included) or "none" (equation (1) exactly); see the module doc for the
             formulas. True and False mean "router" and "none".
         expert_bias: biases in the default expert.
-        out_dim: the experts' output size d_out (default dim); the layer maps (batch, tokens, dim) to
-            (batch, tokens, d_out).
+        out_dim: the experts' output size d_out (default dim).
         expert: an optional module mapping (rows, dim) -> (rows, d_out); the layer stacks ``num_experts``
-            independently initialized copies and runs them with ``torch.func.vmap``.
+            independently initialized copies and runs them with ``torch.func.vmap`` (:class:`StackedExperts`).
         identical_expert_init: start every expert from the same weights, as the authors' configs do.
         noise_std: in training mode, ``noise_std * N(0, 1)`` is added to the logits before both softmaxes (vmoe's
             ``SoftRouter.add_noise``; default 0, no noise).
+        backend: the code that computes the mixing step, one of :data:`softmoe.backends.BACKENDS` ("auto" by
+            default); settable later as ``layer.backend``. :meth:`backend_for` says which runs for an input, and why.
 
     Parameters: ``phi`` (dim, num_experts, slots_per_expert), ``scale`` () when normalizing, ``experts``.
     """
@@ -245,12 +327,13 @@ class SoftMoE(nn.Module):
         expert: nn.Module | None = None,
         identical_expert_init: bool = False,
         noise_std: float = 0.0,
+        backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("dim", dim), ("num_experts", num_experts), ("slots_per_expert", slots_per_expert)):
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if expert_hidden is not None and (isinstance(expert_hidden, bool) or not isinstance(expert_hidden, int) or expert_hidden < 1):
             raise ValueError(f"expert_hidden must be an integer >= 1, got {expert_hidden!r}")
@@ -260,13 +343,14 @@ class SoftMoE(nn.Module):
         self.dim, self.num_experts, self.slots_per_expert = dim, num_experts, slots_per_expert
         self.out_dim = dim if out_dim is None else out_dim
         self.normalize = check_normalization(normalize)
+        self.backend = backend
         self.selector: ExpertSelector | None = None
         factory = {"device": device, "dtype": dtype}
         self.phi = nn.Parameter(torch.empty(dim, num_experts, slots_per_expert, **factory))
         self.scale = nn.Parameter(torch.ones((), **factory)) if self.normalize != "none" else None
         if expert is None:
             hidden = 4 * dim if expert_hidden is None else expert_hidden
-            self.experts: nn.Module = MLPExperts(
+            self.experts: Experts = MLPExperts(
                 num_experts, dim, hidden, activation, expert_bias, identical_expert_init, self.out_dim, **factory
             )
         else:
@@ -274,18 +358,33 @@ class SoftMoE(nn.Module):
             self.experts = StackedExperts(template, num_experts, dim, identical_expert_init, self.out_dim)
         self.reset_parameters()
 
+    @property
+    def backend(self) -> str:
+        """The requested backend (see :mod:`softmoe.backends`)."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        self._backend = check_backend(value)
+
     def reset_parameters(self) -> None:
         """phi ~ truncated LeCun normal over fan_in = dim * num_experts (std about 1/sqrt(dim * n))."""
         if self.phi.is_meta:
             return
-        std = 1.0 / math.sqrt(self.dim * self.num_experts) / 0.87962566103423978
-        nn.init.trunc_normal_(self.phi, std=std, a=-2 * std, b=2 * std)
+        truncated_lecun_normal_(self.phi, self.dim * self.num_experts)
         if self.scale is not None:
             nn.init.ones_(self.scale)
 
     @property
     def num_slots(self) -> int:
         return self.num_experts * self.slots_per_expert
+
+    def backend_for(self, x: torch.Tensor) -> BackendChoice:
+        """The backend that runs the mixing step for x (batch, tokens, dim) in the current mode, and why.
+
+        A ValueError when the requested backend cannot serve x (e.g. "native" for a CUDA tensor).
+        """
+        return self.experts.choose_backend(self.backend, x, self.slots_per_expert)
 
     def route(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
         """Logits, dispatch and combine weights for x (batch, tokens, dim); each (batch, tokens, n, p), float32 or wider.
@@ -307,48 +406,29 @@ class SoftMoE(nn.Module):
     def _route_flat(
         self, tokens: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Routing tensors of the slot inputs ``tokens`` with the slots flattened: each (batch, tokens, n*p), float32."""
-        logits = soft_moe_logits(tokens, self.phi.reshape(self.dim, self.num_slots), self.scale, self.normalize)
-        if self.training:
-            logits = add_logit_noise(logits, self.noise_std)
-        if mask is None:
-            return logits, logits.softmax(dim=1), logits.softmax(dim=-1)
-        keep = mask.unsqueeze(-1)
-        # A finite fill keeps a fully padded input finite (uniform softmax), then the mask zeroes it.
-        filled = logits.masked_fill(~keep, torch.finfo(logits.dtype).min)
-        dispatch = filled.softmax(dim=1) * keep
-        combine = logits.softmax(dim=-1) * keep
-        return logits, dispatch, combine
+        """:func:`soft_moe_routing` of the slot inputs ``tokens`` with the slots flattened: each (batch, tokens, n*p)."""
+        noise = self.noise_std if self.training else 0.0
+        phi = self.phi.reshape(self.dim, self.num_slots)
+        return soft_moe_routing(tokens, phi, self.scale, self.normalize, noise, mask)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (batch, tokens, dim), mask: optional bool (batch, tokens), True for real tokens -> (batch, tokens, d_out).
 
         Padded tokens get a zero output; a fully padded input gives zeros. Inside ``softmoe.select_experts`` (which
         sets ``self.selector``) only each input's selected experts are computed, as in :meth:`forward_selected`.
-        Many small relu experts on few float32 CPU tokens run in one native pass (:func:`softmoe.kernels.soft_moe_mixing`);
-        otherwise the cost model picks the slot formulation or its token-space rewrite.
+        The mixing step runs on the backend :meth:`backend_for` names.
         """
         check_tokens(x, self.dim, mask, self.phi.dtype)
         x = self.slot_inputs(x)
         _, dispatch, combine = self._route_flat(x, mask)
-        shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
         if self.selector is not None:
+            shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
             selected = self.selector.select(combine.view(shape))
             return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize)
-        experts = self.experts
-        square = self.out_dim == self.dim
-        if isinstance(experts, MLPExperts) and square and native_mixing_applies(x, experts.hidden, experts.activation):
-            return soft_moe_mixing(
-                x, dispatch, combine, experts.weight1, experts.bias1, experts.weight2, experts.bias2
-            )
-        if self._token_space_is_cheaper(x.shape[1]):
-            return self.experts.forward_through_tokens(x, dispatch.view(shape), combine.view(shape))
-        if isinstance(experts, MLPExperts) and experts.slot_function_applies(x, x.shape[0] * self.slots_per_expert):
-            mixing = (x, dispatch.to(x.dtype), combine.to(x.dtype))
-            return experts.forward_through_slots(*mixing, self.slots_per_expert)
-        slots = self.dispatch_slots(x, dispatch)
-        expert_out = self.run_experts(slots)
-        return self.combine_slots(combine, expert_out)
+        backend = self.backend_for(x).name
+        if backend == "reference":
+            return combine_slots(combine, self.run_experts(dispatch_slots(x, dispatch)))
+        return self.experts.mix(backend, x, dispatch, combine, self.slots_per_expert)
 
     def forward_selected(
         self,
@@ -356,15 +436,20 @@ class SoftMoE(nn.Module):
         selected: torch.Tensor,
         mask: torch.Tensor | None = None,
         renormalize: bool = False,
+        check: bool | None = None,
     ) -> torch.Tensor:
         """Soft MoE with only the experts ``selected`` (batch, k) int64 of each input; the others are skipped.
 
         Equals C Y^ where Y^ has zero rows for the slots of unselected experts (Algorithm 1's step 4); with
         ``renormalize`` each token's combine weights are rescaled to sum to 1 over the kept slots. No slot is built
         and no expert runs for an unselected (input, expert) pair. x: (batch, tokens, dim) -> (batch, tokens, d_out).
+
+        ``check``: validate the values of ``selected`` (in range, no repeats). None (the default) checks them where
+        that is free (CPU tensors outside torch.compile); True always (a host synchronization on a GPU); False never.
         """
         check_tokens(x, self.dim, mask, self.phi.dtype)
-        check_selected(selected, x.shape[0], self.num_experts)
+        values = checks_are_free(selected) if check is None else check
+        check_selected(selected, x.shape[0], self.num_experts, values)
         x = self.slot_inputs(x)
         _, dispatch, combine = self._route_flat(x, mask)
         return self._selected_forward(x, dispatch, combine, selected, renormalize)
@@ -386,47 +471,26 @@ class SoftMoE(nn.Module):
         kept_combine = combine.gather(2, slot_index)
         if renormalize:
             kept_combine = kept_combine / kept_combine.sum(-1, keepdim=True).clamp_min(torch.finfo(combine.dtype).tiny)
-        slots = self.dispatch_slots(x, kept_dispatch).reshape(batch * k * p, d)
-        expert_of_row = selected.repeat_interleave(p, dim=1).reshape(-1)
-        order = torch.argsort(expert_of_row, stable=True)
-        counts = torch.bincount(expert_of_row, minlength=self.num_experts)
-        out_sorted = self.experts.run_grouped(slots[order], counts)
-        expert_out = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
-        return self.combine_slots(kept_combine, expert_out.view(batch, k * p, self.out_dim))
-
-    def _token_space_is_cheaper(self, tokens: int) -> bool:
-        """Cost model choosing between the slot formulation and the exact token-space rewrite (MLP experts only).
-
-        Per input, cost = FLOPs + BYTES_TO_FLOPS * bytes moved through memory for the large intermediates: the slot
-        formulation writes and reads (n*p, dim) tensors about six times; the token-space one handles
-        (tokens, n*hidden) tensors about four times but spends tokens/p times the expert FLOPs.
-        """
-        if not isinstance(self.experts, MLPExperts):
-            return False
-        n, p, d, h = self.num_experts, self.slots_per_expert, self.dim, self.experts.hidden
-        slot_cost = 2 * n * p * d * (2 * tokens + 2 * h) + BYTES_TO_FLOPS * 4 * n * p * d * 6
-        token_cost = 4 * tokens * d * n * h + 4 * tokens * n * p * h + BYTES_TO_FLOPS * 4 * tokens * n * h * 4
-        return token_cost < slot_cost
+        slots = dispatch_slots(x, kept_dispatch).view(batch * k, p, d)
+        expert_out = self.experts.forward_selected(slots, selected.reshape(batch * k))
+        return combine_slots(kept_combine, expert_out.view(batch, k * p, self.out_dim))
 
     def dispatch_slots(self, x: torch.Tensor, dispatch: torch.Tensor) -> torch.Tensor:
-        """slots = D^T X: x (batch, tokens, dim), dispatch (batch, tokens, n*p) -> (batch, n*p, dim)."""
-        return torch.bmm(dispatch.to(x.dtype).transpose(1, 2), x)
+        """slots = D^T X (:func:`dispatch_slots`): (batch, tokens, dim), (batch, tokens, n*p) -> (batch, n*p, dim)."""
+        return dispatch_slots(x, dispatch)
 
     def run_experts(self, slots: torch.Tensor) -> torch.Tensor:
-        """Every expert on its own slots: (batch, n*p, dim) -> (batch, n*p, d_out)."""
-        batch = slots.shape[0]
-        n, p, d = self.num_experts, self.slots_per_expert, self.dim
-        per_expert = slots.view(batch, n, p, d).transpose(0, 1).reshape(n, batch * p, d)
-        out = self.experts(per_expert)
-        return out.view(n, batch, p, self.out_dim).transpose(0, 1).reshape(batch, n * p, self.out_dim)
+        """Every expert on its own slots (:func:`experts_on_slots`): (batch, n*p, dim) -> (batch, n*p, d_out)."""
+        return experts_on_slots(self.experts, slots, self.num_experts)
 
     def combine_slots(self, combine: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor:
-        """output = C Y~: combine (batch, tokens, n*p), expert_out (batch, n*p, d_out) -> (batch, tokens, d_out)."""
-        return torch.bmm(combine.to(expert_out.dtype), expert_out)
+        """output = C Y~ (:func:`combine_slots`): (batch, tokens, n*p), (batch, n*p, d_out) -> (batch, tokens, d_out)."""
+        return combine_slots(combine, expert_out)
 
     def extra_repr(self) -> str:
         out = "" if self.out_dim == self.dim else f", out_dim={self.out_dim}"
+        backend = "" if self.backend == "auto" else f", backend={self.backend!r}"
         return (
             f"dim={self.dim}, num_experts={self.num_experts}, slots_per_expert={self.slots_per_expert}, "
-            f"normalize={self.normalize!r}{out}"
+            f"normalize={self.normalize!r}{out}{backend}"
         )

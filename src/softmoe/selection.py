@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -60,9 +60,13 @@ def top_k_by_combine(combine: torch.Tensor, k: int) -> torch.Tensor:
     return top_k(combine_scores(combine), k, dim=1)[1].sort(dim=1).values
 
 
-def random_subsets(batch: int, num_experts: int, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """k distinct experts drawn uniformly per input -> (batch, k) int64, ascending; reproducible from ``generator``."""
-    device = generator.device if generator is not None else torch.device("cpu")
+def random_subsets(
+    batch: int, num_experts: int, k: int, generator: torch.Generator | None = None, device: torch.device | None = None
+) -> torch.Tensor:
+    """k distinct experts drawn uniformly per input -> (batch, k) int64, ascending, on ``device`` (default: the
+    generator's, else the CPU); reproducible from ``generator``, which must live on that device."""
+    if device is None:
+        device = generator.device if generator is not None else torch.device("cpu")
     keys = torch.rand(batch, num_experts, generator=generator, device=device)
     return keys.argsort(dim=1)[:, :k].sort(dim=1).values
 
@@ -90,22 +94,35 @@ def mask_from_subsets(selected: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 @dataclass
 class Selector:
-    """The per-layer choice rule installed by :func:`select_experts` (see ``SoftMoE.selector``)."""
+    """The per-layer choice rule installed by :func:`select_experts` (see ``SoftMoE.selector``).
+
+    The random strategy draws on the device of the routing weights, from ``generators[device]``: a generator given
+    for that device, else one seeded with ``seed`` and made there at its first use. The layers of one
+    :func:`select_experts` block share one ``generators`` dict, so they draw from one stream per device.
+    """
 
     strategy: str | torch.Tensor
     k: int
     renormalize: bool = False
-    generator: torch.Generator | None = None
+    seed: int = 0
+    generators: dict[torch.device, torch.Generator] = field(default_factory=dict)
+
+    def generator_on(self, device: torch.device) -> torch.Generator:
+        """The random strategy's generator on ``device``."""
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generators[device]
 
     def select(self, combine: torch.Tensor) -> torch.Tensor:
-        """combine (batch, tokens, n, p) -> selected experts (batch, k) int64."""
+        """combine (batch, tokens, n, p) -> selected experts (batch, k) int64, on combine's device."""
         batch, _, num_experts, _ = combine.shape
         if isinstance(self.strategy, torch.Tensor):
             return subsets_from_mask(self.strategy, num_experts, batch).to(combine.device)
         if self.strategy == "combine":
             return top_k_by_combine(combine, self.k)
         if self.strategy == "random":
-            return random_subsets(batch, num_experts, self.k, self.generator).to(combine.device)
+            generator = self.generator_on(combine.device)
+            return random_subsets(batch, num_experts, self.k, generator, combine.device)
         return torch.arange(num_experts, device=combine.device).expand(batch, num_experts)
 
 
@@ -119,9 +136,12 @@ def make_selector(
     k: int | float | None,
     strategy: str | torch.Tensor,
     renormalize: bool = False,
-    generator: torch.Generator | None = None,
+    seed: int = 0,
+    generators: dict[torch.device, torch.Generator] | None = None,
 ) -> Selector | None:
-    """The selector for one layer, or None for "all" (the plain forward). Validates k and the strategy."""
+    """The selector for one layer, or None for "all" (the plain forward). Validates k and the strategy.
+
+    ``seed`` and ``generators`` (shared between layers; a new dict when None) are the random strategy's source."""
     n = layer.num_experts
     if isinstance(strategy, torch.Tensor):
         if strategy.dim() != 2 or strategy.shape[1] != n:
@@ -136,7 +156,8 @@ def make_selector(
         return None
     if k is None:
         raise ValueError(f"strategy {strategy!r} needs k (an int in [1, {n}] or a fraction in (0, 1])")
-    return Selector(strategy, resolve_k(k, n), renormalize, generator)
+    generators = {} if generators is None else generators
+    return Selector(strategy, resolve_k(k, n), renormalize, seed, generators)
 
 
 @contextmanager
@@ -155,16 +176,17 @@ def select_experts(
         k: experts kept per input: an int (same for every layer), or a fraction of each layer's n.
         strategy: "combine" (Algorithm 1), "random", "all", or a bool mask (batch, n) of explicit subsets.
         renormalize: rescale each token's combine weights over the kept slots (the paper does not).
-        seed, generator: the random strategy's source; a fresh ``torch.Generator`` seeded with ``seed`` (0 when
-            None) unless a generator is given. Layers draw from it in module order, so a run is reproducible.
+        seed, generator: the random strategy's source: ``generator`` on its device, else a ``torch.Generator``
+            seeded with ``seed`` (0 when None) made on the device of the layers' inputs. Layers draw from it in
+            module order, so a run is reproducible (on one device).
     Yields the list of affected layers. Previous selectors are restored on exit.
     """
     layers = soft_moe_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} contains no SoftMoE layer")
-    if generator is None and isinstance(strategy, str) and strategy == "random":
-        generator = torch.Generator().manual_seed(0 if seed is None else seed)
-    selectors = [make_selector(layer, k, strategy, renormalize, generator) for layer in layers]
+    generators = {} if generator is None else {generator.device: generator}
+    seed = 0 if seed is None else seed
+    selectors = [make_selector(layer, k, strategy, renormalize, seed, generators) for layer in layers]
     previous = [layer.selector for layer in layers]
     try:
         for layer, selector in zip(layers, selectors):

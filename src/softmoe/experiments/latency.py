@@ -49,22 +49,21 @@ class MoEStack(nn.Module):
 
 def experts_used(stack: MoEStack, x: torch.Tensor, k: int) -> list[int]:
     """How many distinct experts each layer runs for this batch under Algorithm 1 with k experts per input."""
-    used, originals = [], []
+    used = []
     for layer in stack.layers:
-        original = layer.experts.run_grouped
-        originals.append(original)
+        original = layer.experts.forward_selected
 
-        def record(rows, counts, original=original):
-            used.append(int((counts > 0).sum()))
-            return original(rows, counts)
+        def record(rows, expert, original=original):
+            used.append(int(expert.unique().numel()))
+            return original(rows, expert)
 
-        layer.experts.run_grouped = record
+        layer.experts.forward_selected = record
     try:
         with torch.no_grad(), select_experts(stack, k=k):
             stack(x)
     finally:
-        for layer, original in zip(stack.layers, originals):
-            layer.experts.run_grouped = original
+        for layer in stack.layers:
+            del layer.experts.forward_selected
     return used
 
 

@@ -217,7 +217,10 @@ def label(router: str | None, c: int) -> str:
 
 @torch.no_grad()
 def routing_stats(model: RouterClassifier, images: torch.Tensor, batch_size: int) -> dict:
-    """Mean fraction of tokens dropped (in no buffer) and of buffer slots filled, in eval mode, for sparse routers."""
+    """Mean fraction of tokens dropped (in no buffer) and of buffer slots filled, in eval mode, for sparse routers.
+
+    The layer's ``last_stats`` are 0-dim float64 tensors: they are summed on the device, batch after batch, and read
+    back once at the end (the same float64 additions, in the same order, as summing Python floats)."""
     if model.moe is None:
         return {}
     model.eval()
@@ -225,10 +228,10 @@ def routing_stats(model: RouterClassifier, images: torch.Tensor, batch_size: int
     for start in range(0, len(images), batch_size):
         model(images[start : start + batch_size])
         if model.moe.last_stats:
-            dropped += model.moe.last_stats["dropped"]
-            fill += model.moe.last_stats["fill"]
+            dropped = dropped + model.moe.last_stats["dropped"]
+            fill = fill + model.moe.last_stats["fill"]
             n += 1
-    return {"dropped": dropped / n, "fill": fill / n} if n else {}
+    return {"dropped": float(dropped) / n, "fill": float(fill) / n} if n else {}
 
 
 def step_milliseconds(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, steps: int) -> tuple[float, float]:

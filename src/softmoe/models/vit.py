@@ -25,7 +25,6 @@ Expert selection (Algorithm 1, random subsets) applies to every SoftMoE layer of
 
 from __future__ import annotations
 
-import math
 import re
 from typing import NamedTuple
 
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from softmoe.experts import activation_fn
-from softmoe.layer import SoftMoE
+from softmoe.layer import SoftMoE, truncated_lecun_normal_
 
 LN_EPS = 1e-6
 CLASSIFIERS = ("token", "gap")
@@ -274,8 +273,7 @@ class ViT(nn.Module):
         self.blocks.apply(init_transformer_weights)
         weight = self.patch_embed.weight
         fan_in = weight.shape[1] * weight.shape[2] * weight.shape[3]
-        std = 1.0 / math.sqrt(fan_in) / 0.87962566103423978
-        nn.init.trunc_normal_(weight, std=std, a=-2 * std, b=2 * std)
+        truncated_lecun_normal_(weight, fan_in)
         nn.init.zeros_(self.patch_embed.bias)
         nn.init.normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:

@@ -35,7 +35,7 @@ class SparseRouting:
     Attributes:
         token_index: (G, E, C) int64, the token (0..T-1 within its group) in each buffer slot, -1 for an empty slot.
         combine: (G, E, C) float, the combine weight of that token for that expert (0 for an empty slot).
-        num_tokens: T.
+        num_tokens: T (a ``torch.SymInt`` when traced by ``torch.compile`` with dynamic shapes).
         auxiliary_losses: unweighted auxiliary losses of this call (e.g. "importance", "load"), scalar tensors
             averaged over the groups.
         auxiliary_weights: the weight of each auxiliary loss in the total the layer reports.
@@ -67,7 +67,9 @@ class SparseRouting:
         """(G, T) int64: how many buffer slots (experts) each token occupies; 0 means the token is dropped."""
         g, t = self.groups, self.num_tokens
         flat = _flat_slot_targets(self.token_index, t).reshape(-1)
-        counts = torch.bincount(flat, minlength=g * t + 1)
+        # A scatter-add of ones into G*T + 1 counters: bincount's output size would depend on the data (a graph
+        # break under torch.compile); integer additions are exact in any order.
+        counts = flat.new_zeros(g * t + 1).scatter_add_(0, flat, torch.ones_like(flat))
         return counts[: g * t].view(g, t)
 
     def to_dense(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,10 +36,13 @@ class MoELayer(nn.Module):
         out_dim: the experts' output size (default dim); eq. (2) combines expert outputs of any size.
 
     After every forward: ``auxiliary_loss`` is the weighted sum of the router's auxiliary losses (a scalar tensor,
-    0 for routers without any), ``auxiliary_losses`` the unweighted losses, ``last_stats`` a dict of floats
-    ("dropped": fraction of tokens in no buffer slot, "fill": fraction of buffer slots holding a token; sparse only)
-    and ``last_metrics`` the router's monitoring metrics (detached 0-dim tensors, e.g. a ``SoftMoERouter`` built
-    with ``metrics=True``; empty for routers without any).
+    0 for routers without any), ``auxiliary_losses`` the unweighted losses, ``last_stats`` the routing statistics of
+    the sparse routers as detached float64 0-dim tensors on x's device ("dropped": fraction of tokens in no buffer
+    slot, "fill": fraction of buffer slots holding a token; empty for Soft MoE) and ``last_metrics`` the router's
+    monitoring metrics (detached 0-dim tensors, e.g. a ``SoftMoERouter`` built with ``metrics=True``; empty for
+    routers without any). Neither is converted to Python numbers here: the forward never synchronizes with the
+    device (and compiles into one graph under ``torch.compile(fullgraph=True)``); a caller that logs them calls
+    ``float()`` when it records them.
     """
 
     def __init__(
@@ -68,7 +71,7 @@ class MoELayer(nn.Module):
         self.experts = experts
         self.auxiliary_loss: torch.Tensor = torch.zeros(())
         self.auxiliary_losses: dict[str, torch.Tensor] = {}
-        self.last_stats: dict[str, float] = {}
+        self.last_stats: dict[str, torch.Tensor] = {}
         self.last_metrics: dict[str, torch.Tensor] = {}
 
     @classmethod
@@ -104,15 +107,15 @@ class MoELayer(nn.Module):
         check_tokens(x, self.dim)
         batch, tokens, _ = x.shape
         outputs, losses, weights, counts, metrics = [], {}, {}, [], {}
-        dropped, fill, slots = 0.0, 0.0, 0
+        dropped, fill, slots = [], [], 0  # int64 0-dim tensors (counted on the device: no host synchronization)
         for part in self._groups(x):
             routing = self.router(part)
             if isinstance(routing, SparseRouting):
                 outputs.append(sparse_moe(part, routing, self.experts))
                 with torch.no_grad():
-                    dropped += float((routing.experts_per_token() == 0).sum())
-                    fill += float(routing.filled().sum())
-                    slots += routing.token_index.numel()
+                    dropped.append((routing.experts_per_token() == 0).sum())
+                    fill.append(routing.filled().sum())
+                    slots = slots + routing.token_index.numel()
             else:
                 outputs.append(dense_moe(part, routing.dispatch, routing.combine, self.experts))
                 metrics.update(routing.metrics)  # per-image routers route the batch as one part
@@ -126,12 +129,24 @@ class MoELayer(nn.Module):
         }
         total = sum((weights.get(name, 0.0) * value for name, value in self.auxiliary_losses.items()), x.new_zeros(()))
         self.auxiliary_loss = total
-        self.last_stats = {"dropped": dropped / (batch * tokens), "fill": fill / slots} if slots else {}
+        self.last_stats = self._stats(dropped, fill, batch * tokens, slots) if dropped else {}
         self.last_metrics = metrics
         width = outputs[0].shape[-1]
         if width != self.out_dim:
             raise ValueError(f"the experts return {width} features per token, expected out_dim = {self.out_dim}")
         return torch.cat([out.reshape(-1, tokens, width) for out in outputs])
+
+    @staticmethod
+    @torch.no_grad()
+    def _stats(
+        dropped: list[torch.Tensor], fill: list[torch.Tensor], tokens: int, slots: int
+    ) -> dict[str, torch.Tensor]:
+        """The statistics of the sparse routers as detached float64 0-dim tensors: the integer counts of every group
+        summed, then divided by the number of tokens (slots) as Python floats would (one IEEE division)."""
+        return {
+            "dropped": (sum(dropped[1:], dropped[0]).to(torch.float64) / tokens).detach(),
+            "fill": (sum(fill[1:], fill[0]).to(torch.float64) / slots).detach(),
+        }
 
     def extra_repr(self) -> str:
         out = "" if self.out_dim == self.dim else f", out_dim={self.out_dim}"

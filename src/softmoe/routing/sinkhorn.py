@@ -28,11 +28,18 @@ def sinkhorn_potentials(
     if iterations < 1 or epsilon <= 0:
         raise ValueError(f"iterations must be >= 1 and epsilon > 0, got {iterations}, {epsilon}")
     t, e = logits.shape[-2:]
-    if expert_marginal is None:
-        expert_marginal = t * token_marginal / e
     scores = logits.to(torch.promote_types(logits.dtype, torch.float32)) / epsilon
     log_a = math.log(token_marginal)
-    log_b = math.log(expert_marginal)
+    if expert_marginal is not None:
+        log_b = math.log(expert_marginal)
+    elif torch.compiler.is_compiling():
+        # Under torch.compile with dynamic shapes T is a SymInt, and math.log of it would specialize the graph to one
+        # batch size: log(T * token_marginal / E) is taken on a float64 0-dim tensor instead (the same float64
+        # product and quotient; torch's log may differ from math.log in the last bit of the float64, which float32
+        # scores never see).
+        log_b = torch.full((), t, dtype=torch.float64, device=scores.device).mul(token_marginal).div(e).log()
+    else:
+        log_b = math.log(t * token_marginal / e)
     g = scores.new_zeros(*scores.shape[:-2], e)
     f = scores.new_zeros(*scores.shape[:-2], t)
     for _ in range(iterations):

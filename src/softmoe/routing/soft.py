@@ -3,8 +3,9 @@
 For the tokens X (T, d) of one image and slot parameters Phi (d, E, C): Z = X Phi (T, E, C),
 dispatch = softmax of Z over tokens (for each slot), combine = softmax of Z over all E*C slots (for each token).
 With ``normalize="router"`` (the default, as in :class:`softmoe.SoftMoE`) X and Phi are L2-normalized over d and the
-logits multiplied by a learnable scalar ``scale``. The parameters are laid out exactly as the ``SoftMoE`` layer's, so
-:meth:`SoftMoERouter.from_layer` copies a layer's router and gives the same outputs.
+logits multiplied by a learnable scalar ``scale``. The parameters are laid out exactly as the ``SoftMoE`` layer's and the routing is the layer's own function
+(:func:`softmoe.layer.soft_moe_routing`), so :meth:`SoftMoERouter.from_layer` copies a layer's router and gives the
+same outputs.
 
 As vmoe's SoftRouter (vmoe/projects/soft_moe/router.py) the router can add Gaussian noise to the logits in training
 (``add_noise``) and report its monitoring metrics (``get_metrics`` and ``cosine_psim``): :func:`soft_moe_metrics`.
@@ -12,12 +13,17 @@ As vmoe's SoftRouter (vmoe/projects/soft_moe/router.py) the router can add Gauss
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from softmoe.layer import SoftMoE, add_logit_noise, check_normalization, l2_normalize, soft_moe_logits
+from softmoe.layer import (
+    SoftMoE,
+    check_normalization,
+    l2_normalize,
+    soft_moe_logits,
+    soft_moe_routing,
+    truncated_lecun_normal_,
+)
 from softmoe.routing.formulation import DenseRouting, Router
 
 COSINE_EPS = 1e-9
@@ -120,8 +126,7 @@ class SoftMoERouter(Router):
 
     def reset_parameters(self) -> None:
         """The ``SoftMoE`` layer's initialization: truncated LeCun normal over fan_in = dim * num_experts."""
-        std = 1.0 / math.sqrt(self.dim * self.num_experts) / 0.87962566103423978
-        nn.init.trunc_normal_(self.phi, std=std, a=-2 * std, b=2 * std)
+        truncated_lecun_normal_(self.phi, self.dim * self.num_experts)
         if self.scale is not None:
             nn.init.ones_(self.scale)
 
@@ -147,11 +152,11 @@ class SoftMoERouter(Router):
 
     def forward(self, x: torch.Tensor) -> DenseRouting:
         """x (G, T, d) -> dense routing (G, T, E, C), with metrics when the router was built with ``metrics=True``."""
-        z = self.logits(x)
-        if self.training:
-            z = add_logit_noise(z, self.noise_std)
+        noise = self.noise_std if self.training else 0.0
+        phi = self.phi.reshape(self.dim, -1)
+        _, dispatch, combine = soft_moe_routing(x, phi, self.scale, self.normalize, noise)
         shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
-        routing = DenseRouting(z.softmax(dim=1).view(shape), z.softmax(dim=-1).view(shape))
+        routing = DenseRouting(dispatch.view(shape), combine.view(shape))
         if self.compute_metrics:
             routing.metrics = soft_moe_metrics(routing.dispatch, routing.combine, self.unit_slots())
         return routing

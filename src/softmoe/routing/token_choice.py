@@ -51,16 +51,17 @@ def token_choice_allocation(
         order = torch.arange(t, device=device).expand(g, t)
     else:
         order = torch.argsort(priority, dim=-1, descending=True, stable=True)
-    by_priority = order.unsqueeze(-1).expand(g, t, k)
+        by_priority = order.unsqueeze(-1).expand(g, t, k)
+        experts, weights = experts.gather(1, by_priority), weights.gather(1, by_priority)
     # K-major sequence of assignments: index i * T + j is the (i+1)-th choice of the j-th token in priority order.
-    expert_seq = experts.gather(1, by_priority).transpose(1, 2).reshape(g, k * t)
-    weight_seq = weights.gather(1, by_priority).transpose(1, 2).reshape(g, k * t)
+    expert_seq = experts.transpose(1, 2).reshape(g, k * t)
+    weight_seq = weights.transpose(1, 2).reshape(g, k * t)
     token_seq = order.unsqueeze(1).expand(g, k, t).reshape(g, k * t)
 
     key = (expert_seq + e * torch.arange(g, device=device).unsqueeze(1)).reshape(-1)  # (group, expert) id
     sorted_key, perm = torch.sort(key, stable=True)
-    starts = torch.bincount(key, minlength=g * e).cumsum(0)
-    starts = starts - torch.bincount(key, minlength=g * e)
+    counts = key.new_zeros(g * e).scatter_add_(0, key, torch.ones_like(key))  # assignments per (group, expert)
+    starts = counts.cumsum(0) - counts  # where each (group, expert) run begins in the sorted order
     rank_sorted = torch.arange(key.numel(), device=device) - starts[sorted_key]
     position = torch.empty_like(rank_sorted).scatter_(0, perm, rank_sorted)
     keep = position < capacity

@@ -1,4 +1,6 @@
-/* Batched float32 matmuls for experts that see few rows each (softmoe.native builds and loads this file).
+/* Batched float32 matmuls for experts that see few rows each: the kernel source of softmoe::expert_matmul and its
+ * backward ops, compiled once per instruction set by expert_matmul_{avx512,avx2,portable}.cpp (see variant.h),
+ * each copy in its own namespace SOFTMOE_NS with SOFTMOE_LANES float lanes per vector.
  *
  * With E experts, each with its own weight, and M rows per expert:
  *
@@ -13,24 +15,22 @@
  * PANEL rows and prefetch the next panel linearly while computing on the current one, so the memory system streams
  * while the FMA units work. The weight gradient is written with non-temporal stores where rows are 64-byte aligned
  * (no read of the destination before it is overwritten). Threads: OpenMP, work split over (expert, column range)
- * items, as many threads as torch uses. Built with -fopenmp, the library binds to the libgomp.so.1 that torch has
- * already loaded, so both share one thread pool (a second pool would compete with torch's spinning threads).
+ * items, as many threads as torch uses. The extension is linked with -fopenmp and binds to the libgomp.so.1 that
+ * torch has already loaded, so both share one thread pool (a second pool would compete with torch's spinning
+ * threads).
+ *
+ * C++ compatible C: no system header is included here (variant.h includes them before the target pragma).
  */
-#include <omp.h>
-#include <stdint.h>
-#include <stddef.h>
-#if defined(__AVX512F__) || defined(__AVX__)
-#include <immintrin.h>
+#if !defined(SOFTMOE_LANES) || !defined(SOFTMOE_NS)
+#error "expert_matmul.h is included by a variant unit that defines SOFTMOE_LANES and SOFTMOE_NS (see variant.h)"
 #endif
 
-#if defined(__AVX512F__)
-#define LANES 16
+namespace SOFTMOE_NS {
+
+#define LANES SOFTMOE_LANES
+#if LANES == 16
 #define MAX_ROWS 8
-#elif defined(__AVX__)
-#define LANES 8
-#define MAX_ROWS 4
 #else
-#define LANES 4
 #define MAX_ROWS 4
 #endif
 
@@ -41,23 +41,24 @@ typedef float vec __attribute__((vector_size(LANES * 4), aligned(4)));
 #define PANEL 32                        /* weight rows per panel */
 #define LINE 64
 
+static inline vec splat(float s) { return vec{} + s; }
 static inline vec load(const float *p) { return *(const vec *)p; }
 static inline void store(float *p, vec v) { *(vec *)p = v; }
 
 static inline void store_stream(float *p, vec v)
 {
-#if defined(__AVX512F__)
+#if SOFTMOE_X86 && LANES == 16
     _mm512_stream_ps(p, (__m512)v);
-#elif defined(__AVX__)
+#elif SOFTMOE_X86 && LANES == 8
     _mm256_stream_ps(p, (__m256)v);
 #else
     store(p, v);
 #endif
 }
 
-static inline void stream_fence(void)
+static inline void stream_fence()
 {
-#if defined(__AVX512F__) || defined(__AVX__)
+#if SOFTMOE_X86 && LANES >= 8
     _mm_sfence();
 #endif
 }
@@ -76,12 +77,12 @@ static inline vec absolute(vec v) { return (vec)((ivec)v & 0x7fffffff); }
    a high and a low part), e^r by its Taylor series to r^7, 2^k written into the exponent bits. */
 static inline vec exp_nonpositive(vec y)
 {
-    const vec lo = (vec){0} - 87.0f;
+    const vec lo = splat(-87.0f);
     y = choose((ivec)(y < lo), lo, y);
     const ivec k = __builtin_convertvector(y * 1.44269504f - 0.5f, ivec);
     const vec kf = __builtin_convertvector(k, vec);
     const vec r = (y - kf * 0.693145752f) - kf * 1.42860677e-6f;
-    vec p = (vec){0} + 1.0f / 5040.0f;
+    vec p = splat(1.0f / 5040.0f);
     p = p * r + 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
     p = p * r + 1.0f / 24.0f;
@@ -90,7 +91,7 @@ static inline vec exp_nonpositive(vec y)
     p = p * r + 1.0f;
     p = p * r + 1.0f;
     const vec scale = (vec)((k + 127) << 23);
-    return choose((ivec)(y <= lo), (vec){0}, p * scale);
+    return choose((ivec)(y <= lo), vec{}, p * scale);
 }
 
 /* gelu(x) = x Phi(x), with erf by Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7): for z = |x| / sqrt 2,
@@ -100,7 +101,7 @@ static inline vec gelu_erf(vec x)
 {
     const vec z = absolute(x) * 0.707106781f;
     const vec t = 1.0f / (1.0f + 0.3275911f * z);
-    vec poly = (vec){0} + 1.061405429f;
+    vec poly = splat(1.061405429f);
     poly = poly * t - 1.453152027f;
     poly = poly * t + 1.421413741f;
     poly = poly * t - 0.284496736f;
@@ -124,7 +125,7 @@ static inline vec activate(vec v, int act)
     switch (act) {
     case ACT_GELU: return gelu_erf(v);
     case ACT_GELU_TANH: return gelu_tanh(v);
-    case ACT_RELU: return choose((ivec)(v <= 0), (vec){0}, v); /* NaN stays NaN */
+    case ACT_RELU: return choose((ivec)(v <= 0), vec{}, v); /* NaN stays NaN */
     default: return v;
     }
 }
@@ -287,8 +288,9 @@ static void nn_item(const job_t *j, long e, long begin, long end)
 void expert_matmul(const float *x, const float *w, const float *bias, float *out, long E, long M, long K, long N,
                    int act, int threads)
 {
-    job_t j = {.a = x, .b = w, .bias = bias, .out = out, .M = M, .K = K, .N = N,
-               .units = (N + TILE_COLS - 1) / TILE_COLS, .act = act, .fn = nn_item};
+    job_t j{};
+    j.a = x; j.b = w; j.bias = bias; j.out = out; j.M = M; j.K = K; j.N = N;
+    j.units = (N + TILE_COLS - 1) / TILE_COLS; j.act = act; j.fn = nn_item;
     run_parallel(j, E, threads);
 }
 
@@ -333,7 +335,7 @@ static inline __attribute__((always_inline)) void nt_tile(const float *g, long l
                                                          float *out, long ldo, const int R, const int KR)
 {
     vec acc[NT_SUMS];
-    for (int i = 0; i < NT_SUMS; i++) acc[i] = (vec){0};
+    for (int i = 0; i < NT_SUMS; i++) acc[i] = vec{};
     const long vec_end = N / LANES * LANES;
     for (long n = 0; n < vec_end; n += LANES) {
         vec wv[NT_KROWS];
@@ -383,7 +385,8 @@ static void nt_item(const job_t *j, long e, long begin, long end)
 
 void expert_matmul_nt(const float *g, const float *w, float *out, long E, long M, long K, long N, int threads)
 {
-    job_t j = {.a = g, .b = w, .out = out, .M = M, .K = K, .N = N, .units = K, .fn = nt_item};
+    job_t j{};
+    j.a = g; j.b = w; j.out = out; j.M = M; j.K = K; j.N = N; j.units = K; j.fn = nt_item;
     run_parallel(j, E, threads);
 }
 
@@ -395,7 +398,7 @@ static inline __attribute__((always_inline)) void tn_tile(const float *xt, long 
 {
     for (long k = 0; k < K; k++) {
         vec acc[TILE_VECS];
-        for (int v = 0; v < V; v++) acc[v] = (vec){0};
+        for (int v = 0; v < V; v++) acc[v] = vec{};
         for (long r = 0; r < M; r++) {
             const float s = xt[r * K + k];
             for (int v = 0; v < V; v++) acc[v] += s * load(g + r * N + v * LANES);
@@ -438,7 +441,10 @@ void expert_matmul_tn(const float *xt, const float *g, float *out, long E, long 
 {
     /* Non-temporal stores need every output row to start on a 64-byte boundary. */
     const int stream = ((uintptr_t)out % LINE == 0) && ((N * 4) % LINE == 0);
-    job_t j = {.a = xt, .b = g, .out = out, .M = M, .K = K, .N = N,
-               .units = (N + TILE_COLS - 1) / TILE_COLS, .stream = stream, .fn = tn_item};
+    job_t j{};
+    j.a = xt; j.b = g; j.out = out; j.M = M; j.K = K; j.N = N;
+    j.units = (N + TILE_COLS - 1) / TILE_COLS; j.stream = stream; j.fn = tn_item;
     run_parallel(j, E, threads);
 }
+
+} /* namespace SOFTMOE_NS */

@@ -21,32 +21,38 @@
  * outputs); the backward pass splits the experts (each thread owns its experts' weight gradients and writes its
  * share of the input gradient into a partial sum of its own; the threads then add the partials up, a range of
  * rows each).
+ *
+ * The kernel source of softmoe::soft_moe_mixing and its backward op, compiled once per instruction set by
+ * soft_moe_small_{avx512,avx2,portable}.cpp (see variant.h), each copy in its own namespace SOFTMOE_NS with
+ * LANES = SOFTMOE_LANES inputs per group. C++ compatible C: no system header is included here.
  */
-#include <omp.h>
-#include <stdlib.h>
-#include <string.h>
+#if !defined(SOFTMOE_LANES) || !defined(SOFTMOE_NS)
+#error "soft_moe_small.h is included by a variant unit that defines SOFTMOE_LANES and SOFTMOE_NS (see variant.h)"
+#endif
 
-#if defined(__AVX512F__)
-#define LANES 16
+namespace SOFTMOE_NS {
+
+#define LANES SOFTMOE_LANES
+#if LANES == 16
 #define IOTA {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
-#elif defined(__AVX__)
-#define LANES 8
+#elif LANES == 8
 #define IOTA {0, 1, 2, 3, 4, 5, 6, 7}
 #else
-#define LANES 4
 #define IOTA {0, 1, 2, 3}
 #endif
 #define KBLOCK 8       /* hidden units per register block */
 #define GROUP_BLOCK 4  /* groups whose slot vectors and gradients a thread keeps while it runs through its experts */
 #define INLINE static inline __attribute__((always_inline))
+#define RESTRICT __restrict__ /* C's restrict */
 
 typedef float vec __attribute__((vector_size(LANES * 4)));
 typedef int ivec __attribute__((vector_size(LANES * 4)));
 
-int soft_moe_small_lanes(void) { return LANES; }
+int soft_moe_small_lanes() { return LANES; }
 
+INLINE vec splat(float s) { return vec{} + s; }
 INLINE vec relu(vec v) { return (vec)((ivec)v & (v > 0)); }
-INLINE vec relu_slope(vec v) { return (vec)((ivec)((vec){0} + 1.0f) & (v > 0)); }
+INLINE vec relu_slope(vec v) { return (vec)((ivec)splat(1.0f) & (v > 0)); }
 
 #define MAX_TOKENS 8 /* tokens per input the kernels accept; their routing weights stay in registers */
 
@@ -78,8 +84,8 @@ INLINE vec relu_slope(vec v) { return (vec)((ivec)((vec){0} + 1.0f) & (v > 0)); 
 
 /* h[kk] = sum_d slot[d] w1[d * Hd + kk] for kk < kb. On the first block slot = sum_t ds[t] xg[t] is computed here
  * (and kept in `keep` unless it is also the last block); later blocks read it from `keep`. */
-INLINE void layer1_block(vec *restrict h, const vec *restrict xg, const vec *restrict ds, vec *restrict keep,
-                         const float *restrict w1, long Hd, long M, long Dm, const int kb, const int first,
+INLINE void layer1_block(vec *RESTRICT h, const vec *RESTRICT xg, const vec *RESTRICT ds, vec *RESTRICT keep,
+                         const float *RESTRICT w1, long Hd, long M, long Dm, const int kb, const int first,
                          const int last)
 {
     vec acc[KBLOCK] = {{0}}, dsv[MAX_TOKENS];
@@ -99,13 +105,13 @@ INLINE void layer1_block(vec *restrict h, const vec *restrict xg, const vec *res
 }
 
 /* y[d] (+)= sum_kk a[kk] w2[kk * Dm + d], starting from b2[d] (or 0) on the first block */
-INLINE void layer2_block(vec *restrict y, const vec *restrict a, const float *restrict w2, const float *restrict b2,
+INLINE void layer2_block(vec *RESTRICT y, const vec *RESTRICT a, const float *RESTRICT w2, const float *RESTRICT b2,
                          long Dm, const int kb, const int first)
 {
     vec av[KBLOCK];
     for (int kk = 0; kk < kb; kk++) av[kk] = a[kk];
     for (long d = 0; d < Dm; d++) {
-        vec v = first ? (vec){0} + (b2 ? b2[d] : 0.0f) : y[d];
+        vec v = first ? splat(b2 ? b2[d] : 0.0f) : y[d];
         for (int kk = 0; kk < kb; kk++) v += av[kk] * w2[kk * Dm + d];
         y[d] = v;
     }
@@ -115,7 +121,7 @@ INLINE void layer2_block(vec *restrict y, const vec *restrict a, const float *re
 
 /* rows[t * Dm + d] += sum_{i < count} coef[i * M + t] vals[i * Dm + d]: the combine of a few slots' outputs into
  * the tokens (or the dispatch of their slot gradients back to the tokens), the rows read and written once. */
-INLINE void spread_slots(vec *restrict rows, const vec *restrict coef, const vec *restrict vals, long count, long M,
+INLINE void spread_slots(vec *RESTRICT rows, const vec *RESTRICT coef, const vec *RESTRICT vals, long count, long M,
                          long Dm)
 {
     vec c[SPREAD_SLOTS * MAX_TOKENS];
@@ -128,7 +134,7 @@ INLINE void spread_slots(vec *restrict rows, const vec *restrict coef, const vec
         }
 }
 
-static void spread_pending(vec *restrict rows, const vec *restrict coef, const vec *restrict vals, long count,
+static void spread_pending(vec *RESTRICT rows, const vec *RESTRICT coef, const vec *RESTRICT vals, long count,
                            long M, long Dm)
 {
     if (count == SPREAD_SLOTS && M == 4)
@@ -138,9 +144,9 @@ static void spread_pending(vec *restrict rows, const vec *restrict coef, const v
 }
 
 /* One slot of one group: dispatch and both expert layers; its output to y, its pre-activations to ps. */
-INLINE void forward_slot(vec *restrict y, vec *restrict ps, const vec *restrict xg, const vec *restrict ds,
-                         const float *restrict w1, const float *restrict b1, const float *restrict w2,
-                         const float *restrict b2, vec *restrict buf, vec *restrict a, long M, long Hd, long Dm)
+INLINE void forward_slot(vec *RESTRICT y, vec *RESTRICT ps, const vec *RESTRICT xg, const vec *RESTRICT ds,
+                         const float *RESTRICT w1, const float *RESTRICT b1, const float *RESTRICT w2,
+                         const float *RESTRICT b2, vec *RESTRICT buf, vec *RESTRICT a, long M, long Hd, long Dm)
 {
 #define LAYER1(k, kb, first, last) layer1_block(ps + (k), xg, ds, buf, w1 + (k), Hd, M, Dm, kb, first, last)
     FOR_BLOCKS(Hd, LAYER1)
@@ -193,7 +199,7 @@ INLINE void transpose_block(vec *v)
  * S + s] for slots s0 <= s < s0 + count and t < M, one vector per (slot, token); `gather` copies the routing
  * weights into v (zero in lanes past the group's inputs), otherwise v's gradients go back into routing. A full
  * group's rows move LANES slots at a time, transposed in registers; the rest one float at a time. */
-static void move_slots(vec *restrict v, float *restrict routing, group_t grp, long s0, long count, long M, long S,
+static void move_slots(vec *RESTRICT v, float *RESTRICT routing, group_t grp, long s0, long count, long M, long S,
                        int gather)
 {
     long done = 0;
@@ -251,10 +257,10 @@ static void scatter_rows(float *rows, vec *v, group_t grp, long count)
 #define SLOT_CHUNK 64 /* slots whose routing weights are gathered (and gradients scattered) together */
 
 /* All slots of one group, outputs to og; ys holds SPREAD_SLOTS slot outputs until they are combined. */
-INLINE void forward_group(vec *restrict og, vec *restrict pg, const vec *restrict xg, const float *dispatch,
+INLINE void forward_group(vec *RESTRICT og, vec *RESTRICT pg, const vec *RESTRICT xg, const float *dispatch,
                           const float *combine, group_t grp, const float *w1, const float *b1, const float *w2,
-                          const float *b2, vec *restrict buf, vec *restrict a, vec *restrict ds, vec *restrict cs,
-                          vec *restrict ys, long M, long S, long P, long Hd, long Dm)
+                          const float *b2, vec *RESTRICT buf, vec *RESTRICT a, vec *RESTRICT ds, vec *RESTRICT cs,
+                          vec *RESTRICT ys, long M, long S, long P, long Hd, long Dm)
 {
     memset(og, 0, M * Dm * sizeof(vec));
     for (long s0 = 0; s0 < S; s0 += SLOT_CHUNK) {
@@ -286,7 +292,8 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
-        vec *xg = aligned_alloc(sizeof(vec), ((2 * M + 1 + SPREAD_SLOTS) * Dm + Hd + 2 * SLOT_CHUNK * M) * sizeof(vec));
+        const long buffer = (2 * M + 1 + SPREAD_SLOTS) * Dm + Hd + 2 * SLOT_CHUNK * M;
+        vec *xg = (vec *)aligned_alloc(sizeof(vec), buffer * sizeof(vec));
         vec *og = xg + M * Dm, *buf = og + M * Dm, *a = buf + Dm, *ds = a + Hd, *cs = ds + SLOT_CHUNK * M;
         vec *ys = cs + SLOT_CHUNK * M;
         const long t = omp_get_thread_num(), count = omp_get_num_threads();
@@ -310,9 +317,9 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
 /* Through the second layer and the combine, one block of hidden units: gy = sum_t cs[t] gog[t] (computed and kept
  * in `gy` on the first block, read after), y = (b2 +) sum_kk a[kk] w2[kk], gcs[t] += gog[t] . y over d,
  * gpre[kk] = gy . w2[kk] over d. */
-INLINE void layer2_back_block(vec *restrict gcs, vec *restrict gpre, vec *restrict gy, const vec *restrict gog,
-                              const vec *restrict cs, const vec *restrict a, const float *restrict w2,
-                              const float *restrict b2, long M, long Dm, const int kb, const int first)
+INLINE void layer2_back_block(vec *RESTRICT gcs, vec *RESTRICT gpre, vec *RESTRICT gy, const vec *RESTRICT gog,
+                              const vec *RESTRICT cs, const vec *RESTRICT a, const float *RESTRICT w2,
+                              const float *RESTRICT b2, long M, long Dm, const int kb, const int first)
 {
     vec acc[KBLOCK] = {{0}}, av[KBLOCK], csv[MAX_TOKENS], gc[MAX_TOKENS];
     for (int kk = 0; kk < kb; kk++) av[kk] = a[kk];
@@ -326,7 +333,7 @@ INLINE void layer2_back_block(vec *restrict gcs, vec *restrict gpre, vec *restri
         } else {
             g = gy[d];
         }
-        vec v = first ? (vec){0} + (b2 ? b2[d] : 0.0f) : (vec){0};
+        vec v = first ? splat(b2 ? b2[d] : 0.0f) : vec{};
         for (int kk = 0; kk < kb; kk++) {
             const float w = w2[kk * Dm + d];
             v += av[kk] * w;
@@ -341,21 +348,21 @@ INLINE void layer2_back_block(vec *restrict gcs, vec *restrict gpre, vec *restri
 /* Through the first layer, one block of hidden units: gslot (+)= sum_kk gpre[kk] w1[., kk]; the first block also
  * computes slot = sum_t ds[t] xg[t] into `slot`, the last one gds[t] = xg[t] . gslot (the tokens' share,
  * ds[t] gslot, is added later by spread_pending). */
-INLINE void layer1_back_block(vec *restrict gds, vec *restrict slot, vec *restrict gslot,
-                              const vec *restrict xg, const vec *restrict ds, const vec *restrict gpre,
-                              const float *restrict w1, long Hd, long M, long Dm, const int kb, const int first,
+INLINE void layer1_back_block(vec *RESTRICT gds, vec *RESTRICT slot, vec *RESTRICT gslot,
+                              const vec *RESTRICT xg, const vec *RESTRICT ds, const vec *RESTRICT gpre,
+                              const float *RESTRICT w1, long Hd, long M, long Dm, const int kb, const int first,
                               const int last)
 {
     vec gp[KBLOCK], dsv[MAX_TOKENS], gd[MAX_TOKENS];
     for (int kk = 0; kk < kb; kk++) gp[kk] = gpre[kk];
-    for (long t = 0; t < M; t++) dsv[t] = ds[t], gd[t] = (vec){0};
+    for (long t = 0; t < M; t++) dsv[t] = ds[t], gd[t] = vec{};
     for (long d = 0; d < Dm; d++) {
         if (first) {
             vec sv = dsv[0] * xg[d];
             for (long t = 1; t < M; t++) sv += dsv[t] * xg[t * Dm + d];
             slot[d] = sv;
         }
-        vec g = first ? (vec){0} : gslot[d];
+        vec g = first ? vec{} : gslot[d];
         for (int kk = 0; kk < kb; kk++) g += gp[kk] * w1[d * Hd + kk];
         if (last)
             for (long t = 0; t < M; t++) gd[t] += xg[t * Dm + d] * g;
@@ -367,14 +374,14 @@ INLINE void layer1_back_block(vec *restrict gds, vec *restrict slot, vec *restri
 
 /* One slot of one group, backward: gradients of its routing weights (gcs, gds) and of its slot vector (gslot, to
  * be spread to the tokens); keeps gy, slot, a = relu(pre) and gpre for the weight gradients. */
-INLINE void backward_slot(vec *restrict gcs, vec *restrict gds, vec *restrict gy,
-                          vec *restrict slot, vec *restrict a, vec *restrict gpre, vec *restrict gslot,
-                          const vec *restrict gog, const vec *restrict xg, const vec *restrict ds,
-                          const vec *restrict cs, const vec *restrict ps, const float *restrict w1,
-                          const float *restrict w2, const float *restrict b2, long M, long Hd, long Dm)
+INLINE void backward_slot(vec *RESTRICT gcs, vec *RESTRICT gds, vec *RESTRICT gy,
+                          vec *RESTRICT slot, vec *RESTRICT a, vec *RESTRICT gpre, vec *RESTRICT gslot,
+                          const vec *RESTRICT gog, const vec *RESTRICT xg, const vec *RESTRICT ds,
+                          const vec *RESTRICT cs, const vec *RESTRICT ps, const float *RESTRICT w1,
+                          const float *RESTRICT w2, const float *RESTRICT b2, long M, long Hd, long Dm)
 {
     for (long k = 0; k < Hd; k++) a[k] = relu(ps[k]);
-    for (long t = 0; t < M; t++) gcs[t] = (vec){0};
+    for (long t = 0; t < M; t++) gcs[t] = vec{};
 #define LAYER2(k, kb, first, last)                                                                                    \
     layer2_back_block(gcs, gpre + (k), gy, gog, cs, a + (k), w2 + (k) * Dm, b2, M, Dm, kb, first)
     FOR_BLOCKS(Hd, LAYER2)
@@ -405,7 +412,7 @@ INLINE vec lane_sums(vec *v)
 }
 
 /* row[d0 + dd] += sum over groups g < ng and lanes of c[g] * rows[g * Dm + d0 + dd], for dd < width <= LANES */
-INLINE void lane_sums_chunk(float *restrict row, const vec *restrict c, const vec *restrict rows, long Dm, long d0,
+INLINE void lane_sums_chunk(float *RESTRICT row, const vec *RESTRICT c, const vec *RESTRICT rows, long Dm, long d0,
                             const long ng, const long width)
 {
     vec part[LANES];
@@ -425,11 +432,11 @@ INLINE void lane_sums_chunk(float *restrict row, const vec *restrict c, const ve
 }
 
 /* row[d] += sum over groups g < ng and lanes of coef[g * cs] * rows[g * Dm + d] (coef NULL: 1), for d < Dm */
-static void add_lane_sums(float *restrict row, const vec *restrict coef, long cs, const vec *restrict rows, long ng,
+static void add_lane_sums(float *RESTRICT row, const vec *RESTRICT coef, long cs, const vec *RESTRICT rows, long ng,
                           long Dm)
 {
     vec c[GROUP_BLOCK];
-    for (long g = 0; g < ng; g++) c[g] = coef ? coef[g * cs] : (vec){0} + 1.0f;
+    for (long g = 0; g < ng; g++) c[g] = coef ? coef[g * cs] : splat(1.0f);
     for (long d0 = 0; d0 < Dm; d0 += LANES)
         lane_sums_chunk(row, c, rows, Dm, d0, ng, Dm - d0 < LANES ? Dm - d0 : LANES);
 }
@@ -437,7 +444,7 @@ static void add_lane_sums(float *restrict row, const vec *restrict coef, long cs
 /* grad[k * Dm + d] += sum over groups and lanes of coef[g * Hd + k] * rows[g * Dm + d], for k < Hd, d0 <= d < d0 +
  * width: one chunk of LANES columns of dim at a time, so that the chunk's rows (ng * LANES vectors) stay in L1
  * while every hidden unit's coefficients pass over them. */
-INLINE void add_products_chunk(float *restrict grad, const vec *restrict coef, const vec *restrict rows, long ng,
+INLINE void add_products_chunk(float *RESTRICT grad, const vec *RESTRICT coef, const vec *RESTRICT rows, long ng,
                                long Hd, long Dm, long d0, const long full, const long width)
 {
     for (long k = 0; k < Hd; k++) {
@@ -451,7 +458,7 @@ INLINE void add_products_chunk(float *restrict grad, const vec *restrict coef, c
  * units the chunks of dim go outermost, so rows are read from L1 (measured, whole backward: 14-20% faster at hidden
  * 24-49, 7-14% at 12, than reading all of rows, from L2, for every unit); with fewer, one unit after the other
  * (chunks first was 5-10% slower at hidden 2). Full blocks of groups take a chunk compiled for them (unrolled). */
-static void add_products(float *restrict grad, const vec *restrict coef, const vec *restrict rows, long ng, long Hd,
+static void add_products(float *RESTRICT grad, const vec *RESTRICT coef, const vec *RESTRICT rows, long ng, long Hd,
                          long Dm)
 {
     if (Hd < 4) {
@@ -503,13 +510,13 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
          * of a chunk of slots and their gradients (4 * SLOT_CHUNK * M), the slot gradients not yet spread to the
          * tokens (SPREAD_SLOTS * Dm) */
         const long per_group = 3 * MD + (2 + SPREAD_SLOTS) * Dm + 2 * Hd + 4 * SLOT_CHUNK * M;
-        vec *xg = aligned_alloc(sizeof(vec), GROUP_BLOCK * per_group * sizeof(vec));
+        vec *xg = (vec *)aligned_alloc(sizeof(vec), GROUP_BLOCK * per_group * sizeof(vec));
         vec *gog = xg + GROUP_BLOCK * MD, *gxg = gog + GROUP_BLOCK * MD, *gy = gxg + GROUP_BLOCK * MD;
         vec *slot = gy + GROUP_BLOCK * Dm, *a = slot + GROUP_BLOCK * Dm, *gpre = a + GROUP_BLOCK * Hd;
         vec *gslots = gpre + GROUP_BLOCK * Hd, *ds = gslots + GROUP_BLOCK * SPREAD_SLOTS * Dm;
         vec *cs = ds + GROUP_BLOCK * SLOT_CHUNK * M;
         vec *gds_all = cs + GROUP_BLOCK * SLOT_CHUNK * M, *gcs_all = gds_all + GROUP_BLOCK * SLOT_CHUNK * M;
-        float *gw1t = calloc((last - first) * Hd * Dm, sizeof(float));
+        float *gw1t = (float *)calloc((last - first) * Hd * Dm, sizeof(float));
         memset(grad_w2 + first * Hd * Dm, 0, (last - first) * Hd * Dm * sizeof(float));
         if (grad_b1) memset(grad_b1 + first * Hd, 0, (last - first) * Hd * sizeof(float));
         if (grad_b2) memset(grad_b2 + first * Dm, 0, (last - first) * Dm * sizeof(float));
@@ -571,3 +578,5 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
     }
     return 0;
 }
+
+} /* namespace SOFTMOE_NS */

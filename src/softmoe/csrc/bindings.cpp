@@ -1,0 +1,307 @@
+/* The Python binding of softmoe's native kernels (one extension, built by softmoe/kernels/build.py): functions on
+ * at::Tensor that check their arguments, allocate the outputs and call the kernel variant (see variant.h) named by
+ * their `isa` argument, after checking with __builtin_cpu_supports that this CPU runs it. softmoe's custom ops
+ * (softmoe/kernels/expert_matmul.py, soft_moe_mixing.py) call them. The kernels run with the GIL released, on as
+ * many OpenMP threads as torch uses (at::get_num_threads()).
+ */
+/* Only the headers needed (torch/extension.h would triple the build time). */
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+struct Variant {
+    const char *name;
+    int lanes;
+    bool (*supported)();
+    decltype(&softmoe_portable::expert_matmul) expert_matmul;
+    decltype(&softmoe_portable::expert_matmul_nt) expert_matmul_nt;
+    decltype(&softmoe_portable::expert_matmul_tn) expert_matmul_tn;
+    decltype(&softmoe_portable::soft_moe_small_forward) mixing_forward;
+    decltype(&softmoe_portable::soft_moe_small_backward) mixing_backward;
+    decltype(&softmoe_portable::soft_moe_small_lanes) mixing_lanes;
+};
+
+#if defined(__x86_64__) || defined(__i386__)
+bool has_avx512()
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma");
+}
+
+bool has_avx2()
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+#endif
+
+bool always() { return true; }
+
+#define SOFTMOE_VARIANT(label, lanes, supported, ns)                                                                  \
+    Variant                                                                                                           \
+    {                                                                                                                 \
+        label, lanes, supported, ns::expert_matmul, ns::expert_matmul_nt, ns::expert_matmul_tn,                      \
+            ns::soft_moe_small_forward, ns::soft_moe_small_backward, ns::soft_moe_small_lanes                         \
+    }
+
+/* Best first: the variant chosen by default is the first this CPU supports. */
+const Variant VARIANTS[] = {
+#if defined(__x86_64__) || defined(__i386__)
+    SOFTMOE_VARIANT("avx512", 16, has_avx512, softmoe_avx512),
+    SOFTMOE_VARIANT("avx2", 8, has_avx2, softmoe_avx2),
+#endif
+    SOFTMOE_VARIANT("portable", 4, always, softmoe_portable),
+};
+
+const Variant &variant(const std::string &isa)
+{
+    for (const Variant &v : VARIANTS)
+        if (isa == v.name) {
+            TORCH_CHECK(v.supported(), "softmoe: this CPU cannot run the ", isa, " kernels");
+            return v;
+        }
+    TORCH_CHECK(false, "softmoe: no ", isa, " kernels in this build (", sizeof(VARIANTS) / sizeof(VARIANTS[0]),
+                " variants: see supported_isas())");
+}
+
+/* The ISAs of the variants this CPU runs, best first. */
+std::vector<std::string> supported_isas()
+{
+    std::vector<std::string> names;
+    for (const Variant &v : VARIANTS)
+        if (v.supported()) names.emplace_back(v.name);
+    return names;
+}
+
+/* The ISAs of every variant in this build, best first (whether this CPU runs them or not). */
+std::vector<std::string> built_isas()
+{
+    std::vector<std::string> names;
+    for (const Variant &v : VARIANTS) names.emplace_back(v.name);
+    return names;
+}
+
+/* The float lanes of a variant's vectors (16, 8 or 4), as compiled (asked of the variant where this CPU runs it). */
+int variant_lanes(const std::string &isa)
+{
+    for (const Variant &v : VARIANTS)
+        if (isa == v.name) {
+            if (v.supported())
+                TORCH_CHECK(v.mixing_lanes() == v.lanes, "softmoe: the ", isa, " kernels were compiled with ",
+                            v.mixing_lanes(), " lanes, not ", v.lanes);
+            return v.lanes;
+        }
+    TORCH_CHECK(false, "softmoe: no ", isa, " kernels in this build");
+}
+
+void check_float_cpu(const at::Tensor &t, const char *name, int64_t dim)
+{
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "softmoe: ", name,
+                " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+    TORCH_CHECK(t.dim() == dim, "softmoe: ", name, " must have ", dim, " dimensions, got ", t.sizes());
+}
+
+void check_shape(const at::Tensor &t, const char *name, at::IntArrayRef shape)
+{
+    TORCH_CHECK(t.sizes() == shape, "softmoe: ", name, " must have shape ", shape, ", got ", t.sizes());
+}
+
+const float *pointer(const c10::optional<at::Tensor> &t) { return t ? t->data_ptr<float>() : nullptr; }
+
+int threads() { return at::get_num_threads(); }
+
+/* act(x @ weight (+ bias)): x (E, M, K), weight (E, K, N), bias (E, N) -> (E, M, N); act 0 none, 1 gelu, 2 gelu
+ * with tanh, 3 relu. */
+at::Tensor expert_matmul(const at::Tensor &x_in, const at::Tensor &weight_in, const c10::optional<at::Tensor> &bias_in,
+                         int64_t act, const std::string &isa)
+{
+    const Variant &v = variant(isa);
+    check_float_cpu(x_in, "x", 3);
+    check_float_cpu(weight_in, "weight", 3);
+    const int64_t E = x_in.size(0), M = x_in.size(1), K = x_in.size(2), N = weight_in.size(2);
+    check_shape(weight_in, "weight", {E, K, N});
+    c10::optional<at::Tensor> bias;
+    if (bias_in) {
+        check_float_cpu(*bias_in, "bias", 2);
+        check_shape(*bias_in, "bias", {E, N});
+        bias = bias_in->contiguous();
+    }
+    TORCH_CHECK(act >= 0 && act <= 3, "softmoe: unknown activation code ", act);
+    const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+    at::Tensor out = at::empty({E, M, N}, x.options());
+    {
+        pybind11::gil_scoped_release no_gil;
+        v.expert_matmul(x.data_ptr<float>(), weight.data_ptr<float>(), pointer(bias), out.data_ptr<float>(), E, M, K, N,
+                        (int)act, threads());
+    }
+    return out;
+}
+
+/* grad @ weight^T: grad (E, M, N), weight (E, K, N) -> (E, M, K) */
+at::Tensor expert_matmul_nt(const at::Tensor &grad_in, const at::Tensor &weight_in, const std::string &isa)
+{
+    const Variant &v = variant(isa);
+    check_float_cpu(grad_in, "grad", 3);
+    check_float_cpu(weight_in, "weight", 3);
+    const int64_t E = grad_in.size(0), M = grad_in.size(1), N = grad_in.size(2), K = weight_in.size(1);
+    check_shape(weight_in, "weight", {E, K, N});
+    const at::Tensor grad = grad_in.contiguous(), weight = weight_in.contiguous();
+    at::Tensor out = at::empty({E, M, K}, grad.options());
+    {
+        pybind11::gil_scoped_release no_gil;
+        v.expert_matmul_nt(grad.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), E, M, K, N,
+                           threads());
+    }
+    return out;
+}
+
+/* x^T @ grad: x (E, M, K), grad (E, M, N) -> (E, K, N) */
+at::Tensor expert_matmul_tn(const at::Tensor &x_in, const at::Tensor &grad_in, const std::string &isa)
+{
+    const Variant &v = variant(isa);
+    check_float_cpu(x_in, "x", 3);
+    check_float_cpu(grad_in, "grad", 3);
+    const int64_t E = x_in.size(0), M = x_in.size(1), K = x_in.size(2), N = grad_in.size(2);
+    check_shape(grad_in, "grad", {E, M, N});
+    const at::Tensor x = x_in.contiguous(), grad = grad_in.contiguous();
+    at::Tensor out = at::empty({E, K, N}, x.options());
+    {
+        pybind11::gil_scoped_release no_gil;
+        v.expert_matmul_tn(x.data_ptr<float>(), grad.data_ptr<float>(), out.data_ptr<float>(), E, M, K, N, threads());
+    }
+    return out;
+}
+
+constexpr int64_t MIXING_MAX_TOKENS = 8; /* MAX_TOKENS of soft_moe_small.h */
+
+struct MixingShapes {
+    int64_t B, M, Dm, S, n, Hd;
+};
+
+MixingShapes check_mixing(const at::Tensor &x, const at::Tensor &dispatch, const at::Tensor &combine,
+                          const at::Tensor &w1, const at::Tensor &w2, const c10::optional<at::Tensor> &b2)
+{
+    check_float_cpu(x, "x", 3);
+    check_float_cpu(dispatch, "dispatch", 3);
+    check_float_cpu(combine, "combine", 3);
+    check_float_cpu(w1, "weight1", 3);
+    check_float_cpu(w2, "weight2", 3);
+    const MixingShapes s{x.size(0), x.size(1), x.size(2), dispatch.size(2), w1.size(0), w1.size(2)};
+    check_shape(dispatch, "dispatch", {s.B, s.M, s.S});
+    check_shape(combine, "combine", {s.B, s.M, s.S});
+    check_shape(w1, "weight1", {s.n, s.Dm, s.Hd});
+    check_shape(w2, "weight2", {s.n, s.Hd, s.Dm});
+    if (b2) {
+        check_float_cpu(*b2, "bias2", 2);
+        check_shape(*b2, "bias2", {s.n, s.Dm});
+    }
+    TORCH_CHECK(s.M >= 1 && s.M <= MIXING_MAX_TOKENS, "softmoe: the native Soft MoE kernel takes 1..",
+                MIXING_MAX_TOKENS, " tokens, got ", s.M);
+    TORCH_CHECK(s.n >= 1 && s.S >= 1 && s.S % s.n == 0, "softmoe: the ", s.S,
+                " slots must be a positive multiple of the ", s.n, " experts");
+    return s;
+}
+
+c10::optional<at::Tensor> contiguous(const c10::optional<at::Tensor> &t)
+{
+    return t ? c10::optional<at::Tensor>(t->contiguous()) : c10::nullopt;
+}
+
+/* The fused mixing C relu-MLP(D^T X): x (B, M, Dm), dispatch / combine (B, M, S), weight1 (n, Dm, Hd), bias1 (n,
+ * Hd), weight2 (n, Hd, Dm), bias2 (n, Dm) -> out (B, M, Dm) and the pre-activations the backward needs, pre (ceil(B
+ * / lanes), S, Hd, lanes) with lanes those of the variant (16, 8 or 4). */
+std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const at::Tensor &dispatch_in,
+                                                   const at::Tensor &combine_in, const at::Tensor &w1_in,
+                                                   const c10::optional<at::Tensor> &b1_in, const at::Tensor &w2_in,
+                                                   const c10::optional<at::Tensor> &b2_in, const std::string &isa)
+{
+    const Variant &v = variant(isa);
+    const MixingShapes s = check_mixing(x_in, dispatch_in, combine_in, w1_in, w2_in, b2_in);
+    if (b1_in) {
+        check_float_cpu(*b1_in, "bias1", 2);
+        check_shape(*b1_in, "bias1", {s.n, s.Hd});
+    }
+    const at::Tensor x = x_in.contiguous(), dispatch = dispatch_in.contiguous(), combine = combine_in.contiguous();
+    const at::Tensor w1 = w1_in.contiguous(), w2 = w2_in.contiguous();
+    const c10::optional<at::Tensor> b1 = contiguous(b1_in), b2 = contiguous(b2_in);
+    const int64_t lanes = v.lanes;
+    at::Tensor out = at::empty({s.B, s.M, s.Dm}, x.options());
+    at::Tensor pre = at::empty({(s.B + lanes - 1) / lanes, s.S, s.Hd, lanes}, x.options());
+    int status;
+    {
+        pybind11::gil_scoped_release no_gil;
+        status = v.mixing_forward(x.data_ptr<float>(), dispatch.data_ptr<float>(), combine.data_ptr<float>(),
+                                  w1.data_ptr<float>(), pointer(b1), w2.data_ptr<float>(), pointer(b2),
+                                  out.data_ptr<float>(), pre.data_ptr<float>(), s.B, s.M, s.S, s.S / s.n, s.Hd, s.Dm,
+                                  threads());
+    }
+    TORCH_CHECK(status == 0, "softmoe: the native Soft MoE kernel refused its inputs");
+    return {out, pre};
+}
+
+/* The gradients of soft_moe_mixing from grad (B, M, Dm) and its pre: (x, dispatch, combine, weight1, bias1,
+ * weight2, bias2), the bias gradients always computed, (n, Hd) and (n, Dm). */
+std::vector<at::Tensor> soft_moe_mixing_backward(const at::Tensor &grad_in, const at::Tensor &x_in,
+                                                 const at::Tensor &dispatch_in, const at::Tensor &combine_in,
+                                                 const at::Tensor &w1_in, const at::Tensor &w2_in,
+                                                 const c10::optional<at::Tensor> &b2_in, const at::Tensor &pre_in,
+                                                 const std::string &isa)
+{
+    const Variant &v = variant(isa);
+    const MixingShapes s = check_mixing(x_in, dispatch_in, combine_in, w1_in, w2_in, b2_in);
+    check_float_cpu(grad_in, "grad", 3);
+    check_shape(grad_in, "grad", {s.B, s.M, s.Dm});
+    check_float_cpu(pre_in, "pre", 4);
+    const int64_t lanes = v.lanes;
+    check_shape(pre_in, "pre", {(s.B + lanes - 1) / lanes, s.S, s.Hd, lanes});
+    const at::Tensor grad = grad_in.contiguous(), x = x_in.contiguous(), dispatch = dispatch_in.contiguous();
+    const at::Tensor combine = combine_in.contiguous(), w1 = w1_in.contiguous(), w2 = w2_in.contiguous();
+    const at::Tensor pre = pre_in.contiguous();
+    const c10::optional<at::Tensor> b2 = contiguous(b2_in);
+    const int count = (int)std::max<int64_t>(1, std::min<int64_t>(threads(), s.n));
+    /* one partial input gradient per thread; the kernel adds them up into the first */
+    at::Tensor grad_x = at::empty({count, s.B, s.M, s.Dm}, x.options());
+    at::Tensor grad_dispatch = at::empty_like(dispatch), grad_combine = at::empty_like(combine);
+    at::Tensor grad_w1 = at::empty_like(w1), grad_w2 = at::empty_like(w2);
+    at::Tensor grad_b1 = at::empty({s.n, s.Hd}, x.options()), grad_b2 = at::empty({s.n, s.Dm}, x.options());
+    int status;
+    {
+        pybind11::gil_scoped_release no_gil;
+        status = v.mixing_backward(grad.data_ptr<float>(), x.data_ptr<float>(), dispatch.data_ptr<float>(),
+                                   combine.data_ptr<float>(), w1.data_ptr<float>(), w2.data_ptr<float>(), pointer(b2),
+                                   pre.data_ptr<float>(), grad_x.data_ptr<float>(), grad_dispatch.data_ptr<float>(),
+                                   grad_combine.data_ptr<float>(), grad_w1.data_ptr<float>(),
+                                   grad_b1.data_ptr<float>(), grad_w2.data_ptr<float>(), grad_b2.data_ptr<float>(),
+                                   s.B, s.M, s.S, s.S / s.n, s.Hd, s.Dm, count);
+    }
+    TORCH_CHECK(status == 0, "softmoe: the native Soft MoE kernel refused its inputs");
+    return {grad_x[0], grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2};
+}
+
+} // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
+{
+    m.doc() = "softmoe's native CPU kernels (see softmoe.kernels)";
+    m.def("supported_isas", &supported_isas, "the kernel variants this CPU runs, best first");
+    m.def("built_isas", &built_isas, "every kernel variant in this build, best first");
+    m.def("lanes", &variant_lanes, "float lanes per vector of a variant", pybind11::arg("isa"));
+    m.def("expert_matmul", &expert_matmul, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
+          pybind11::arg("activation"), pybind11::arg("isa"));
+    m.def("expert_matmul_nt", &expert_matmul_nt, pybind11::arg("grad"), pybind11::arg("weight"), pybind11::arg("isa"));
+    m.def("expert_matmul_tn", &expert_matmul_tn, pybind11::arg("x"), pybind11::arg("grad"), pybind11::arg("isa"));
+    m.def("soft_moe_mixing", &soft_moe_mixing);
+    m.def("soft_moe_mixing_backward", &soft_moe_mixing_backward);
+}

@@ -1,0 +1,27 @@
+/* The entry points of every kernel variant (one namespace per instruction set; see variant.h), as bindings.cpp
+ * calls them. All tensors are contiguous row-major float32 buffers; shapes are in the comments of
+ * expert_matmul.h and soft_moe_small.h. */
+#pragma once
+
+#define SOFTMOE_DECLARE_KERNELS(ns)                                                                                  \
+    namespace ns {                                                                                                    \
+    void expert_matmul(const float *x, const float *w, const float *bias, float *out, long E, long M, long K, long N, \
+                       int act, int threads);                                                                         \
+    void expert_matmul_nt(const float *g, const float *w, float *out, long E, long M, long K, long N, int threads);  \
+    void expert_matmul_tn(const float *xt, const float *g, float *out, long E, long M, long K, long N, int threads); \
+    int soft_moe_small_lanes();                                                                                       \
+    int soft_moe_small_forward(const float *x, const float *dispatch, const float *combine, const float *w1,         \
+                               const float *b1, const float *w2, const float *b2, float *out, float *pre, long B,     \
+                               long M, long S, long P, long Hd, long Dm, int threads);                                \
+    int soft_moe_small_backward(const float *grad_out, const float *x, const float *dispatch, const float *combine,  \
+                                const float *w1, const float *w2, const float *b2, const float *pre,                 \
+                                float *grad_x_partial, float *grad_dispatch, float *grad_combine, float *grad_w1,    \
+                                float *grad_b1, float *grad_w2, float *grad_b2, long B, long M, long S, long P,      \
+                                long Hd, long Dm, int threads);                                                       \
+    }
+
+SOFTMOE_DECLARE_KERNELS(softmoe_portable)
+#if defined(__x86_64__) || defined(__i386__)
+SOFTMOE_DECLARE_KERNELS(softmoe_avx2)
+SOFTMOE_DECLARE_KERNELS(softmoe_avx512)
+#endif

@@ -1,0 +1,74 @@
+"""Faster CPU kernels for the products where torch's defaults (MKL) run far below the machine's limits.
+
+Two kinds, each taken only where it applies (float32 CPU tensors), with torch's own ops everywhere else:
+
+- oneDNN's linear for inference (:mod:`softmoe.kernels.onednn`): bias and activation fused, 1.5-2.5x faster than
+  MKL for the few-row products of a Soft MoE layer; no backward, so only where no gradient is needed.
+- softmoe's native kernels (``softmoe/csrc``), one PyTorch C++ extension built on first use
+  (:mod:`softmoe.kernels.build`) and registered as custom ops that torch.compile, autograd and
+  ``torch.library.opcheck`` see like torch's own:
+
+  - ``torch.ops.softmoe.expert_matmul`` (and its backward ops ``expert_matmul_nt``, ``expert_matmul_tn``): batched
+    expert matmuls for experts that see few rows each (:mod:`softmoe.kernels.expert_matmul`);
+  - ``torch.ops.softmoe.soft_moe_mixing`` (and ``soft_moe_mixing_backward``): the whole Soft MoE mixing of many
+    small relu experts in one pass (:mod:`softmoe.kernels.soft_moe_mixing`).
+
+  One build serves every x86-64 CPU: each kernel is compiled for AVX-512, AVX2 and the baseline, and the best
+  variant this CPU runs is picked at run time (``SOFTMOE_ISA`` to ask for one, :func:`use_isa` in tests,
+  :func:`cpu_isa` to see which runs). ``SOFTMOE_NATIVE=0`` turns them off; without a C++ compiler softmoe runs
+  torch's ops (:func:`native_available`, :func:`native_status`).
+"""
+
+from softmoe.kernels.build import (
+    ISAS,
+    compiled_in_this_process,
+    cpu_isa,
+    native_available,
+    native_cache_dir,
+    native_status,
+    supported_isas,
+    use_isa,
+)
+from softmoe.kernels.expert_matmul import (
+    NATIVE_ACTIVATIONS,
+    NATIVE_MAX_ROWS,
+    NATIVE_MIN_ROWS,
+    NATIVE_MIN_WEIGHT,
+    expert_matmul,
+    native_applies,
+)
+from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
+from softmoe.kernels.onednn import ONEDNN_ACTIVATIONS, onednn_applies, onednn_linear
+from softmoe.kernels.soft_moe_mixing import (
+    MIXING_MAX_HIDDEN,
+    MIXING_MAX_TOKENS,
+    native_mixing_applies,
+    soft_moe_mixing,
+)
+
+__all__ = [
+    "ISAS",
+    "MIXING_MAX_HIDDEN",
+    "MIXING_MAX_TOKENS",
+    "NATIVE_ACTIVATIONS",
+    "NATIVE_MAX_ROWS",
+    "NATIVE_MIN_ROWS",
+    "NATIVE_MIN_WEIGHT",
+    "ONEDNN_ACTIVATIONS",
+    "compiled_in_this_process",
+    "cpu_isa",
+    "expert_matmul",
+    "native_applies",
+    "native_available",
+    "native_cache_dir",
+    "native_mixing_applies",
+    "native_status",
+    "needs_grad",
+    "onednn_applies",
+    "onednn_linear",
+    "plain_eager_mode",
+    "soft_moe_mixing",
+    "supported_isas",
+    "transforms_active",
+    "use_isa",
+]

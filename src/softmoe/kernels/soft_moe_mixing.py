@@ -1,0 +1,179 @@
+"""``softmoe::soft_moe_mixing``: the whole Soft MoE mixing of many small relu experts in one native pass
+(``csrc/soft_moe_small.h``).
+
+The paper's MNIST layer (4 tokens, n = 8..512 experts of 98..2 hidden units) is, in torch's ops, a chain of thin
+matmuls that write (batch, slots, dim) tensors; the fused kernel keeps every slot in cache (1.1-2x faster, whole
+layer fwd+bwd, on the reference machine).
+
+Two custom ops, each with a fake (meta) implementation; the forward's autograd formula calls the backward op:
+
+    softmoe::soft_moe_mixing(Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, Tensor? bias1,
+                             Tensor weight2, Tensor? bias2, str isa) -> (Tensor out, Tensor pre)
+        out (batch, tokens, dim); pre (ceil(batch / lanes), slots, hidden, lanes), the pre-activations the
+        backward reads (lanes: 16, 8 or 4, those of the ``isa`` variant; not differentiable)
+    softmoe::soft_moe_mixing_backward(Tensor grad, Tensor x, Tensor dispatch, Tensor combine, Tensor weight1,
+                                      Tensor weight2, Tensor? bias2, Tensor pre, str isa)
+            -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)
+        the gradients of x, dispatch, combine, weight1, bias1 (experts, hidden), weight2 and bias2 (experts, dim)
+        (the bias gradients are computed whether or not the layer has biases)
+
+:func:`soft_moe_mixing` is the Python entry point (input checks, the variant of
+:func:`~softmoe.kernels.cpu_isa`). The backward op has no autograd formula: no double backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from softmoe.kernels.build import LANES, cpu_isa, extension, native_available, native_status
+from softmoe.kernels.modes import transforms_active
+
+# The fused kernel serves inputs of at most MIXING_MAX_TOKENS tokens (their routing weights stay in registers) and
+# experts of at most MIXING_MAX_HIDDEN hidden units. Measured on the reference machine, whole layer fwd+bwd of the
+# paper's MNIST layer (256 x 4 tokens, dim 196), time fused / time of torch's best path: hidden 2 (n = 512) 0.67,
+# 3 (n = 256) 0.64, 6 (n = 128) 0.53, 12 (n = 64) 0.51, 24 (n = 32) 0.57-0.58, 49 (n = 16) 0.70-0.82, 98 (n = 8)
+# 0.86-1.01; hidden 196 (n = 4) 0.99-1.09 and 392 (n = 2) 1.07-1.15: larger experts keep torch's batched matmuls.
+MIXING_MAX_TOKENS = 8
+MIXING_MAX_HIDDEN = 128
+
+
+def _module():
+    module = extension()
+    if module is None:
+        raise RuntimeError(f"softmoe's native kernels are unavailable: {native_status()}")
+    return module
+
+
+def _pre_shape(x: Tensor, dispatch: Tensor, weight1: Tensor, isa: str) -> tuple:
+    if isa not in LANES:
+        raise ValueError(f"isa must be one of {tuple(LANES)}, got {isa!r}")
+    lanes = LANES[isa]
+    return ((x.shape[0] + lanes - 1) // lanes, dispatch.shape[2], weight1.shape[2], lanes)
+
+
+@torch.library.custom_op("softmoe::soft_moe_mixing", mutates_args=(), device_types="cpu")
+def soft_moe_mixing_op(
+    x: Tensor, dispatch: Tensor, combine: Tensor, weight1: Tensor, bias1: Tensor | None, weight2: Tensor,
+    bias2: Tensor | None, isa: str,
+) -> tuple[Tensor, Tensor]:
+    """The fused mixing with the ``isa`` variant of the native kernel: (out, pre) (see the module docstring)."""
+    out, pre = _module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, isa)
+    return out, pre
+
+
+@soft_moe_mixing_op.register_fake
+def _(x, dispatch, combine, weight1, bias1, weight2, bias2, isa):
+    torch._check(x.dim() == 3 and dispatch.dim() == 3 and weight1.dim() == 3, lambda: "bad soft_moe_mixing inputs")
+    return x.new_empty(x.shape), x.new_empty(_pre_shape(x, dispatch, weight1, isa))
+
+
+def _setup_mixing(ctx, inputs, output) -> None:
+    x, dispatch, combine, weight1, bias1, weight2, bias2, isa = inputs
+    _, pre = output
+    ctx.save_for_backward(x, dispatch, combine, weight1, weight2, bias2, pre)
+    ctx.mark_non_differentiable(pre)
+    ctx.isa = isa
+
+
+def _backward_mixing(ctx, grad: Tensor, _grad_pre: Tensor | None):
+    x, dispatch, combine, weight1, weight2, bias2, pre = ctx.saved_tensors
+    grads = list(torch.ops.softmoe.soft_moe_mixing_backward(
+        grad, x, dispatch, combine, weight1, weight2, bias2, pre, ctx.isa
+    ))
+    for i, needed in enumerate(ctx.needs_input_grad[:7]):
+        if not needed:  # e.g. an absent or frozen bias
+            grads[i] = None
+    return (*grads, None)
+
+
+soft_moe_mixing_op.register_autograd(_backward_mixing, setup_context=_setup_mixing)
+
+
+@torch.library.custom_op("softmoe::soft_moe_mixing_backward", mutates_args=(), device_types="cpu")
+def soft_moe_mixing_backward_op(
+    grad: Tensor, x: Tensor, dispatch: Tensor, combine: Tensor, weight1: Tensor, weight2: Tensor,
+    bias2: Tensor | None, pre: Tensor, isa: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of softmoe::soft_moe_mixing (see the module docstring)."""
+    return tuple(_module().soft_moe_mixing_backward(grad, x, dispatch, combine, weight1, weight2, bias2, pre, isa))
+
+
+@soft_moe_mixing_backward_op.register_fake
+def _(grad, x, dispatch, combine, weight1, weight2, bias2, pre, isa):
+    experts, _, hidden = weight1.shape
+    return (
+        x.new_empty(x.shape), dispatch.new_empty(dispatch.shape), combine.new_empty(combine.shape),
+        weight1.new_empty(weight1.shape), x.new_empty(experts, hidden), weight2.new_empty(weight2.shape),
+        x.new_empty(experts, x.shape[2]),
+    )
+
+
+# ---- the Python entry point and where it applies ----------------------------------------------------------------
+
+
+def native_mixing_applies(x: Tensor, hidden: int, activation: str) -> bool:
+    """Whether :func:`soft_moe_mixing` serves x (batch, tokens, dim) with relu experts of ``hidden`` units: float32
+    CPU, 1..MIXING_MAX_TOKENS tokens, hidden <= MIXING_MAX_HIDDEN, no torch.func transform active (the ops have no
+    vmap rule) and the kernels built. Eager, torch.compile and autocast all qualify."""
+    return (
+        activation == "relu"
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and 1 <= x.shape[1] <= MIXING_MAX_TOKENS
+        and hidden <= MIXING_MAX_HIDDEN
+        and not transforms_active()
+        and native_available()
+    )
+
+
+def soft_moe_mixing(
+    x: Tensor,
+    dispatch: Tensor,
+    combine: Tensor,
+    weight1: Tensor,
+    bias1: Tensor | None,
+    weight2: Tensor,
+    bias2: Tensor | None,
+) -> Tensor:
+    """The Soft MoE mixing C relu-MLP(D^T X) of small experts in one native pass, differentiable in every input.
+
+    x (batch, tokens, dim); dispatch, combine (batch, tokens, slots) with slots = experts * slots_per_expert, slot s
+    belonging to expert s // slots_per_expert; weight1 (experts, dim, hidden), bias1 (experts, hidden), weight2
+    (experts, hidden, dim), bias2 (experts, dim) -> (batch, tokens, dim). No (batch, slots, dim) tensor is written:
+    each thread takes 16 (AVX-512; 8 with AVX2) inputs at a time, one per vector lane, and runs dispatch, both
+    expert layers and the combine of a slot back to back in its cache. Only where :func:`native_mixing_applies`;
+    other dtypes, devices, more than MIXING_MAX_TOKENS tokens or inconsistent shapes raise a ValueError. Runs
+    ``softmoe::soft_moe_mixing`` with the variant :func:`~softmoe.kernels.cpu_isa` names.
+    """
+    _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2)
+    isa = cpu_isa()
+    if isa is None:
+        raise RuntimeError(f"softmoe's native kernels are unavailable: {native_status()}")
+    out, _ = torch.ops.softmoe.soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, isa)
+    return out
+
+
+def _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2) -> None:
+    tensors = {"x": x, "dispatch": dispatch, "combine": combine, "weight1": weight1, "bias1": bias1,
+               "weight2": weight2, "bias2": bias2}
+    for name, t in tensors.items():
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            raise ValueError(f"soft_moe_mixing takes float32 CPU tensors, got {name} {t.dtype} on {t.device}")
+    if x.dim() != 3 or weight1.dim() != 3:
+        raise ValueError(f"x must be (batch, tokens, dim) and weight1 (experts, dim, hidden), got "
+                         f"{tuple(x.shape)} and {tuple(weight1.shape)}")
+    (batch, tokens, dim), (experts, _, hidden) = x.shape, weight1.shape
+    slots = dispatch.shape[-1] if dispatch.dim() == 3 else -1
+    expected = {
+        "dispatch": (batch, tokens, slots), "combine": (batch, tokens, slots), "weight1": (experts, dim, hidden),
+        "bias1": (experts, hidden), "weight2": (experts, hidden, dim), "bias2": (experts, dim),
+    }
+    for name, shape in expected.items():
+        t = tensors[name]
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if slots < 1 or slots % experts:
+        raise ValueError(f"the {slots} slots must be a positive multiple of the {experts} experts")
+    if not 1 <= tokens <= MIXING_MAX_TOKENS:
+        raise ValueError(f"the native Soft MoE kernel takes 1..{MIXING_MAX_TOKENS} tokens, got {tokens}")

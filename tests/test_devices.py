@@ -1,0 +1,70 @@
+"""The layer and Algorithm 1 on every device at hand (CPU always, CUDA where there is one): outputs against a float64
+CPU computation, the backend "auto" picks, selection drawn and run on the input's device."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from softmoe import SoftMoE, masked_reference_forward, select_experts
+from softmoe.selection import top_k_by_combine
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# float32 and bfloat16 against float64: relative error of the output.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def layer_pair(device: str, dtype: torch.dtype, **kwargs) -> tuple[SoftMoE, SoftMoE]:
+    """A layer on ``device`` in ``dtype`` and the same weights in float64 on the CPU."""
+    torch.manual_seed(0)
+    exact = SoftMoE(16, 8, 2, expert_hidden=32, dtype=torch.float64, **kwargs).eval()
+    return copy.deepcopy(exact).to(device=device, dtype=dtype), exact
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double().cpu() - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_forward_and_backward_on_device(device, dtype):
+    layer, exact = layer_pair(device, dtype)
+    x64 = torch.randn(4, 10, 16, dtype=torch.float64)
+    x = x64.to(device=device, dtype=dtype).requires_grad_()
+    out = layer(x)
+    choice = layer.backend_for(x)
+    if device != "cpu":
+        assert choice.name == "slots" and "CPU cost model is not used" in choice.reason
+    assert out.device.type == device and out.dtype == dtype
+    assert relative(out.detach(), exact(x64)) < TOLERANCE[dtype]
+    out.float().square().sum().backward()
+    assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_algorithm1_on_device_equals_the_masked_reference(device, dtype):
+    layer, exact = layer_pair(device, dtype)
+    x64 = torch.randn(5, 10, 16, dtype=torch.float64)
+    selected = top_k_by_combine(exact.route(x64).combine, 3)
+    with torch.no_grad():
+        got = layer.forward_selected(x64.to(device=device, dtype=dtype), selected.to(device))
+        want = masked_reference_forward(exact, x64, selected)
+    assert got.device.type == device
+    assert relative(got, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_subsets_are_drawn_on_the_inputs_device(device):
+    layer, _ = layer_pair(device, torch.float32)
+    x = torch.randn(6, 10, 16, device=device)
+    seen = []
+    layer.register_forward_hook(lambda module, args, out: seen.append(module.selector.generators))
+    with torch.no_grad(), select_experts(layer, k=2, strategy="random", seed=3):
+        first = layer(x)
+    with torch.no_grad(), select_experts(layer, k=2, strategy="random", seed=3):
+        again = layer(x)
+    assert list(seen[0]) == [x.device]
+    assert torch.equal(first, again)

@@ -1,0 +1,125 @@
+"""softmoe::grouped_mm: rows sorted by expert through each expert's weight, a registered custom op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import kernels_called
+
+import softmoe.kernels.grouped_mm as op_module
+from softmoe.kernels.grouped_mm import grouped_mm, grouped_mm_weight_grad, row_block_matmul
+
+F64 = torch.float64
+
+
+def ends_of(counts: list[int]) -> torch.Tensor:
+    return torch.tensor(counts).cumsum(0).to(torch.int32)
+
+
+def loop_reference(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    blocks, start = [], 0
+    for j, count in enumerate(counts):
+        blocks.append(x[start : start + count] @ weight[j])
+        start += count
+    return torch.cat(blocks)
+
+
+@pytest.mark.parametrize("counts", [[3, 1, 4, 2], [0, 5, 0, 2], [6, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0]])
+def test_grouped_mm_and_gradients_equal_the_per_expert_loop(counts):
+    torch.manual_seed(sum(counts))
+    x = torch.randn(sum(counts), 5, dtype=F64, requires_grad=True)
+    weight = torch.randn(4, 5, 3, dtype=F64, requires_grad=True)
+    out = grouped_mm(x, weight, ends_of(counts))
+    want = loop_reference(x, weight, counts)
+    assert out.shape == (sum(counts), 3)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    g = torch.randn_like(out)
+    got_grads = torch.autograd.grad(out, [x, weight], g, allow_unused=True)
+    want_grads = torch.autograd.grad(want, [x, weight], g, allow_unused=True)
+    for got, expected in zip(got_grads, want_grads, strict=True):
+        expected = torch.zeros_like(got) if expected is None else expected
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    for j, count in enumerate(counts):  # an expert without rows gets exactly zero gradient
+        if count == 0:
+            assert torch.count_nonzero(got_grads[1][j]) == 0
+
+
+def test_grouped_mm_never_reads_an_expert_without_rows():
+    weight = torch.randn(3, 4, 2)
+    weight[1] = float("nan")
+    out = grouped_mm(torch.randn(5, 4), weight, ends_of([2, 0, 3]))
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 2], [0, 0, 4]])
+def test_grouped_mm_ops_pass_opcheck(counts):
+    x = torch.randn(sum(counts), 8, requires_grad=True)
+    weight = torch.randn(3, 8, 4, requires_grad=True)
+    torch.library.opcheck(grouped_mm, (x, weight, ends_of(counts)))
+    torch.library.opcheck(grouped_mm_weight_grad, (x.detach(), torch.randn(sum(counts), 4), ends_of(counts), 3))
+
+
+def test_grouped_mm_bad_inputs_raise():
+    with pytest.raises(ValueError, match=r"x \(rows, K\) and weight \(E, K, N\), got \(4, 3\) and \(2, 5, 6\)"):
+        grouped_mm(torch.randn(4, 3), torch.randn(2, 5, 6), ends_of([1, 3]))
+    with pytest.raises(ValueError, match=r"ends must be an int32 tensor of shape \(2,\), got torch.int64 \(2,\)"):
+        grouped_mm(torch.randn(4, 5), torch.randn(2, 5, 6), torch.tensor([1, 4]))
+
+
+def test_grouped_mm_compiles_once_for_every_pattern_of_group_sizes():
+    """The op is one node of a full graph: new group sizes neither break the graph nor recompile."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    weight = torch.randn(4, 8, 4)
+    fn = torch.compile(lambda x, ends: grouped_mm(x, weight, ends), backend=backend, fullgraph=True)
+    x = torch.randn(12, 8)
+    for counts in ([3, 3, 3, 3], [12, 0, 0, 0], [0, 5, 0, 7], [1, 2, 4, 5]):
+        assert torch.equal(fn(x, ends_of(counts)), grouped_mm(x, weight, ends_of(counts)))
+    assert len(graphs) == 1
+    assert any(node.target is torch.ops.softmoe.grouped_mm.default for node in graphs[0].graph.nodes)
+
+
+@pytest.fixture
+def large_weights_on_two_threads(monkeypatch):
+    """Every weight counts as large (the faster CPU kernels of group_product apply) on 2 threads."""
+    monkeypatch.setattr(op_module, "LARGE_WEIGHT", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_row_block_matmul_sums_blocks_exactly():
+    x, w = torch.randn(3, 12, dtype=F64), torch.randn(12, 5, dtype=F64)
+    for blocks in (1, 2, 3, 4, 5):  # 5 does not divide 12: plain matmul
+        assert (row_block_matmul(x, w, blocks) - x @ w).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_large_weights_take_row_blocks_exactly_with_gradients(large_weights_on_two_threads, rows):
+    x = torch.randn(rows + 2, 6, dtype=F64, requires_grad=True)
+    weight = torch.randn(2, 6, 16, dtype=F64, requires_grad=True)
+    counts = [2, rows]
+    assert "mkldnn::_linear_pointwise" not in kernels_called(lambda: grouped_mm(x, weight, ends_of(counts)))
+    out = grouped_mm(x, weight, ends_of(counts))
+    want = loop_reference(x, weight, counts)
+    assert (out - want).abs().max().item() < 1e-12
+    for got, expected in zip(torch.autograd.grad(out.square().sum(), [x, weight]),
+                             torch.autograd.grad(want.square().sum(), [x, weight]), strict=True):
+        assert (got - expected).abs().max().item() < 1e-10
+
+
+def test_large_float32_weights_take_onednn_for_enough_rows(large_weights_on_two_threads):
+    torch.manual_seed(0)
+    weight = torch.randn(2, 12, 40)
+    x = torch.randn(op_module.ONEDNN_MIN_ROWS + 2, 12)
+    counts = [2, op_module.ONEDNN_MIN_ROWS]
+    assert "mkldnn::_linear_pointwise" in kernels_called(lambda: grouped_mm(x, weight, ends_of(counts)))
+    want = loop_reference(x.double(), weight.double(), counts)
+    assert (grouped_mm(x, weight, ends_of(counts)).double() - want).abs().max().item() < 1e-5
+    few = [2, op_module.ONEDNN_MIN_ROWS - 1]
+    assert "mkldnn::_linear_pointwise" not in kernels_called(lambda: grouped_mm(x[:-1], weight, ends_of(few)))
