@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
 
-.PHONY: test reproduce venv fashion-mnist clean
+.PHONY: test reproduce venv fashion-mnist peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ test: $(STAMP) fashion-mnist
 
 reproduce: $(STAMP)
 	$(VENV)/bin/softmoe reproduce $(ARGS)
+
+# The published Soft MoE packages the benchmarks time beside softmoe (benchmarks/peers.py), without their own
+# dependencies: soft-moe's timm would pull another torch.
+peers: $(STAMP)
+	$(VENV)/bin/python -m pip install --quiet --no-deps soft-moe-pytorch==0.1.9 soft-moe==0.0.1 \
+	  soft-mixture-of-experts==0.2.0 einops
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -172,7 +172,7 @@ def parameter_bytes(module: nn.Module) -> int:
 def layer_bytes(s: Shape, layer: nn.Module, backward: bool) -> float:
     """Compulsory traffic in bytes (see the module docstring)."""
     param_bytes = parameter_bytes(layer)
-    act_bytes = s.batch * s.tokens * s.dim * 4
+    act_bytes = s.batch * s.tokens * s.dim * next(layer.parameters()).element_size()
     return float(3 * param_bytes + 4 * act_bytes) if backward else float(param_bytes + 2 * act_bytes)
 
 

@@ -2,7 +2,8 @@
 
 All times are in seconds. Timings on a shared CPU are noisy: report the minimum (or the median) of several
 repeats taken after a warm-up, and time the things being compared round-robin in the same run
-(:func:`measure_interleaved`) so that a change of load affects them alike.
+(:func:`measure_interleaved`) so that a change of load affects them alike. On a GPU every timed call ends with a
+synchronization of its device, so a time is the work's, not its launch's.
 """
 
 from __future__ import annotations
@@ -32,21 +33,27 @@ def _stats(times: Sequence[float]) -> dict[str, float]:
     }
 
 
-def measure(fn: Callable[[], object], warmup: int = 2, repeats: int = 10) -> dict[str, float]:
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work queued on ``device`` (a no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_call(fn: Callable[[], object], device: torch.device | str) -> float:
+    """Seconds one call of ``fn`` takes, its device's queued work included."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def measure(fn: Callable[[], object], warmup: int = 2, repeats: int = 10, device: str = "cpu") -> dict[str, float]:
     """Run ``fn`` ``warmup`` times untimed, then ``repeats`` timed times -> dict(min, median, std, repeats) in seconds.
 
     The result of each call is dropped before the next one starts, so freed memory can be reused.
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return _stats(times)
+    return measure_interleaved({"fn": fn}, warmup, repeats, device=device)["fn"]
 
 
 def measure_interleaved(
@@ -55,13 +62,15 @@ def measure_interleaved(
     repeats: int = 10,
     budget_s: float | None = None,
     min_repeats: int = 3,
+    device: torch.device | str = "cpu",
 ) -> dict[str, dict[str, float]]:
     """Like :func:`measure` for several functions timed round-robin (one call of each per round).
 
     Returns ``{name: dict(min, median, std, repeats)}``. Interleaving makes the comparison fair when the load
     on the machine changes during the run; each round takes the functions in a new (seeded) random order, so that
     no function always runs right after the same other one. With ``budget_s``, rounds stop once that many seconds
-    have been spent timing (after at least ``min_repeats`` rounds), so slow cases cannot stretch a run.
+    have been spent timing (after at least ``min_repeats`` rounds), so slow cases cannot stretch a run. ``device``:
+    where the functions queue their work (each timed call waits for it).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -75,44 +84,49 @@ def measure_interleaved(
         if budget_s is not None and done >= min_repeats and spent >= budget_s:
             break
         for name in order:
-            fn = fns[name]
-            start = time.perf_counter()
-            fn()
-            elapsed = time.perf_counter() - start
+            elapsed = timed_call(fns[name], device)
             times[name].append(elapsed)
             spent += elapsed
         shuffle(order)
     return {name: _stats(t) for name, t in times.items()}
 
 
-def machine_limits(repeats: int = 5, matmul_size: int = MATMUL_SIZE, copy_bytes: int = COPY_BYTES) -> dict:
-    """The machine's fp32 limits, measured now with torch's current thread count.
+def machine_limits(
+    repeats: int = 5,
+    matmul_size: int = MATMUL_SIZE,
+    copy_bytes: int = COPY_BYTES,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """The machine's limits on ``device`` for ``dtype`` matrices, measured now (on the CPU with torch's current
+    thread count).
 
-    - ``flops_per_s``: ``torch.matmul`` of two (2048, 2048) fp32 matrices into a preallocated output,
-      2*2048^3 FLOPs over the minimum time of ``repeats``.
-    - ``bytes_per_s``: ``copy_`` between two preallocated 256 MB fp32 tensors, counting the bytes read plus the
-      bytes written (2 * 256 MB) over the minimum time.
-    - ``read_bytes_per_s``: ``sum`` of the same 256 MB, bytes read over the minimum time: the rate at which a
+    - ``flops_per_s``: ``torch.matmul`` of two (size, size) matrices into a preallocated output, 2*size^3 FLOPs
+      over the minimum time of ``repeats`` (2048 on the CPU; use 8192 on a GPU).
+    - ``bytes_per_s``: ``copy_`` between two preallocated tensors of ``copy_bytes`` bytes, counting the bytes read
+      plus the bytes written over the minimum time.
+    - ``read_bytes_per_s``: ``sum`` of the same bytes, bytes read over the minimum time: the rate at which a
       kernel that only reads (an expert product streaming its weights) can at best get data. Reported beside the
       roofline, not part of it.
     """
-    a = torch.randn(matmul_size, matmul_size)
-    b = torch.randn(matmul_size, matmul_size)
-    c = torch.empty(matmul_size, matmul_size)
-    mm = measure(lambda: torch.matmul(a, b, out=c), warmup=2, repeats=repeats)
+    a = torch.randn(matmul_size, matmul_size, device=device, dtype=dtype)
+    b = torch.randn(matmul_size, matmul_size, device=device, dtype=dtype)
+    c = torch.empty(matmul_size, matmul_size, device=device, dtype=dtype)
+    mm = measure(lambda: torch.matmul(a, b, out=c), warmup=2, repeats=repeats, device=device)
     numel = copy_bytes // 4
-    src = torch.randn(numel)
-    dst = torch.empty(numel)
-    cp = measure(lambda: dst.copy_(src), warmup=2, repeats=repeats)
-    rd = measure(src.sum, warmup=2, repeats=repeats)
+    src = torch.randn(numel, device=device)
+    dst = torch.empty(numel, device=device)
+    cp = measure(lambda: dst.copy_(src), warmup=2, repeats=repeats, device=device)
+    rd = measure(src.sum, warmup=2, repeats=repeats, device=device)
     flops = 2.0 * matmul_size**3
+    name = str(dtype).removeprefix("torch.")
     return {
         "flops_per_s": flops / mm["min"],
         "bytes_per_s": 2.0 * copy_bytes / cp["min"],
         "read_bytes_per_s": copy_bytes / rd["min"],
-        "matmul": f"fp32 torch.matmul {matmul_size}^3, min of {repeats}",
-        "copy": f"copy_ of {copy_bytes // 2**20} MiB fp32, read+write bytes, min of {repeats}",
-        "read": f"sum of {copy_bytes // 2**20} MiB fp32, bytes read, min of {repeats}",
+        "matmul": f"{name} torch.matmul {matmul_size}^3 on {device}, min of {repeats}",
+        "copy": f"copy_ of {copy_bytes // 2**20} MiB, read+write bytes, min of {repeats}",
+        "read": f"sum of {copy_bytes // 2**20} MiB, bytes read, min of {repeats}",
         "threads": torch.get_num_threads(),
     }
 
@@ -126,6 +140,7 @@ def environment() -> dict:
     """Machine, software and date, for the header of a benchmark report."""
     return {
         "cpu": cpu_model(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

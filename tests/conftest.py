@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from softmoe.kernels import native_available, native_status
+import softmoe.kernels as kernels
+from softmoe.kernels import ISAS, native_available, native_status, use_isa
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -27,3 +28,21 @@ def library():
         assert shutil.which("c++") or shutil.which("g++"), "a C++ compiler (c++) is needed to build softmoe's kernels"
     assert native_available(), f"softmoe could not build its native kernels (csrc): {native_status()}"
     return native_status()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, library):
+    """Each kernel variant in turn, run through use_isa (a variant this CPU lacks is skipped)."""
+    if request.param not in kernels.supported_isas():
+        pytest.skip(f"this CPU lacks {request.param} (it runs {', '.join(kernels.supported_isas())})")
+    with use_isa(request.param):
+        yield request.param
+
+
+@pytest.fixture
+def threads(request):
+    """torch's thread count (which the kernels use) set to request.param for the test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

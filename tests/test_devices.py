@@ -68,3 +68,35 @@ def test_random_subsets_are_drawn_on_the_inputs_device(device):
         again = layer(x)
     assert list(seen[0]) == [x.device]
     assert torch.equal(first, again)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("strategy", ["combine", "random"])
+def test_selection_on_cuda_never_waits_for_the_host(strategy):
+    """Algorithm 1 in bf16 (dims multiples of 8: torch's grouped GEMM), forward and backward, with CUDA's sync
+    debug mode set to raise on any synchronizing call."""
+    layer, _ = layer_pair("cuda", torch.bfloat16)
+    x = torch.randn(6, 10, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with select_experts(layer, k=3, strategy=strategy, seed=0):
+            out = layer(x)
+        out.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert torch.isfinite(x.grad).all() and torch.isfinite(layer.experts.weight1.grad).all()
+
+
+@cuda
+def test_algorithm1_compiles_on_cuda_with_fullgraph_and_matches_eager():
+    layer, _ = layer_pair("cuda", torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad(), select_experts(layer, k=3):
+        for _ in range(4):
+            x = torch.randn(5, 10, 16, device="cuda", dtype=torch.bfloat16, generator=generator)
+            torch.testing.assert_close(compiled(x), layer(x), atol=2e-2, rtol=2e-2)

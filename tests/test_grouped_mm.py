@@ -123,3 +123,41 @@ def test_large_float32_weights_take_onednn_for_enough_rows(large_weights_on_two_
     assert (grouped_mm(x, weight, ends_of(counts)).double() - want).abs().max().item() < 1e-5
     few = [2, op_module.ONEDNN_MIN_ROWS - 1]
     assert "mkldnn::_linear_pointwise" not in kernels_called(lambda: grouped_mm(x[:-1], weight, ends_of(few)))
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("counts", [[5, 0, 3, 9], [0, 0, 17, 0], [1, 1, 1, 1]])
+def test_cuda_bfloat16_takes_torchs_grouped_gemm_and_equals_the_loop(counts):
+    """Forward, both gradients and an expert without rows (zero gradient) through torch._grouped_mm."""
+    torch.manual_seed(len(counts))
+    x64, w64 = torch.randn(sum(counts), 16, dtype=F64), torch.randn(4, 16, 24, dtype=F64)
+    x = x64.to("cuda", torch.bfloat16).requires_grad_()
+    weight = w64.to("cuda", torch.bfloat16).requires_grad_()
+    ends = ends_of(counts).cuda()
+    assert op_module.uses_grouped_gemm(x, weight, 16, 24)
+    assert "aten::_grouped_mm" in kernels_called(lambda: grouped_mm(x, weight, ends))
+    out = grouped_mm(x, weight, ends)
+    g64 = torch.randn(out.shape, dtype=F64)
+    out.backward(g64.to("cuda", torch.bfloat16))
+    x64.requires_grad_(), w64.requires_grad_()
+    want = loop_reference(x64, w64, counts)
+    want.backward(g64)
+    for got, expected in ((out, want), (x.grad, x64.grad), (weight.grad, w64.grad)):
+        scale = expected.abs().max().clamp_min(1.0)
+        assert ((got.double().cpu() - expected).abs().max() / scale).item() < 2e-2
+    for j, count in enumerate(counts):
+        if count == 0:
+            assert torch.count_nonzero(weight.grad[j]) == 0
+
+
+@cuda
+def test_cuda_grouped_ops_pass_opcheck():
+    x = torch.randn(7, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(3, 16, 8, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ends = ends_of([4, 0, 3]).cuda()
+    torch.library.opcheck(grouped_mm, (x, weight, ends))
+    torch.library.opcheck(grouped_mm_weight_grad, (x.detach(), torch.randn(7, 8, device="cuda", dtype=torch.bfloat16),
+                                                  ends, 3))

@@ -10,25 +10,7 @@ from reference import output_and_gradients, ref_activation, relative_error
 import softmoe.experts as experts_module
 import softmoe.kernels as kernels
 from softmoe import SoftMoE
-from softmoe.kernels import ISAS, expert_matmul, native_applies, use_isa
-
-
-@pytest.fixture(params=ISAS)
-def isa(request, library):
-    """Each kernel variant in turn, run through use_isa (a variant this CPU lacks is skipped)."""
-    if request.param not in kernels.supported_isas():
-        pytest.skip(f"this CPU lacks {request.param} (it runs {', '.join(kernels.supported_isas())})")
-    with use_isa(request.param):
-        yield request.param
-
-
-@pytest.fixture
-def threads(request):
-    """torch's thread count (which the kernels use) set to request.param for the test."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+from softmoe.kernels import expert_matmul, native_applies, use_isa
 
 
 def reference(x, w, b, g):

@@ -12,31 +12,11 @@ import softmoe.experts as experts_module
 import softmoe.kernels as kernels
 from softmoe import SoftMoE
 from softmoe.kernels import (
-    ISAS,
     MIXING_MAX_HIDDEN,
     MIXING_MAX_TOKENS,
     native_mixing_applies,
     soft_moe_mixing,
-    use_isa,
 )
-
-
-@pytest.fixture(params=ISAS)
-def isa(request, library):
-    """Each kernel variant in turn, run through use_isa (a variant this CPU lacks is skipped)."""
-    if request.param not in kernels.supported_isas():
-        pytest.skip(f"this CPU lacks {request.param} (it runs {', '.join(kernels.supported_isas())})")
-    with use_isa(request.param):
-        yield request.param
-
-
-@pytest.fixture
-def threads(request):
-    """torch's thread count (which the kernels use) set to request.param for the test."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def mixing_reference(x, dispatch, combine, w1, b1, w2, b2):

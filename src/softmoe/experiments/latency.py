@@ -67,16 +67,17 @@ def experts_used(stack: MoEStack, x: torch.Tensor, k: int) -> list[int]:
     return used
 
 
-def work(batch: int, k: int, hidden: int, used: list[int]) -> tuple[float, float]:
+def work(batch: int, k: int, hidden: int, used: list[int], itemsize: int = 4) -> tuple[float, float]:
     """FLOPs and compulsory bytes of one forward through the stack with k of n experts per input.
 
     FLOPs: routing logits of all slots, the dispatch and combine of the kept slots, the kept experts' MLPs.
-    Bytes: the fp32 weights of every expert that at least one input uses (read once), input and output.
+    Bytes: the weights (``itemsize`` bytes per element: 4 for fp32) of every expert that at least one input uses
+    (read once), input and output.
     """
     expert_flops = 2 * 2 * DIM * hidden
     per_layer_flops = 2 * batch * TOKENS * DIM * EXPERTS + 2 * 2 * batch * TOKENS * k * DIM + batch * k * expert_flops
-    expert_bytes = 4 * (2 * DIM * hidden + hidden + DIM)
-    activation_bytes = 4 * 2 * batch * TOKENS * DIM
+    expert_bytes = itemsize * (2 * DIM * hidden + hidden + DIM)
+    activation_bytes = itemsize * 2 * batch * TOKENS * DIM
     return LAYERS * per_layer_flops, sum(u * expert_bytes for u in used) + LAYERS * activation_bytes
 
 

@@ -6,7 +6,8 @@
 An expert with no rows costs nothing. It is a registered custom op, so torch.compile keeps it as one node whatever
 the (data-dependent) group sizes, and it never recompiles for a new pattern of sizes. Where it runs:
 
-- CUDA, bfloat16, K and N multiples of 8: torch's grouped GEMM (``torch._grouped_mm``), no host synchronization;
+- CUDA, bfloat16, K and N multiples of 8: torch's grouped GEMM (``torch._grouped_mm``), no host synchronization,
+  for the weight's gradient too;
 - elsewhere one product per non-empty expert (the group sizes are read on the host: free on CPU, one
   synchronization on a GPU). On CPU a large weight (K * N >= LARGE_WEIGHT) read by few rows, where threaded MKL
   runs far below the machine's limits, takes oneDNN (float32, at least ONEDNN_MIN_ROWS rows: 1.5-2x MKL's rate at
@@ -47,14 +48,10 @@ def group_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return row_block_matmul(x, w, torch.get_num_threads())
 
 
-def uses_grouped_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM serves the product: CUDA bfloat16 with K and N multiples of 8."""
-    return (
-        x.is_cuda
-        and x.dtype == weight.dtype == torch.bfloat16
-        and weight.shape[1] % 8 == 0
-        and weight.shape[2] % 8 == 0
-    )
+def uses_grouped_gemm(a: torch.Tensor, b: torch.Tensor, k: int, n: int) -> bool:
+    """Whether torch's grouped GEMM serves products of ``a`` and ``b`` blocks with inner size ``k`` into ``n``
+    columns: CUDA bfloat16 with k and n multiples of 8 (every block's start then aligned to 16 bytes)."""
+    return a.is_cuda and a.dtype == b.dtype == torch.bfloat16 and k % 8 == 0 and n % 8 == 0
 
 
 def check_grouped(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> None:
@@ -77,8 +74,8 @@ def _groups(ends: torch.Tensor) -> list[tuple[int, int, int]]:
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """x (rows, K) sorted by expert, weight (E, K, N), ends (E,) int32 -> (rows, N); see the module doc."""
     check_grouped(x, weight, ends)
-    if uses_grouped_gemm(x, weight):
-        return torch._grouped_mm(x, weight, offs=ends)
+    if uses_grouped_gemm(x, weight, weight.shape[1], weight.shape[2]):
+        return torch._grouped_mm(x.contiguous(), weight, offs=ends)
     out = x.new_empty(x.shape[0], weight.shape[2])
     for j, start, stop in _groups(ends):
         out[start:stop] = group_product(x[start:stop], weight[j])
@@ -94,7 +91,9 @@ def _(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor
 @torch.library.custom_op("softmoe::grouped_mm_weight_grad", mutates_args=())
 def grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor, ends: torch.Tensor, experts: int) -> torch.Tensor:
     """The weight's gradient of :func:`grouped_mm`: x (rows, K), grad (rows, N) -> (experts, K, N); zero for an
-    expert with no rows."""
+    expert with no rows. On CUDA in bfloat16 one grouped GEMM over the row groups (no host synchronization)."""
+    if uses_grouped_gemm(x, grad, x.shape[1], grad.shape[1]):
+        return torch._grouped_mm(x.contiguous().t(), grad.contiguous(), offs=ends)
     out = x.new_zeros(experts, x.shape[1], grad.shape[1])
     for j, start, stop in _groups(ends):
         out[j] = x[start:stop].t() @ grad[start:stop]
