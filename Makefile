@@ -1,5 +1,6 @@
 # Two commands set up and run everything on a fresh machine:
 #   make test        create .venv if missing, install softmoe with its test extras, run the whole suite
+#                    (make test-fast: the tests not marked slow, under a minute)
 #   make reproduce   the paper reproduction on the embedded MNIST digits -> results/mnist5k/report.md
 PYTHON ?= python3
 VENV := .venv
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
 
-.PHONY: test reproduce venv fashion-mnist peers clean
+.PHONY: test test-fast reproduce venv fashion-mnist peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +28,10 @@ fashion-mnist:
 
 test: $(STAMP) fashion-mnist
 	$(VENV)/bin/python -m pytest tests
+
+# The fast set for contributors: every test not marked slow, in under a minute.
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest tests -m "not slow"
 
 reproduce: $(STAMP)
 	$(VENV)/bin/softmoe reproduce $(ARGS)

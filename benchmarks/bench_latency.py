@@ -5,7 +5,7 @@ timed both as the plain forward (all experts in batched matmuls) and through the
 expert kept (``softmoe::grouped_mm``: one product per expert); the faster of the two is the baseline
 of the speed-ups, so they measure skipped work, not a kernel difference. All configurations are timed
 round-robin in the same run after warm-up; the table gives the median and std in ms, the speed-up over k = n,
-and the time as a multiple of the roofline of the kept work (see ``softmoe.experiments.latency.work``) with peak
+and the time as a multiple of the roofline of the kept work (see ``softmoe_repro.latency.work``) with peak
 FLOP/s and bandwidth measured in this run.
 
     python benchmarks/bench_latency.py                 # paper-size experts (9 GB of fp32 weights), a few minutes
@@ -36,7 +36,7 @@ from common import (  # noqa: E402
 
 import softmoe  # noqa: E402
 from softmoe.checkpoint import write_json  # noqa: E402
-from softmoe.experiments.latency import (  # noqa: E402
+from softmoe_repro.latency import (  # noqa: E402
     DIM,
     EXPERTS,
     PAPER_MS,

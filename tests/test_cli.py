@@ -16,6 +16,7 @@ def smoke_results(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_smoke_reproduction_writes_complete_results(smoke_results):
     results = json.loads((smoke_results / "results.json").read_text())
     assert set(results) >= {"provenance", "mnist_suite", "l2norm"}
@@ -54,6 +55,7 @@ def test_smoke_report_is_well_formed(smoke_results):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+@pytest.mark.slow
 def test_rerun_resumes_without_training(smoke_results, capsys):
     def files():  # every file but the lock, which holds the pid of the last writer
         folder = smoke_results / "runs" / "authors_authors" / "n002"
@@ -96,12 +98,14 @@ def test_user_errors_are_one_line(tmp_path, capsys, argv, message):
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_argument_errors_exit_2():
     for argv in (["reproduce", "--preset", "huge"], ["train", "x", "--experts", "0"], ["evaluate", "x", "--k", "a"], []):
         proc = subprocess.run([sys.executable, "-m", "softmoe.cli", *argv], capture_output=True, text=True)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and "usage:" in proc.stderr
 
 
+@pytest.mark.slow
 def test_help_explains_options():
     proc = subprocess.run([sys.executable, "-m", "softmoe.cli", "reproduce", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0
@@ -109,6 +113,7 @@ def test_help_explains_options():
         assert option in proc.stdout
 
 
+@pytest.mark.slow
 def test_routers_and_vit_sections_join_the_report(tmp_path):
     for experiment in ("routers", "vit"):
         assert main(["reproduce", experiment, "--preset", "smoke", "--out", str(tmp_path), "--no-progress"]) == 0
@@ -121,6 +126,7 @@ def test_routers_and_vit_sections_join_the_report(tmp_path):
             assert (tmp_path / line.split("(")[1].rstrip(")")).exists()
 
 
+@pytest.mark.slow
 def test_other_model_and_protocol_run_beside_the_default(smoke_results):
     """--model/--protocol train in their own runs folder and JSON file; the report compares the pairs."""
     args = ["reproduce", "mnist", "--preset", "smoke", "--model", "definition1", "--protocol", "equal-accuracy"]

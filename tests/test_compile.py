@@ -39,6 +39,7 @@ def small_moe_vit() -> ViT:
     ).eval()
 
 
+@pytest.mark.slow
 def test_algorithm1_on_a_soft_moe_vit_compiles_once_with_fullgraph():
     """select_experts inference compiled with fullgraph (inductor): 20 random inputs, each with its own pattern of
     selected experts, take at most 2 compilations and give eager's outputs."""
@@ -62,6 +63,7 @@ def test_algorithm1_on_a_soft_moe_vit_compiles_once_with_fullgraph():
     assert len(patterns) > 1  # the inputs really did select different experts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("custom", [False, True], ids=["mlp", "custom"])
 def test_forward_selected_compiles_with_fullgraph_and_matches_eager(custom):
     torch.manual_seed(2)
@@ -77,6 +79,7 @@ def test_forward_selected_compiles_with_fullgraph_and_matches_eager(custom):
     assert len(recorder.graphs) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "slots", "tokens"])
 def test_every_torch_backend_compiles_with_fullgraph(backend):
     torch.manual_seed(3)
@@ -91,6 +94,7 @@ def test_every_torch_backend_compiles_with_fullgraph(backend):
     torch.testing.assert_close(grad_got, grad_want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs, tokens, op",
     [

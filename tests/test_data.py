@@ -321,6 +321,7 @@ def test_idx_train_test_size_mismatch_and_bad_val_size(tmp_path):
         load_mnist(tmp_path, val_size=5)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not FASHION_MNIST_DIR.is_dir(),
     reason=f"Fashion-MNIST is not installed at {FASHION_MNIST_DIR} (apt-get install dataset-fashion-mnist)",
@@ -361,6 +362,7 @@ def test_mnist5k_sizes_classes_and_values():
     assert len(set(splits.train.labels[:20].tolist())) > 3
 
 
+@pytest.mark.slow
 def test_mnist5k_splits_are_disjoint_and_deterministic():
     a, b = load_mnist5k(), load_mnist5k()
     train, val, test = (rows(ds) for ds in a)
@@ -597,6 +599,7 @@ def test_cifar_truncated_corrupt_and_unsafe_pickles(tmp_path):
 # ------------------------------------------------------------------------------------------- registry
 
 
+@pytest.mark.slow
 def test_load_dataset_specs(tmp_path):
     write_mnist_dir(tmp_path / "m", gz=True, n_train=5010)
     write_cifar10(tmp_path / "c", sizes=(2000,) * 5)
@@ -695,6 +698,7 @@ def test_image_dataset_validates():
         ImageDataset(torch.full((4, 1, 2, 2), float("nan")), labels, 3, "x")
 
 
+@pytest.mark.slow
 def test_import_is_light():
     code = (
         "import sys, softmoe.data; "
@@ -703,3 +707,15 @@ def test_import_is_light():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def toy(n):
+    return ImageDataset(torch.rand(n, 1, 8, 8), torch.arange(n) % 3, 3, "toy")
+
+
+def test_splits_limit_keeps_the_first_examples():
+    splits = Splits(toy(10), toy(6), toy(7)).limit(train=4, test=2)
+    assert (len(splits.train), len(splits.val), len(splits.test)) == (4, 6, 2)
+    original = Splits(toy(10), toy(6), toy(7))
+    limited = original.limit(3, 3, 3)
+    assert torch.equal(limited.val.images, original.val.images[:3])

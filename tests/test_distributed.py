@@ -302,6 +302,7 @@ def _close(actual, expected, tol, what):
     torch.testing.assert_close(actual, expected, atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.slow
 def test_all_to_all_exchanges_rows_and_gradients(main_results):
     results, _ = main_results
     rank0, rank1 = (r["a2a"] for r in results)
@@ -406,6 +407,7 @@ def test_metrics_are_summed_over_ranks(main_results):
         assert isinstance(result["metrics"]["seen"], int)
 
 
+@pytest.mark.slow
 def test_bad_configurations_raise_on_every_rank(tmp_path):
     results = run_ranks(_worker_bad, tmp_path)
     expected = {
@@ -496,6 +498,7 @@ def _worker_fit(rank: int, world: int, out_dir: Path) -> dict:
     return {"files": sorted(p.name for p in (out_dir / "run").iterdir()) if rank == 0 else None}
 
 
+@pytest.mark.slow
 def test_fit_two_ranks_match_one_process_and_resume(tmp_path):
     from softmoe.train import finished_epochs, load_epoch
     from softmoe.trainer import fit

@@ -51,6 +51,7 @@ def test_grouped_mm_never_reads_an_expert_without_rows():
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("counts", [[3, 0, 2], [0, 0, 4]])
 def test_grouped_mm_ops_pass_opcheck(counts):
     x = torch.randn(sum(counts), 8, requires_grad=True)

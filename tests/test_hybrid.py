@@ -21,6 +21,7 @@ from softmoe.selection import random_subsets, top_k_by_combine
 # ---------------------------------------------------------------------------------------------------- paper size
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 8, 64, 128])
 def test_paper_model_size(n):
     """Appendix E.2 / Table 6: 180M parameters, 150M in the experts of 2 Soft MoE layers (768 * 64 / n hidden)."""
@@ -37,6 +38,7 @@ def test_paper_model_size(n):
     assert count_parameters(model) / 1e6 == pytest.approx(180, abs=0.5)
 
 
+@pytest.mark.slow
 def test_paper_model_tokens_and_blocks():
     model = hybrid("astroformer-1", num_experts=16, device="meta")
     assert model.grid == (3, 3) and model.num_tokens == 9

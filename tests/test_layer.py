@@ -368,6 +368,7 @@ def random_mask(data, batch: int, tokens: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.bool).reshape(batch, tokens)
 
 
+@pytest.mark.slow
 @FAST
 @given(shape=small_shapes, use_mask=st.booleans(), data=st.data())
 def test_dispatch_and_combine_are_normalized(shape, use_mask, data):
@@ -904,6 +905,7 @@ def test_autocast_bfloat16(path):
     assert torch.all(out.masked_select(~real) == 0)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
 def test_torch_compile_matches_eager():
     layer = make_layer("slots", 2, dtype=torch.float32)

@@ -62,6 +62,7 @@ def authors_logits(params: dict, image: torch.Tensor) -> torch.Tensor:
     return params["head"] @ torch.cat(mixed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 8, 64, 512])
 def test_authors_model_matches_the_rebuilt_authors_model(n):
     torch.manual_seed(n)

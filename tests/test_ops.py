@@ -71,6 +71,7 @@ MATMUL_SHAPES = [(1, 1, 1, 1), (2, 3, 33, 15), (3, 5, 40, 47), (2, 9, 65, 100)]
 MIXING_SHAPES = [(37, 4, 20, 6, 1, 2), (5, 3, 7, 3, 3, 9), (17, 1, 12, 2, 2, 19)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", MATMUL_SHAPES, ids=lambda s: "E{}xM{}xK{}xN{}".format(*s))
 def test_opcheck_expert_matmul(isa, shape, bias):
@@ -80,6 +81,7 @@ def test_opcheck_expert_matmul(isa, shape, bias):
     torch.library.opcheck(OPS.expert_matmul.default, (*detached((x, w, b)), "gelu", isa))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", MATMUL_SHAPES, ids=lambda s: "E{}xM{}xK{}xN{}".format(*s))
 def test_opcheck_expert_matmul_backward_ops(isa, shape):
     x, w, _ = matmul_inputs(shape, False)
@@ -88,6 +90,7 @@ def test_opcheck_expert_matmul_backward_ops(isa, shape):
     torch.library.opcheck(OPS.expert_matmul_tn.default, (x, g, isa))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", MIXING_SHAPES, ids=lambda s: "B{}xM{}xD{}xn{}xp{}xH{}".format(*s))
 def test_opcheck_soft_moe_mixing(isa, shape, bias):
@@ -162,6 +165,7 @@ def graph_targets(recorder: EagerAndRecordGraphs) -> set[str]:
     return {str(node.target) for graph in recorder.graphs for node in graph.graph.nodes}
 
 
+@pytest.mark.slow
 def test_compiled_expert_matmul_holds_the_op_and_matches_eager(library):
     torch._dynamo.reset()
 
@@ -188,6 +192,7 @@ def test_compiled_expert_matmul_holds_the_op_and_matches_eager(library):
         assert torch.equal(fused(x, w, b), expert_matmul(x, w, b).relu())
 
 
+@pytest.mark.slow
 def test_compiled_soft_moe_mixing_holds_the_op_and_matches_eager(library):
     torch._dynamo.reset()
 
@@ -367,6 +372,7 @@ REPORT = """
 """
 
 
+@pytest.mark.slow
 def test_a_second_process_reuses_the_build(library):
     directory = build.build_directory(build.build_key())
     library_file = build.library_file(build.build_key())
@@ -411,6 +417,7 @@ def test_a_new_key_builds_and_a_complete_build_is_imported(library, reload_state
     assert kernels.cpu_isa() is None and kernels.supported_isas() == ()
 
 
+@pytest.mark.slow
 def test_without_a_compiler_the_ops_are_unavailable_with_one_warning(tmp_path):
     report = run_python(REPORT, CXX="/nonexistent/c++", SOFTMOE_CACHE=str(tmp_path))
     assert report["available"] == [False, False] and not report["applies"] and report["isa"] is None
@@ -419,6 +426,7 @@ def test_without_a_compiler_the_ops_are_unavailable_with_one_warning(tmp_path):
     assert report["error"].startswith("softmoe's native kernels are unavailable: no C++ compiler")
 
 
+@pytest.mark.slow
 def test_a_failing_build_leaves_no_complete_build(tmp_path):
     failing = tmp_path / "failing-c++"
     failing.write_text("#!/bin/sh\necho 'error: this compiler fails' >&2\nexit 1\n")
@@ -430,6 +438,7 @@ def test_a_failing_build_leaves_no_complete_build(tmp_path):
     assert not list((tmp_path / "cache").glob("native-*/complete"))
 
 
+@pytest.mark.slow
 def test_native_off_means_no_build_and_no_warning(tmp_path):
     report = run_python(REPORT, SOFTMOE_NATIVE="0", SOFTMOE_CACHE=str(tmp_path))
     assert report["available"] == [False, False] and report["warnings"] == []
@@ -437,6 +446,7 @@ def test_native_off_means_no_build_and_no_warning(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_concurrent_first_uses_build_once(tmp_path):
     """Two processes that start on an empty cache together: one builds (under the file lock), the other waits and
     imports its build; both run the kernels."""

@@ -147,6 +147,7 @@ def _eager_capacity(n, experts, factor, k, rounding, multiple_of):
         return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CAPACITY_CONFIGS, ids=lambda c: "-".join(map(str, c)))
 def test_symbolic_capacity_equals_the_float_formula(config):
     """The capacity of a SymInt number of tokens is the int of vmoe's float formula for every size, in one graph."""
@@ -174,6 +175,7 @@ def test_symbolic_capacity_equals_the_float_formula(config):
 # ---------------------------------------------------------------- the layer, every router
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("case", "training"), LAYER_RUNS, ids=[f"{c}-{('eval', 'train')[t]}" for c, t in LAYER_RUNS])
 def test_layer_compiles_once_for_every_batch_size(case, training):
     layer = _layer(case, training)
@@ -185,6 +187,7 @@ def test_layer_compiles_once_for_every_batch_size(case, training):
     assert backend.graphs == 1
 
 
+@pytest.mark.slow
 def test_default_dynamic_recompiles_once():
     """dynamic=None (the default): a static graph for the first batch size, then one dynamic graph for the rest
     (Sinkhorn Expert Choice: a static and a symbolic expert marginal T / E)."""
@@ -197,6 +200,7 @@ def test_default_dynamic_recompiles_once():
     assert backend.graphs == 2
 
 
+@pytest.mark.slow
 def test_compiled_training_step_equals_eager():
     """aot_eager traces the backward too: the gradients of the gate and the experts equal eager ones (Softmax Token
     Choice top-2 with noise: the importance and load losses)."""
@@ -217,6 +221,7 @@ def test_compiled_training_step_equals_eager():
             torch.testing.assert_close(q.grad, p.grad, msg=name)
 
 
+@pytest.mark.slow
 def test_groups_of_images_compile():
     """group_size: the groups and a remainder group; only a change in the remainder's presence recompiles."""
     torch.manual_seed(0)
@@ -229,6 +234,7 @@ def test_groups_of_images_compile():
     assert backend.graphs == 2
 
 
+@pytest.mark.slow
 def test_inductor():
     """The default backend (inductor) for inference, on Token Choice top-2 with vmoe's "ceil" capacity at c = 1.1:
     one dynamic graph, the eager outputs, and the eager capacity where the float formula overshoots.

@@ -43,11 +43,13 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != ".lock"}
 
 
+@pytest.mark.slow
 def test_python_dash_m_softmoe_works():
     proc = softmoe("--help")
     assert proc.returncode == 0 and "reproduce" in proc.stdout
 
 
+@pytest.mark.slow
 def test_resume_under_another_configuration_is_refused_and_changes_nothing(trained):
     before = snapshot(trained)
     proc = softmoe("train", str(trained), *TRAIN[:2], "--experts", "8", *TRAIN[4:])
@@ -59,6 +61,7 @@ def test_resume_under_another_configuration_is_refused_and_changes_nothing(train
     assert snapshot(trained) == before
 
 
+@pytest.mark.slow
 def test_another_dataset_is_another_configuration(tmp_path):
     run = tmp_path / "run"
     assert softmoe("train", str(run), *TRAIN).returncode == 0
@@ -68,6 +71,7 @@ def test_another_dataset_is_another_configuration(tmp_path):
     one_line_error(proc, "data.")
 
 
+@pytest.mark.slow
 def test_smoke_presets_on_two_datasets_do_not_share_a_folder(tmp_path, monkeypatch):
     from softmoe.cli import main
 
@@ -79,6 +83,7 @@ def test_smoke_presets_on_two_datasets_do_not_share_a_folder(tmp_path, monkeypat
     assert suite["data"]["name"] == "mnist5k"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["epoch_001.safetensors", "epoch_001.json", "run.json"])
 def test_damaged_files_are_named_with_exit_2(trained, tmp_path, name):
     run = tmp_path / "copy"
@@ -91,6 +96,7 @@ def test_damaged_files_are_named_with_exit_2(trained, tmp_path, name):
         one_line_error(softmoe(*args), name)
 
 
+@pytest.mark.slow
 def test_damaged_last_checkpoint_resumes_from_the_one_before_only_when_asked(tmp_path):
     run = tmp_path / "run"
     assert softmoe("train", str(run), *TRAIN[:4], "--epochs", "2", *TRAIN[6:]).returncode == 0
@@ -102,6 +108,7 @@ def test_damaged_last_checkpoint_resumes_from_the_one_before_only_when_asked(tmp
     assert json.loads(proc.stdout)["epoch"] == 3
 
 
+@pytest.mark.slow
 def test_missing_checkpoint_file_is_named(trained, tmp_path):
     run = tmp_path / "copy"
     run.mkdir()
@@ -111,6 +118,7 @@ def test_missing_checkpoint_file_is_named(trained, tmp_path):
     one_line_error(softmoe("evaluate", str(run)), "epoch_001.safetensors")
 
 
+@pytest.mark.slow
 def test_files_honour_the_umask(tmp_path):
     run = tmp_path / "run"
     assert softmoe("train", str(run), *TRAIN, umask=0o022).returncode == 0
@@ -132,6 +140,7 @@ def test_read_only_folder_is_one_line(tmp_path):
         folder.chmod(0o755)
 
 
+@pytest.mark.slow
 def test_operating_system_errors_are_one_line_and_leave_nothing(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -140,6 +149,7 @@ def test_operating_system_errors_are_one_line_and_leave_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
+@pytest.mark.slow
 def test_relative_dataset_paths_are_stored_absolute(tmp_path):
     data = tmp_path / "data"
     write_tiny_idx(data)
@@ -165,6 +175,7 @@ def test_stale_temporary_files_are_cleaned_on_the_next_write(trained, tmp_path):
     assert not stale.exists() and other.exists()
 
 
+@pytest.mark.slow
 def test_report_rerender_keeps_results_json(tmp_path):
     from softmoe.cli import main
 
@@ -175,6 +186,7 @@ def test_report_rerender_keeps_results_json(tmp_path):
     assert (out / "results.json").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_told_who_holds_the_folder(tmp_path):
     import fcntl
 
@@ -248,6 +260,7 @@ def test_readme_synopsis_lists_every_option():
                     assert option in block, (name, option)
 
 
+@pytest.mark.slow
 def test_one_results_folder_refuses_the_suite_on_another_dataset(tmp_path, capsys):
     from softmoe.cli import main
 

@@ -178,6 +178,7 @@ def test_fast_path_equals_masked_reference(strategy, k, p, renormalize, padded, 
         assert layer.selector is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
 @pytest.mark.parametrize("renormalize", [False, True], ids=["raw", "renorm"])
@@ -523,6 +524,7 @@ def test_algorithm1_tie_break_is_not_by_position_in_a_descending_topk():
         assert top_k_by_combine(scores, k).tolist() == [want]
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(
     st.integers(1, 4).flatmap(

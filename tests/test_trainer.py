@@ -65,6 +65,7 @@ def test_schedule_warmup_then_cosine():
     assert restored.step_count == 2
 
 
+@pytest.mark.slow
 def test_fit_learns_is_deterministic_and_writes_the_run_folder(tmp_path):
     splits = tiny_splits()
     model_a, history_a = fit(factory, splits, CONFIG, tmp_path / "a", progress=False)
@@ -84,6 +85,7 @@ def test_fit_learns_is_deterministic_and_writes_the_run_folder(tmp_path):
     assert finished_epochs(tmp_path / "a")[0]["schedule"] == {"step_count": 3}  # 48 / 16 steps per epoch
 
 
+@pytest.mark.slow
 def test_resume_after_interruption_equals_uninterrupted_run(tmp_path, monkeypatch):
     splits = tiny_splits()
     reference, reference_history = fit(factory, splits, CONFIG, tmp_path / "ref", progress=False)

@@ -1,4 +1,9 @@
-"""The ``softmoe`` command: train, evaluate, reproduce the paper, write the report.
+"""The ``softmoe`` command: train and evaluate classifiers, plus the commands other packages add.
+
+A package adds commands through the entry-point group ``softmoe.commands``: each entry is a function that takes the
+argparse subparsers, adds its command and sets its ``handler`` (a function of the parsed arguments). The paper
+reproduction of this repository (``softmoe_repro``) adds ``reproduce`` and ``report`` that way; the library itself
+never imports it.
 
 Every user mistake (bad option, missing or corrupt data or checkpoint, impossible k, a run folder of another
 configuration) and every operating-system error (a read-only folder, a full disk, a path under a file) ends as one
@@ -10,9 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
-EXPERIMENTS = ("all", "mnist", "l2norm", "routers", "vit")
+COMMANDS = "softmoe.commands"
 
 
 def _positive_int(text: str) -> int:
@@ -36,59 +42,9 @@ def _k_value(text: str) -> int | float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="softmoe",
-        description="Soft Mixture of Experts: reproduce 'Beyond Parameter Count', train and evaluate models.",
+        description="Soft Mixture of Experts: train and evaluate models, reproduce 'Beyond Parameter Count'.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    reproduce = commands.add_parser(
-        "reproduce",
-        help="run the paper's experiments and write results.json and report.md",
-        description="Train the n-suite, evaluate Algorithm 1, random selection and the best-subset oracle, run the "
-        "L2-norm experiment of Appendix C, then write results.json and report.md with plots. An interrupted run "
-        "resumes: finished epochs and models are not trained again.",
-    )
-    reproduce.add_argument(
-        "experiment",
-        nargs="?",
-        default="all",
-        choices=EXPERIMENTS,
-        help="all (default) = mnist + l2norm: the paper's MNIST suite and Appendix C; routers: the router study of "
-        "Liu et al.; vit: Soft MoE ViTs with Algorithm 1 across all MoE layers (both on Fashion-MNIST when "
-        "installed); each adds its section to the folder's report",
-    )
-    reproduce.add_argument(
-        "--preset",
-        default="default",
-        choices=("default", "paper", "smoke"),
-        help="default: the paper's recipe and n = 2..512 on the embedded MNIST digits (about 2.5 minutes on 2 "
-        "cores; Fashion-MNIST about 14); paper: the same with the paper's 500-epoch L2-norm run and a larger "
-        "oracle cap; smoke: a one-minute check",
-    )
-    reproduce.add_argument(
-        "--dataset",
-        help="mnist5k (embedded default), digits, fashion-mnist[:DIR], mnist:DIR (IDX files); default: the preset's",
-    )
-    reproduce.add_argument(
-        "--model",
-        default="authors",
-        choices=("authors", "definition1"),
-        help="the MNIST suite's model: authors (the authors' code, default) or definition1 (equation (1) as the "
-        "paper writes it, no normalization, biases)",
-    )
-    reproduce.add_argument(
-        "--protocol",
-        default="authors",
-        choices=("authors", "equal-accuracy"),
-        help="the MNIST suite's training protocol: authors (no shuffling, a first epoch without updates, the last "
-        "epoch's model; default) or equal-accuracy (the paper's text)",
-    )
-    reproduce.add_argument("--out", type=Path, help="results folder (default: results/<dataset>, or runs/smoke)")
-    reproduce.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    reproduce.add_argument(
-        "--expert-parallel",
-        action="store_true",
-        help="under torchrun: shard each Soft MoE layer's experts across the ranks while training",
-    )
 
     train = commands.add_parser("train", help="train one Soft MoE classifier (resumes if RUN_DIR has epochs)")
     train.add_argument("run_dir", type=Path, help="folder for checkpoints (safetensors + JSON per epoch)")
@@ -112,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="under torchrun: shard each Soft MoE layer's experts across the ranks (experts divisible by ranks)",
     )
+    train.set_defaults(handler=_train)
 
     evaluate = commands.add_parser("evaluate", help="test accuracy of a trained classifier with k of n experts")
     evaluate.add_argument(
@@ -128,45 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--seeds", type=_positive_int, default=10, help="seeds for the random strategy (default: 10)")
     evaluate.add_argument("--renormalize", action="store_true", help="rescale combine weights over the kept slots")
+    evaluate.set_defaults(handler=_evaluate)
+    for entry in sorted(entry_points(group=COMMANDS), key=lambda entry: entry.name):
+        entry.load()(commands)
 
-    report = commands.add_parser("report", help="(re)write report.md and plots from a results folder")
-    report.add_argument("results_dir", type=Path, help="folder holding the experiments' JSON files")
     return parser
-
-
-def _reproduce(args: argparse.Namespace) -> None:
-    from softmoe.distributed import setup_distributed
-    from softmoe.experiments import l2norm, mnist_suite, routers, vit
-    from softmoe.experiments.common import default_vision_dataset
-    from softmoe.report import collect_results, write_report
-
-    preset = mnist_suite.PRESETS[args.preset]
-    dataset = args.dataset
-    if dataset is None:
-        vision = args.experiment in ("routers", "vit") and args.preset != "smoke"
-        dataset = default_vision_dataset()[0] if vision else preset.dataset
-    name = dataset.split(":")[0]
-    default_out = Path(f"runs/smoke-{name}") if args.preset == "smoke" else Path("results") / name
-    out = args.out or default_out
-    progress = not args.no_progress
-    dist = setup_distributed(expert_parallel=args.expert_parallel)  # a single process without torchrun
-    try:
-        if args.experiment in ("all", "mnist"):
-            mnist_suite.run_suite(
-                preset, out, dataset=dataset, progress=progress, dist=dist, model=args.model, protocol=args.protocol
-            )
-        if args.experiment == "routers":
-            routers.run(preset=args.preset, dataset=args.dataset, out_dir=out, progress=progress, dist=dist)
-        if args.experiment == "vit":
-            vit.run(preset=args.preset, dataset=args.dataset, out_dir=out, progress=progress, dist=dist)
-    finally:
-        dist.close()
-    if not dist.is_main:
-        return
-    if args.experiment in ("all", "l2norm"):  # single process, after the group is gone
-        l2norm.run(preset=args.preset, out_dir=out, progress=progress)
-    collect_results(out)
-    print(f"wrote {write_report(out)} and {out / 'results.json'}")
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -228,8 +151,7 @@ def _run_model(run_dir: Path) -> dict:
 
 def _evaluate(args: argparse.Namespace) -> None:
     from softmoe.data import load_dataset
-    from softmoe.experiments.common import limit_splits, random_statistics
-    from softmoe.selection import select_experts
+    from softmoe.selection import random_statistics, select_experts
     from softmoe.train import accuracy, finished_epochs, load_epoch
 
     config = _run_model(args.run_dir)
@@ -237,7 +159,7 @@ def _evaluate(args: argparse.Namespace) -> None:
     epoch = args.epoch or done
     if not 1 <= epoch <= done:
         raise ValueError(f"epoch {epoch} is not available in {args.run_dir} (finished epochs: 1..{done})")
-    splits = limit_splits(load_dataset(config["dataset"]), test=config.get("limit_examples"))
+    splits = load_dataset(config["dataset"]).limit(test=config.get("limit_examples"))
     model = _classifier(config)
     load_epoch(model, args.run_dir, epoch).eval()
     strategy = args.strategy or ("all" if args.k is None else "combine")
@@ -257,24 +179,14 @@ def _evaluate(args: argparse.Namespace) -> None:
     print(json.dumps(result, indent=2))
 
 
-def _report(args: argparse.Namespace) -> None:
-    from softmoe.report import collect_results, write_report
-
-    if not args.results_dir.is_dir():
-        raise FileNotFoundError(f"results folder {args.results_dir} does not exist")
-    collect_results(args.results_dir)
-    print(f"wrote {write_report(args.results_dir)}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from softmoe.data import DatasetError, MissingDependencyError
     from softmoe.runtime import tune_cpu_allocator
 
     tune_cpu_allocator()
-    handlers = {"reproduce": _reproduce, "train": _train, "evaluate": _evaluate, "report": _report}
     try:
-        handlers[args.command](args)
+        args.handler(args)
     except (ValueError, DatasetError, MissingDependencyError) as error:
         print(f"softmoe {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ computed at all (see ``SoftMoE.forward_selected``).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -219,3 +220,15 @@ def masked_reference_forward(
         kept = combine * keep_slots
         combine = kept / kept.sum(-1, keepdim=True).clamp_min(torch.finfo(combine.dtype).tiny)
     return layer.combine_slots(combine, expert_out)
+
+
+def random_statistics(accuracies: list[float], algorithm1: float | None = None) -> dict:
+    """Mean and sample std (ddof = 1, as the authors' scripts) of the random-selection accuracies, and Algorithm 1's
+    lead in stds (Table 10).
+
+    The std is 0 for a single seed; the lead is None without an Algorithm 1 accuracy or when the std is 0.
+    """
+    mean = statistics.fmean(accuracies)
+    std = statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0
+    lead = (algorithm1 - mean) / std if algorithm1 is not None and std > 0 else None
+    return {"accuracies": accuracies, "mean": mean, "std": std, "stds_above_random": lead}

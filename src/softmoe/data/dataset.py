@@ -75,6 +75,14 @@ class Splits:
     def __iter__(self) -> Iterator[ImageDataset]:
         return iter((self.train, self.val, self.test))
 
+    def limit(self, train: int | None = None, val: int | None = None, test: int | None = None) -> "Splits":
+        """The first ``train`` / ``val`` / ``test`` examples of each split (None keeps a split whole)."""
+
+        def first(part: ImageDataset, count: int | None) -> ImageDataset:
+            return part if count is None else part.subset(slice(0, count))
+
+        return Splits(first(self.train, train), first(self.val, val), first(self.test, test))
+
     def fingerprint(self) -> str:
         """A SHA-256 of every split's images and labels (hex, 16 digits): the data's identity, whatever its path."""
         digest = hashlib.sha256()

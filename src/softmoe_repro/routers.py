@@ -26,9 +26,8 @@ from tqdm.auto import tqdm
 from softmoe.checkpoint import write_json
 from softmoe.data import Splits, load_dataset
 from softmoe.distributed import LOCAL, DistContext
-from softmoe.experiments.common import (
+from softmoe_repro.common import (
     default_vision_dataset,
-    limit_splits,
     pct,
     pick_preset,
 )
@@ -344,7 +343,7 @@ def _run(
         name, notice = default_vision_dataset()
         if notice and dist.is_main:
             log.warning(notice)
-    splits = limit_splits(load_dataset(name), preset.limit_train, preset.limit_eval, preset.limit_eval)
+    splits = load_dataset(name).limit(preset.limit_train, preset.limit_eval, preset.limit_eval)
     seed = preset.train.seed
     jobs = [(r, c, seed) for c in preset.capacity_factors for r in preset.routers]
     if preset.dense_baseline:

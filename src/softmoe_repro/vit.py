@@ -26,10 +26,9 @@ from tqdm.auto import tqdm
 from softmoe.checkpoint import write_json
 from softmoe.data import Splits, load_dataset
 from softmoe.distributed import LOCAL, DistContext
-from softmoe.experiments.common import (
+from softmoe_repro.common import (
     default_vision_dataset,
     equal_accuracy_epochs,
-    limit_splits,
     mean_std_pct,
     model_table,
     num,
@@ -149,7 +148,7 @@ def load_splits(preset: VitPreset, dataset: str | None, progress: bool) -> tuple
         spec, notice = default_vision_dataset()
     if notice and progress:
         print(f"softmoe vit: {notice}", file=sys.stderr)
-    splits = limit_splits(load_dataset(spec), preset.train_limit, preset.val_limit, preset.test_limit)
+    splits = load_dataset(spec).limit(preset.train_limit, preset.val_limit, preset.test_limit)
     return splits, spec, notice
 
 

@@ -20,12 +20,12 @@ from softmoe.checkpoint import atomic_write, read_json, write_json
 from softmoe.runtime import cpu_model
 
 SECTIONS = {
-    "mnist_suite": "softmoe.experiments.mnist_suite",
-    "mnist_variants": "softmoe.experiments.mnist_variants",
-    "l2norm": "softmoe.experiments.l2norm",
-    "routers": "softmoe.experiments.routers",
-    "vit": "softmoe.experiments.vit",
-    "latency": "softmoe.experiments.latency",
+    "mnist_suite": "softmoe_repro.mnist_suite",
+    "mnist_variants": "softmoe_repro.mnist_variants",
+    "l2norm": "softmoe_repro.l2norm",
+    "routers": "softmoe_repro.routers",
+    "vit": "softmoe_repro.vit",
+    "latency": "softmoe_repro.latency",
 }
 
 

@@ -3,15 +3,14 @@ defaults, and number formatting for the report."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from softmoe.data import FASHION_MNIST_DIR, ImageDataset, Splits
-from softmoe.selection import select_experts
+from softmoe.data import FASHION_MNIST_DIR, ImageDataset
+from softmoe.selection import random_statistics, select_experts
 
 FALLBACK_DATASET = "mnist5k"
 
@@ -36,15 +35,6 @@ def pick_preset(presets: dict, preset):
     return presets[preset]
 
 
-def limit_splits(splits: Splits, train: int | None = None, val: int | None = None, test: int | None = None) -> Splits:
-    """The first ``train`` / ``val`` / ``test`` examples of each split (None keeps a split whole)."""
-
-    def first(part: ImageDataset, limit: int | None) -> ImageDataset:
-        return part if limit is None else part.subset(slice(0, limit))
-
-    return Splits(first(splits.train, train), first(splits.val, val), first(splits.test, test))
-
-
 def equal_accuracy_epochs(histories: dict[int, list[dict]]) -> tuple[float, dict[int, int]]:
     """The paper's protocol: compare every n at (about) the same accuracy.
 
@@ -59,18 +49,6 @@ def equal_accuracy_epochs(histories: dict[int, list[dict]]) -> tuple[float, dict
         n: min(h, key=lambda e: (abs(e["val_accuracy"] - target), e["epoch"]))["epoch"] for n, h in histories.items()
     }
     return target, chosen
-
-
-def random_statistics(accuracies: list[float], algorithm1: float | None = None) -> dict:
-    """Mean and sample std (ddof = 1, as the authors' scripts) of the random-selection accuracies, and Algorithm 1's
-    lead in stds (Table 10).
-
-    The std is 0 for a single seed; the lead is None without an Algorithm 1 accuracy or when the std is 0.
-    """
-    mean = statistics.fmean(accuracies)
-    std = statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0
-    lead = (algorithm1 - mean) / std if algorithm1 is not None and std > 0 else None
-    return {"accuracies": accuracies, "mean": mean, "std": std, "stds_above_random": lead}
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 
 import torch
 
-from softmoe.experiments import latency
+from softmoe_repro import latency
 
 
 def test_stack_shape_and_experts_used():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from softmoe.experiments import l2norm
+from softmoe_repro import l2norm
 from softmoe.theory import NORM_GAP_SLOPE
 
 TINY = l2norm.L2NormPreset(
@@ -105,6 +105,7 @@ def smoke(tmp_path_factory):
     return results, out, replaced
 
 
+@pytest.mark.slow
 def test_smoke_run_is_well_formed(smoke):
     results, _, _ = smoke
     preset = l2norm.PRESETS["smoke"]
@@ -158,6 +159,7 @@ def test_smoke_json_written_atomically(smoke):
     assert sorted(p.name for p in out.iterdir()) == [l2norm.RESULTS_FILE]  # no stray temporaries
 
 
+@pytest.mark.slow
 def test_plots_and_markdown(smoke, tmp_path):
     results, _, _ = smoke
     paths = l2norm.write_plots(results, tmp_path / "report")

@@ -1,9 +1,9 @@
-"""Pieces every experiment shares: dataset default, split limits, the selection sweep, report formatting."""
+"""Pieces every experiment shares: dataset default, the selection sweep, report formatting."""
 
 import torch
 
-import softmoe.experiments.common as common
-from softmoe.data import ImageDataset, Splits
+import softmoe_repro.common as common
+from softmoe.data import ImageDataset
 from softmoe.models import SoftMoEClassifier
 
 
@@ -17,14 +17,6 @@ def test_default_dataset_falls_back(monkeypatch, tmp_path):
 
 def data(n):
     return ImageDataset(torch.rand(n, 1, 8, 8), torch.arange(n) % 3, 3, "toy")
-
-
-def test_limit_splits():
-    splits = common.limit_splits(Splits(data(10), data(6), data(7)), train=4, test=2)
-    assert (len(splits.train), len(splits.val), len(splits.test)) == (4, 6, 2)
-    original = Splits(data(10), data(6), data(7))
-    limited = common.limit_splits(original, 3, 3, 3)
-    assert torch.equal(limited.val.images, original.val.images[:3])
 
 
 def test_selection_sweep_counts_and_statistics():

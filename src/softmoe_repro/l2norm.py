@@ -24,7 +24,7 @@ Setup, as in Appendix C (our reading of every point the paper leaves open is mar
   min-max), plus Theorem 1's witness (:mod:`softmoe.theory`) on the trained n = 1 models.
 
 ``run`` returns (and writes as ``l2norm.json``) a JSON-serializable dict; ``write_plots`` and ``markdown`` render
-it for the report. ``python -m softmoe.experiments.l2norm [preset] [out_dir]`` runs it from a shell.
+it for the report. ``python -m softmoe_repro.l2norm [preset] [out_dir]`` runs it from a shell.
 """
 
 from __future__ import annotations
@@ -526,7 +526,7 @@ def markdown(results: dict, plot_paths) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m softmoe.experiments.l2norm [preset] [out_dir]``: run, write the JSON, the plot and a markdown."""
+    """``python -m softmoe_repro.l2norm [preset] [out_dir]``: run, write the JSON, the plot and a markdown."""
     argv = sys.argv[1:] if argv is None else argv
     preset = argv[0] if argv else "default"
     out_dir = Path(argv[1]) if len(argv) > 1 else Path("runs") / f"l2norm-{preset}"

@@ -5,8 +5,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from softmoe.experiments.common import equal_accuracy_epochs, random_statistics
-from softmoe.experiments.mnist_suite import (
+from softmoe.selection import random_statistics
+from softmoe_repro.common import equal_accuracy_epochs
+from softmoe_repro.mnist_suite import (
     PRESETS,
     chosen_epochs,
     run_suite,

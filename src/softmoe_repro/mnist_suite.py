@@ -21,9 +21,8 @@ from tqdm.auto import tqdm
 from softmoe.checkpoint import write_json
 from softmoe.data import Splits, load_dataset, portable_spec
 from softmoe.distributed import LOCAL, DistContext
-from softmoe.experiments.common import (
+from softmoe_repro.common import (
     equal_accuracy_epochs,
-    limit_splits,
     mean_std_pct,
     model_table,
     num,
@@ -172,7 +171,7 @@ def run_suite(
     out_dir = Path(out_dir)
     runs = out_dir / "runs" / f"{preset.model}_{preset.protocol}"
     limit = preset.limit_examples
-    splits = limit_splits(load_dataset(preset.dataset), limit, limit, limit)
+    splits = load_dataset(preset.dataset).limit(limit, limit, limit)
     image_shape = splits.train.image_shape
     train_config = training_config(preset)
 

@@ -1,4 +1,4 @@
-"""The router head-to-head experiment (softmoe.experiments.routers): model, compute budget, run / plots / markdown."""
+"""The router head-to-head experiment (softmoe_repro.routers): model, compute budget, run / plots / markdown."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from softmoe.experiments import routers as exp
+from softmoe_repro import routers as exp
 from softmoe.routing import ROUTERS
 from softmoe.train import TrainConfig
 
@@ -53,6 +53,7 @@ def test_unknown_preset():
         exp.run("huge")
 
 
+@pytest.mark.slow
 def test_micro_run_plots_and_markdown(tmp_path):
     preset = replace(
         exp.PRESETS["smoke"],

@@ -7,8 +7,8 @@ the numbers move with the model and the protocol.
 
 from __future__ import annotations
 
-from softmoe.experiments.mnist_suite import FRACTIONS, PAPER_TABLE1, cell
-from softmoe.experiments.common import mean_std_pct, pct
+from softmoe_repro.mnist_suite import FRACTIONS, PAPER_TABLE1, cell
+from softmoe_repro.common import mean_std_pct, pct
 
 
 def write_plots(variants: dict, out_dir) -> dict[str, str]:
