@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from softmoe.data.augment import Augment, mixup, random_crop, random_flip, sample_beta
 from softmoe.data import (
     DATASET_SPECS,
     FASHION_MNIST_DIR,
@@ -719,3 +720,36 @@ def test_splits_limit_keeps_the_first_examples():
     original = Splits(toy(10), toy(6), toy(7))
     limited = original.limit(3, 3, 3)
     assert torch.equal(limited.val.images, original.val.images[:3])
+
+
+# ---------------------------------------------------------------------------------------------------- augment
+
+
+def test_random_crop_is_a_window_of_the_padded_image():
+    images = torch.rand(6, 2, 5, 7)
+    out = random_crop(images, 2, torch.Generator().manual_seed(0))
+    offsets = torch.randint(0, 5, (6, 2), generator=torch.Generator().manual_seed(0))
+    padded = torch.nn.functional.pad(images, (2, 2, 2, 2))
+    for i, (dy, dx) in enumerate(offsets.tolist()):
+        assert torch.equal(out[i], padded[i, :, dy : dy + 5, dx : dx + 7])
+    assert random_crop(images, 0) is images
+    with pytest.raises(ValueError, match="padding"):
+        random_crop(images, -1)
+
+
+def test_flip_mixup_and_reproducibility():
+    images = torch.rand(8, 1, 4, 4)
+    flipped = random_flip(images, torch.Generator().manual_seed(1))
+    for a, b in zip(images, flipped):
+        assert torch.equal(a, b) or torch.equal(a.flip(-1), b)
+    augment = Augment(crop_padding=1, flip=True)
+    one = augment(images, torch.Generator().manual_seed(2))
+    two = augment(images, torch.Generator().manual_seed(2))
+    assert torch.equal(one, two) and augment.enabled and not Augment().enabled
+    labels = torch.arange(8)
+    mixed, a, b, lam = mixup(images, labels, 0.4, torch.Generator().manual_seed(3))
+    assert 0 <= lam <= 1 and torch.equal(a, labels) and sorted(b.tolist()) == list(range(8))
+    torch.testing.assert_close(mixed, lam * images + (1 - lam) * images[b])
+    draws = [sample_beta(0.4, torch.Generator().manual_seed(s)) for s in range(200)]
+    assert sample_beta(0.4, torch.Generator().manual_seed(0)) == draws[0]
+    assert 0.4 < sum(draws) / len(draws) < 0.6  # Beta(a, a) has mean 1/2

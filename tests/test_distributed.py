@@ -429,7 +429,7 @@ def test_bad_configurations_raise_on_every_rank(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The recipe trainer (softmoe.trainer.fit) under data parallelism
+# The training loop with the vision recipe (softmoe.train) under data parallelism
 
 
 class _Interrupted(Exception):
@@ -471,28 +471,28 @@ def fit_factory():
 
 
 def fit_config():
-    from softmoe.trainer import TrainerConfig
+    from softmoe.train import TrainConfig
 
     # Shuffling, crop, flip, mixup, label smoothing and clipping at once (no dropout: its draws depend on the shard).
-    return TrainerConfig(
+    return TrainConfig.vision(
         epochs=2, batch_size=8, lr=1e-2, warmup_epochs=0.5, label_smoothing=0.1, mixup_alpha=0.4, crop_padding=1,
         flip=True, clip_norm=0.5, seed=3,
     )
 
 
 def _worker_fit(rank: int, world: int, out_dir: Path) -> dict:
-    import softmoe.trainer as trainer
+    import softmoe.train as train
 
-    train_epoch = trainer._train_epoch
+    train_epoch = train._train_epoch
 
     def first_epoch_only(*args, **kwargs):  # an interruption after epoch 1, on every rank
-        if args[6] > 1:
+        if args[5] > 1:
             raise _Interrupted
         return train_epoch(*args, **kwargs)
 
-    trainer._train_epoch = first_epoch_only
+    train._train_epoch = first_epoch_only
     try:
-        trainer.fit(fit_factory, fit_splits(), fit_config(), out_dir / "run", progress=False, dist=DistContext(rank, world))
+        train.train_classifier(fit_factory, fit_splits(), fit_config(), out_dir / "run", progress=False, dist=DistContext(rank, world))
     except _Interrupted:
         pass
     return {"files": sorted(p.name for p in (out_dir / "run").iterdir()) if rank == 0 else None}
@@ -500,8 +500,8 @@ def _worker_fit(rank: int, world: int, out_dir: Path) -> dict:
 
 @pytest.mark.slow
 def test_fit_two_ranks_match_one_process_and_resume(tmp_path):
-    from softmoe.train import finished_epochs, load_epoch
-    from softmoe.trainer import fit
+    from softmoe.runs import finished_epochs, load_epoch
+    from softmoe.train import train_classifier as fit
 
     results = run_ranks(_worker_fit, tmp_path)
     assert results[0]["files"] == [

@@ -1,5 +1,8 @@
-"""Training loop: determinism, resume after an interruption (no lost or duplicated work), atomic files."""
+"""The training loop in both of its configurations (the paper's Adam loop and the vision recipe): determinism, resume
+after an interruption (no lost or duplicated work), run-folder files, config checks, the schedule."""
 
+import csv
+import math
 import os
 
 import pytest
@@ -8,8 +11,11 @@ import torch
 import softmoe.train as train_module
 from softmoe.checkpoint import atomic_write, read_json, write_json
 from softmoe.data import ImageDataset, Splits
+from softmoe.data.errors import MissingDependencyError
 from softmoe.models import SoftMoEClassifier
-from softmoe.train import TrainConfig, finished_epochs, load_epoch, train_classifier
+from softmoe.models.vit import ViT
+from softmoe.runs import finished_epochs, load_epoch
+from softmoe.train import TrainConfig, WarmupCosine, parameter_groups, train_classifier
 
 
 def tiny_splits(n=96):
@@ -40,7 +46,7 @@ def test_training_learns_and_is_deterministic(tmp_path):
     # The last two epochs keep optimizer state; every epoch keeps weights and metrics; run.json and the lock.
     names = sorted(os.listdir(tmp_path / "a"))
     epochs = [f"epoch_{e:03d}.{ext}" for e in (1, 2, 3) for ext in ("json", "safetensors")]
-    assert names == [".lock", *epochs, "optimizer_002.safetensors", "optimizer_003.safetensors", "run.json"]
+    assert names == [".lock", *epochs, "metrics.csv", "optimizer_002.safetensors", "optimizer_003.safetensors", "run.json"]
 
 
 def test_resume_after_interruption_equals_uninterrupted_run(tmp_path, monkeypatch):
@@ -211,3 +217,153 @@ def test_one_writer_per_run_folder(tmp_path):
     with run_lock(tmp_path / "run"):
         with pytest.raises(ValueError, match=rf"{tmp_path / 'run'} is in use by process {os.getpid()}"):
             train_classifier(factory, tiny_splits(), CONFIG, tmp_path / "run", progress=False)
+
+
+# ---------------------------------------------------------------------------------------------------- the vision recipe
+
+
+def recipe_splits():
+    """48 training examples: 3 batches of 16 per epoch."""
+    splits = tiny_splits(80)
+    data = splits.train.subset(slice(0, 48)), splits.train.subset(slice(48, 64)), splits.val
+    return Splits(*data)
+
+
+def vit_factory():
+    return ViT(
+        image_size=8, patch_size=4, in_channels=1, num_classes=3, dim=8, depth=2, heads=2, mlp_dim=8,
+        classifier="gap", moe_blocks=(1,), num_experts=4, expert_hidden=4, dropout=0.1,
+    )
+
+
+# Every random ingredient at once: shuffling, crop, flip, mixup, dropout.
+RECIPE = TrainConfig.vision(
+    epochs=3, batch_size=16, lr=1e-2, warmup_epochs=1, label_smoothing=0.1, mixup_alpha=0.4, crop_padding=1,
+    flip=True, clip_norm=0.5, seed=3,
+)
+
+
+def same_weights(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def without_seconds(history):
+    return [{k: v for k, v in h.items() if k != "seconds"} for h in history]
+
+
+def test_schedule_warmup_then_cosine():
+    schedule = WarmupCosine(lr=1.0, total_steps=110, warmup_steps=10, warmup_lr=0.1, min_lr=0.01)
+    rates = [schedule.rate(s) for s in range(110)]
+    assert rates[0] == pytest.approx(0.1) and rates[10] == pytest.approx(1.0)
+    assert rates[5] == pytest.approx(0.55)
+    assert rates[60] == pytest.approx(0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert schedule.rate(110) == pytest.approx(0.01)
+    assert all(a <= b for a, b in zip(rates[:10], rates[1:11])) and all(a >= b for a, b in zip(rates[10:], rates[11:]))
+    schedule.step()
+    schedule.step()
+    restored = WarmupCosine(1.0, 110, 10, 0.1, 0.01)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.step_count == 2
+
+
+@pytest.mark.slow
+def test_vision_recipe_learns_is_deterministic_and_writes_the_run_folder(tmp_path):
+    splits = recipe_splits()
+    model_a, history_a = train_classifier(vit_factory, splits, RECIPE, tmp_path / "a", progress=False)
+    model_b, history_b = train_classifier(vit_factory, splits, RECIPE, tmp_path / "b", progress=False)
+    assert same_weights(model_a, model_b) and without_seconds(history_a) == without_seconds(history_b)
+    assert history_a[-1]["train_loss"] < history_a[0]["train_loss"]
+    assert [h["epoch"] for h in history_a] == [1, 2, 3] and not model_a.training
+    names = sorted(os.listdir(tmp_path / "a"))
+    assert names == sorted(
+        [f"epoch_{e:03d}.{ext}" for e in (1, 2, 3) for ext in ("json", "safetensors")]
+        + ["optimizer_002.safetensors", "optimizer_003.safetensors", "metrics.csv", "run.json", ".lock"]
+    )
+    with open(tmp_path / "a" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
+    assert float(rows[-1]["val_accuracy"]) == pytest.approx(history_a[-1]["val_accuracy"])
+    assert finished_epochs(tmp_path / "a")[0]["schedule"] == {"step_count": 3}  # 48 / 16 steps per epoch
+
+
+@pytest.mark.slow
+def test_vision_recipe_resumes_exactly(tmp_path, monkeypatch):
+    splits = recipe_splits()
+    reference, reference_history = train_classifier(vit_factory, splits, RECIPE, tmp_path / "ref", progress=False)
+
+    real_batches = train_module.batches
+    calls = {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        for batch in real_batches(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 7:  # the second step of epoch 2 (3 training, 1 validation, 1 test batch per epoch)
+                raise KeyboardInterrupt
+            yield batch
+
+    monkeypatch.setattr(train_module, "batches", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_classifier(vit_factory, splits, RECIPE, tmp_path / "run", progress=False)
+    monkeypatch.setattr(train_module, "batches", real_batches)
+    assert [h["epoch"] for h in finished_epochs(tmp_path / "run")] == [1]
+
+    trained = []
+    write_json = train_module.write_json
+
+    def record(path, data):
+        trained.append(data["epoch"])
+        write_json(path, data)
+
+    monkeypatch.setattr(train_module, "write_json", record)
+    resumed, history = train_classifier(vit_factory, splits, RECIPE, tmp_path / "run", progress=False)
+    assert trained == [2, 3]
+    assert same_weights(reference, resumed)
+    assert without_seconds(history) == without_seconds(reference_history)
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        assert [int(r["epoch"]) for r in csv.DictReader(f)] == [1, 2, 3]
+
+    trained.clear()
+    again, _ = train_classifier(vit_factory, splits, RECIPE, tmp_path / "run", progress=False)
+    assert trained == [] and same_weights(again, reference)  # a finished run is only loaded
+
+
+def test_resume_refuses_a_different_config(tmp_path):
+    splits = recipe_splits()
+    config = TrainConfig.vision(epochs=1, batch_size=16, seed=0)
+    train_classifier(vit_factory, splits, config, tmp_path, progress=False)
+    with pytest.raises(ValueError, match=r"another configuration \(train\.seed: 0 -> 1\)"):
+        train_classifier(vit_factory, splits, TrainConfig.vision(epochs=1, batch_size=16, seed=1), tmp_path, progress=False)
+
+
+def test_keep_last_epoch_only_bf16_and_test_once(tmp_path):
+    splits = recipe_splits()
+    config = TrainConfig.vision(epochs=2, batch_size=16, bf16=True, keep_all_epochs=False, test_each_epoch=False)
+    model, history = train_classifier(vit_factory, splits, config, tmp_path, progress=False)
+    assert not (tmp_path / "epoch_001.safetensors").exists() and (tmp_path / "epoch_002.safetensors").exists()
+    assert history[0]["test_accuracy"] is None and history[1]["test_accuracy"] is not None
+    assert all(math.isfinite(h["train_loss"]) for h in history)
+    loaded = load_epoch(vit_factory(), tmp_path, 2)
+    assert same_weights(loaded, model)
+
+
+def test_bad_configs_and_parameter_groups():
+    for bad in (dict(epochs=0), dict(lr=0), dict(clip_norm=0), dict(label_smoothing=1.0), dict(mixup_alpha=-1)):
+        with pytest.raises(ValueError, match="bad TrainConfig"):
+            TrainConfig.vision(**bad)
+    model = vit_factory()
+    decay, no_decay = parameter_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    assert TrainConfig.from_json(RECIPE.to_json()) == RECIPE
+
+
+def test_tensorboard_is_optional(tmp_path):
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(MissingDependencyError, match="tensorboard"):
+            train_classifier(vit_factory, recipe_splits(), TrainConfig.vision(epochs=1, tensorboard=True), tmp_path, progress=False)
+    else:
+        train_classifier(vit_factory, recipe_splits(), TrainConfig.vision(epochs=1, tensorboard=True), tmp_path, progress=False)
+        assert (tmp_path / "tensorboard").is_dir()

@@ -108,7 +108,7 @@ def _train(args: argparse.Namespace) -> None:
             "num_classes": splits.train.num_classes,
             "model": args.model,
         }
-        config = TrainConfig(args.epochs, args.batch_size, args.lr, args.seed)
+        config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
         _, history = train_classifier(
             lambda: _classifier(model_config),
             splits,
@@ -137,7 +137,7 @@ def _classifier(config: dict):
 def _run_model(run_dir: Path) -> dict:
     """The model description in a run folder's run.json, or a ValueError saying what the folder is not."""
     from softmoe.checkpoint import read_json
-    from softmoe.train import RUN_FILE
+    from softmoe.runs import RUN_FILE
 
     path = run_dir / RUN_FILE
     if not path.is_file():
@@ -152,7 +152,8 @@ def _run_model(run_dir: Path) -> dict:
 def _evaluate(args: argparse.Namespace) -> None:
     from softmoe.data import load_dataset
     from softmoe.selection import random_statistics, select_experts
-    from softmoe.train import accuracy, finished_epochs, load_epoch
+    from softmoe.runs import finished_epochs, load_epoch
+    from softmoe.train import accuracy
 
     config = _run_model(args.run_dir)
     done = len(finished_epochs(args.run_dir))

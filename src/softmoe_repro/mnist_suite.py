@@ -37,7 +37,8 @@ from softmoe.oracle import (
     check_subset_count,
     oracle_from_contributions,
 )
-from softmoe.train import TrainConfig, accuracy, load_epoch, train_classifier
+from softmoe.runs import load_epoch
+from softmoe.train import TrainConfig, accuracy, train_classifier
 
 PAPER_EXPERTS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 

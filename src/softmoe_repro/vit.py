@@ -2,11 +2,11 @@
 layer of a transformer, on a dataset small enough for a CPU.
 
 Small Soft MoE ViTs with the SAME total expert parameter count (n experts of hidden size H / n in every MoE layer)
-and n in {2, 8, 32} are trained with the recipe of :mod:`softmoe.trainer`, in two variants: the authors' ViT (a
-residual around every MoE layer) and the paper's CIFAR fix (no residual around the MoE layers, Appendix E.2). Per
-variant the paper's protocol compares the models at equal validation accuracy, and each model is evaluated with only
-k in {n/2, n/4, n/8} experts per input in every MoE layer at once (each layer picks its own k): by Algorithm 1 and
-by random subsets over several seeds.
+and n in {2, 8, 32} are trained with the vision recipe (:meth:`softmoe.train.TrainConfig.vision`), in two variants:
+the authors' ViT (a residual around every MoE layer) and the paper's CIFAR fix (no residual around the MoE layers,
+Appendix E.2). Per variant the paper's protocol compares the models at equal validation accuracy, and each model is
+evaluated with only k in {n/2, n/4, n/8} experts per input in every MoE layer at once (each layer picks its own k):
+by Algorithm 1 and by random subsets over several seeds.
 
     results = run("default")          # Fashion-MNIST subset, under 20 minutes on 2 cores; writes vit.json
     plots = write_plots(results, out_dir)
@@ -37,8 +37,8 @@ from softmoe_repro.common import (
     selection_sweep,
 )
 from softmoe.models.vit import ViT, count_parameters, second_half
-from softmoe.train import load_epoch
-from softmoe.trainer import TrainerConfig, evaluate_accuracy, fit
+from softmoe.runs import load_epoch
+from softmoe.train import TrainConfig, evaluate_accuracy, train_classifier
 
 FRACTIONS = (0.5, 0.25, 0.125)
 
@@ -73,8 +73,8 @@ class VitPreset:
     mlp_dim: int = 128
     total_expert_hidden: int = 512
     moe_residuals: tuple[bool, ...] = (True, False)
-    trainer: TrainerConfig = field(
-        default_factory=lambda: TrainerConfig(
+    trainer: TrainConfig = field(
+        default_factory=lambda: TrainConfig.vision(
             epochs=6, batch_size=128, lr=3e-3, weight_decay=0.05, warmup_epochs=0.5, clip_norm=1.0,
             test_each_epoch=False,
         )
@@ -100,7 +100,7 @@ PRESETS = {
         heads=2,
         mlp_dim=64,
         total_expert_hidden=64,
-        trainer=TrainerConfig(epochs=3, batch_size=64, lr=3e-3, warmup_epochs=0.5, test_each_epoch=False),
+        trainer=TrainConfig.vision(epochs=3, batch_size=64, lr=3e-3, warmup_epochs=0.5, test_each_epoch=False),
         train_limit=None,
         val_limit=None,
         random_seeds=2,
@@ -183,7 +183,7 @@ def run(
         out_dir: results folder (default ``results/vit`` or ``runs/smoke-vit``); checkpoints go to ``out_dir/vit_runs``.
         progress: tqdm bars (and the fallback notice on stderr).
         dist: under torchrun, ``softmoe.distributed.setup_distributed()``: every rank trains data parallel
-            (``softmoe.trainer.fit``), then rank 0 alone evaluates and writes; the other ranks return None.
+            (``softmoe.train.train_classifier``), then rank 0 alone evaluates and writes; the other ranks return None.
     """
     dist = dist or LOCAL
     preset = pick_preset(PRESETS, preset)
@@ -217,7 +217,7 @@ def _run_variant(
     started = time.perf_counter()
     for n in tqdm(preset.experts, desc=f"vit {name}", disable=not progress or not dist.is_main):
         (_, history), seconds = _timed(
-            lambda: fit(
+            lambda: train_classifier(
                 factory(n), splits, preset.trainer, folder / f"n{n:03d}", progress, f"{name} n={n}", dist=dist
             )
         )

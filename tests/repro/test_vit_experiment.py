@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from softmoe.trainer import TrainerConfig
+from softmoe.train import TrainConfig
 from softmoe_repro import vit as experiment
 
 
@@ -18,7 +18,7 @@ def test_experiment_end_to_end_on_a_tiny_preset(tmp_path):
     assert experiment.selection_ks(8) == [4, 2, 1] and experiment.selection_ks(12) == [6, 3]
     preset = experiment.VitPreset(
         "tiny", "digits", experts=(2, 8), patch=4, dim=8, depth=2, heads=2, mlp_dim=8, total_expert_hidden=16,
-        trainer=TrainerConfig(epochs=2, batch_size=64, lr=3e-3, test_each_epoch=False),
+        trainer=TrainConfig.vision(epochs=2, batch_size=64, lr=3e-3, test_each_epoch=False),
         train_limit=192, val_limit=64, test_limit=64, random_seeds=2,
     )
     results = experiment.run(preset, out_dir=tmp_path, progress=False)
