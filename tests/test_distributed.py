@@ -20,12 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from softmoe import SoftMoE
-from softmoe.checkpoint import load_tensors, optimizer_tensors, save_tensors
+from softmoe.checkpoint import load_tensors, save_tensors
 from softmoe.distributed import (
     LOCAL,
     DistContext,
     ExpertParallelExperts,
     all_to_all,
+    clip_grad_norm_,
     data_parallel,
     full_optimizer_tensors,
     full_state_dict,
@@ -201,7 +202,7 @@ def _worker_main(rank: int, world: int, out_dir: Path) -> dict:
             "backend_after": layer.backend_for(probe).name,
             "out": out.detach(),
             "x_grad": x_local.grad,
-            "grads": {name: p.grad for name, p in layer.named_parameters()},
+            "grads": {name: _local(p.grad) for name, p in layer.named_parameters()},
             "offset": layer.experts.expert_offset,
         }
 
@@ -228,9 +229,11 @@ def _worker_main(rank: int, world: int, out_dir: Path) -> dict:
         resumed = ctx.prepare(resumed)
         optimizer = torch.optim.Adam(resumed.parameters(), lr=1e-2)
         main = ctx.is_main
-        load_full_state_dict(resumed, load_tensors(out_dir / f"{mode}_model.safetensors") if main else None, src=0)
+        load_full_state_dict(
+            resumed, load_tensors(out_dir / f"{mode}_model.safetensors") if main else None, from_rank0=True
+        )
         flat = load_tensors(out_dir / f"{mode}_optim.safetensors") if main else None
-        load_full_optimizer_tensors(resumed, optimizer, flat, src=0)
+        load_full_optimizer_tensors(resumed, optimizer, flat, from_rank0=True)
         train_steps(resumed, optimizer, batches[2:], ctx)
         results[f"{mode}_step3"] = full_state_dict(resumed, rank0_only=False)
 
@@ -243,6 +246,13 @@ def _worker_main(rank: int, world: int, out_dir: Path) -> dict:
 
     results["metrics"] = reduce_metrics({"loss": 0.5 + rank, "seen": 3 + rank})
     return results
+
+
+def _local(tensor):
+    """A rank's own part of a tensor (a sharded DTensor's local slice), to send back to the test process."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _expect_error(errors: dict, name: str, fn) -> None:
@@ -270,7 +280,7 @@ def _worker_bad(rank: int, world: int, out_dir: Path) -> dict:
     sharded = shard_experts(SoftMoE(8, 4))
     _expect_error(errors, "twice", lambda: shard_experts(sharded))
     other = SoftMoE(8, 6).state_dict() if rank == 0 else None  # a checkpoint of 6 experts, read by rank 0
-    _expect_error(errors, "checkpoint_experts", lambda: load_full_state_dict(sharded, other, src=0))
+    _expect_error(errors, "checkpoint_experts", lambda: load_full_state_dict(sharded, other, from_rank0=True))
     # The process group still works after the errors: nothing is left half-way in a collective.
     total = torch.tensor([1.0])
     dist.all_reduce(total)
@@ -332,14 +342,11 @@ def test_expert_parallel_matches_single_process(main_results, case):
         assert offset == rank * n_local
         reference = dict(layer.named_parameters())
         for name, grad in result["grads"].items():
-            if ".shard." in name:
-                full = reference[name.replace("shard.", "")].grad[offset : offset + n_local]
-            else:
-                full = reference[name].grad
+            full = reference[name].grad
+            if name.startswith("experts."):  # this rank's slice of the expert axis
+                full = full[offset : offset + n_local]
             _close(grad, full, tol, f"{case} rank {rank} grad of {name}")
-        assert set(result["grads"]) == {
-            n if "experts." not in n else n.replace("experts.", "experts.shard.") for n in reference
-        }
+        assert set(result["grads"]) == set(reference)  # the names of the unsharded layer
     if case == "mlp_f32_token_space":
         assert results[0][case]["backend_before"] == "tokens"  # the full layer would have used the token-space rewrite
 
@@ -368,7 +375,7 @@ def test_two_training_steps_match_one_process(main_results, mode):
     assert results[1][f"{mode}_state_on_rank"] == 0  # rank 0 only
     # The optimizer state is written in the single-process format, so training resumes on any world size.
     saved_optim = load_tensors(out_dir / f"{mode}_optim.safetensors")
-    expected_optim = optimizer_tensors(optimizer)
+    expected_optim = full_optimizer_tensors(model, optimizer)
     assert set(saved_optim) == set(expected_optim)
     for key, value in expected_optim.items():
         _close(saved_optim[key], value.to(saved_optim[key].dtype), 1e-9, f"{mode} optimizer {key}")
@@ -419,7 +426,7 @@ def test_bad_configurations_raise_on_every_rank(tmp_path):
         "batch": "must be divisible by the number of ranks 2",
         "one_rank_wrong": "shard_experts: rank 1: Linear has no SoftMoE layer",
         "twice": "rank 0: the experts of layer '<model>' are already sharded",
-        "checkpoint_experts": "experts.weight1: expected a leading expert axis of size 4, got shape (6, 8, 32)",
+        "checkpoint_experts": "experts.weight1: expected shape (4, 8, 32), got (6, 8, 32)",
     }
     for rank, errors in enumerate(results):
         for name, text in expected.items():
@@ -480,30 +487,44 @@ def fit_config():
     )
 
 
-def _worker_fit(rank: int, world: int, out_dir: Path) -> dict:
+def _fit_first_epoch(rank: int, world: int, out_dir: Path, expert_parallel: bool) -> dict:
+    """Epoch 1 of the vision recipe on ``world`` ranks, then an interruption on every rank."""
     import softmoe.train as train
 
     train_epoch = train._train_epoch
 
-    def first_epoch_only(*args, **kwargs):  # an interruption after epoch 1, on every rank
+    def first_epoch_only(*args, **kwargs):
         if args[5] > 1:
             raise _Interrupted
         return train_epoch(*args, **kwargs)
 
     train._train_epoch = first_epoch_only
+    ctx = DistContext(rank, world, expert_parallel=expert_parallel)
     try:
-        train.train_classifier(fit_factory, fit_splits(), fit_config(), out_dir / "run", progress=False, dist=DistContext(rank, world))
+        train.train_classifier(fit_factory, fit_splits(), fit_config(), out_dir / "run", progress=False, dist=ctx)
     except _Interrupted:
         pass
     return {"files": sorted(p.name for p in (out_dir / "run").iterdir()) if rank == 0 else None}
 
 
+def _worker_fit(rank: int, world: int, out_dir: Path) -> dict:
+    return _fit_first_epoch(rank, world, out_dir, expert_parallel=False)
+
+
+def _worker_fit_expert_parallel(rank: int, world: int, out_dir: Path) -> dict:
+    return _fit_first_epoch(rank, world, out_dir, expert_parallel=True)
+
+
 @pytest.mark.slow
-def test_fit_two_ranks_match_one_process_and_resume(tmp_path):
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["data_parallel", "expert_parallel"])
+def test_fit_two_ranks_match_one_process_and_resume(tmp_path, expert_parallel):
+    """Epoch 1 on two ranks (DDP; or DDP with sharded experts, whose clipping uses the whole gradient's norm) equals
+    one process, and its checkpoint (weights and AdamW state, gathered by torch.distributed.checkpoint) resumes in
+    one process to the same end."""
     from softmoe.runs import finished_epochs, load_epoch
     from softmoe.train import train_classifier as fit
 
-    results = run_ranks(_worker_fit, tmp_path)
+    results = run_ranks(_worker_fit_expert_parallel if expert_parallel else _worker_fit, tmp_path)
     assert results[0]["files"] == [
         ".lock", "epoch_001.json", "epoch_001.safetensors", "metrics.csv", "optimizer_001.safetensors", "run.json"
     ]
@@ -513,6 +534,11 @@ def test_fit_two_ranks_match_one_process_and_resume(tmp_path):
     assert saved.keys() == after_one.keys()
     for key, value in after_one.items():
         _close(saved[key], value, 1e-5, f"epoch 1 on two ranks: {key}")
+    saved_optimizer = load_tensors(tmp_path / "run" / "optimizer_001.safetensors")
+    reference_optimizer = load_tensors(tmp_path / "reference" / "optimizer_001.safetensors")
+    assert saved_optimizer.keys() == reference_optimizer.keys()
+    for key, value in reference_optimizer.items():
+        _close(saved_optimizer[key], value, 1e-5, f"optimizer state after epoch 1 on two ranks: {key}")
     two_rank_epoch = finished_epochs(tmp_path / "run")[0]
     assert two_rank_epoch["train_loss"] == pytest.approx(reference_history[0]["train_loss"], abs=1e-5)
     assert two_rank_epoch["val_accuracy"] == pytest.approx(reference_history[0]["val_accuracy"])
@@ -520,6 +546,71 @@ def test_fit_two_ranks_match_one_process_and_resume(tmp_path):
     assert len(history) == 2
     for key, value in reference.state_dict().items():
         _close(resumed.state_dict()[key], value, 1e-5, f"resumed in one process: {key}")
+
+
+def _worker_clip(rank: int, world: int, out_dir: Path) -> dict:
+    """Gradients of one global batch with sharded experts, clipped by the norm of the whole gradient."""
+    ctx = DistContext(rank, world, expert_parallel=True)
+    model = ctx.prepare(make_classifier())
+    train_steps(model, _NoStep(), classifier_batches()[:1], ctx)
+    total = clip_grad_norm_(model.parameters(), 0.01)
+    grads = {name: _local(p.grad) for name, p in model.module.named_parameters()}
+    return {"total": total, "grads": grads, "offset": model.module.moe.experts.expert_offset}
+
+
+class _NoStep:
+    """An optimizer that only clears gradients: train_steps leaves the gradients of its last batch."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_clipping_uses_the_norm_of_the_whole_gradient(tmp_path):
+    results = run_ranks(_worker_clip, tmp_path)
+    model = make_classifier()
+    train_steps(model, _NoStep(), classifier_batches()[:1])
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    assert float(total) > 0.01  # the clip is active
+    reference = {name: p.grad for name, p in model.named_parameters()}
+    for rank, result in enumerate(results):
+        _close(result["total"], total, 1e-12, f"rank {rank} total norm")
+        for name, grad in result["grads"].items():
+            expected = reference[name]
+            if ".experts." in name:
+                expected = expected[result["offset"] : result["offset"] + grad.shape[0]]
+            _close(grad, expected, 1e-12, f"rank {rank} clipped gradient of {name}")
+
+
+def _worker_four_ranks(rank: int, world: int, out_dir: Path) -> dict:
+    """Two Adam steps with one expert per rank; the full checkpoint is written by rank 0."""
+    ctx = DistContext(rank, world, expert_parallel=True)
+    model = ctx.prepare(make_classifier())
+    assert model.module.moe.experts.num_local_experts == 1
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train_steps(model, optimizer, classifier_batches()[:2], ctx)
+    state, optim = full_state_dict(model), full_optimizer_tensors(model, optimizer)
+    if ctx.is_main:
+        save_tensors(out_dir / "model.safetensors", state)
+        save_tensors(out_dir / "optim.safetensors", optim)
+    return {"entries": len(state)}
+
+
+@pytest.mark.slow
+def test_a_model_trained_on_four_ranks_resumes_in_one_process(tmp_path):
+    results = run_ranks(_worker_four_ranks, tmp_path, world=4)
+    assert [r["entries"] for r in results][1:] == [0, 0, 0]  # written by rank 0 only
+    model = make_classifier()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    load_full_state_dict(model, load_tensors(tmp_path / "model.safetensors"))
+    load_full_optimizer_tensors(model, optimizer, load_tensors(tmp_path / "optim.safetensors"))
+    train_steps(model, optimizer, classifier_batches()[2:])
+    reference, _ = _reference_training(classifier_batches())  # three steps in one process
+    for key, value in reference.state_dict().items():
+        _close(model.state_dict()[key], value, 1e-9, f"trained on 4 ranks, resumed on 1: {key}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

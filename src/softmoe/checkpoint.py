@@ -113,22 +113,3 @@ def run_lock(folder: str | Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The optimizer's per-parameter state flattened to ``state.{param_index}.{name}`` tensors."""
-    flat = {}
-    for index, state in optimizer.state_dict()["state"].items():
-        for name, value in state.items():
-            flat[f"state.{index}.{name}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-    return flat
-
-
-def load_optimizer_tensors(optimizer: torch.optim.Optimizer, flat: dict[str, torch.Tensor]) -> None:
-    """Inverse of :func:`optimizer_tensors` (hyper-parameters come from the optimizer as constructed)."""
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in flat.items():
-        _, index, name = key.split(".", 2)
-        state.setdefault(int(index), {})[name] = value
-    current = optimizer.state_dict()
-    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})

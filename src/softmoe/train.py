@@ -33,6 +33,7 @@ from softmoe.data.augment import Augment, mixup
 from softmoe.distributed import (
     LOCAL,
     DistContext,
+    clip_grad_norm_,
     full_optimizer_tensors,
     full_state_dict,
     load_full_optimizer_tensors,
@@ -306,7 +307,7 @@ def _train(model_factory, splits, config, run_dir, progress, description, dist, 
         if len(history) < config.epochs:
             if saved_optimizer is not None:
                 saved_optimizer = {key: value.to(dist.device) for key, value in saved_optimizer.items()}
-            load_full_optimizer_tensors(model, optimizer, saved_optimizer, src=0)
+            load_full_optimizer_tensors(model, optimizer, saved_optimizer, from_rank0=True)
     board = _tensorboard_writer(run_dir) if config.tensorboard and len(history) < config.epochs and dist.is_main else None
     bar = tqdm(
         total=config.epochs * steps,
@@ -386,7 +387,7 @@ def _train_epoch(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP averages the gradients over the ranks here
             if config.clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
+                clip_grad_norm_(model.parameters(), config.clip_norm)  # of the whole gradient, expert shards included
             rate = schedule.apply(optimizer)
             optimizer.step()
             schedule.step()

@@ -1,7 +1,7 @@
 """Scale-out on torch.distributed: data parallel training and expert parallel Soft MoE layers, one concern per
 module: ``context`` (torchrun set-up, the process-group context, DDP), ``communication`` (the differentiable
 all_to_all and its recorder), ``expert_parallel`` (sharded expert banks), ``checkpoints`` (gathered and scattered
-state, so a model trained on 4 ranks loads on 1).
+state through torch.distributed.checkpoint, so a model trained on 4 ranks loads on 1).
 
 The core (``SoftMoE``, the expert banks, the training loop) stays single-device; everything here is layered on top
 and uses only torch.distributed (gloo on CPU, NCCL on GPU) under ``torchrun``.
@@ -32,10 +32,12 @@ Gradient convention
     :meth:`DistContext.global_mean` when parts differ in size).
 
 Checkpoints
-    :func:`full_state_dict` and :func:`full_optimizer_tensors` gather the shards into exactly the state of the
-    unsharded single-process model (the same keys and shapes), so a checkpoint written on 4 ranks loads on 1 and
-    the other way round; :func:`load_full_state_dict` and :func:`load_full_optimizer_tensors` give each rank its
-    slice, either from a full state present on every rank or scattered from one rank.
+    Expert shards are DTensors (``Shard(0)`` over the group's device mesh) registered under the bank's own names,
+    so ``torch.distributed.checkpoint``'s state-dict helpers see the unsharded model. :func:`full_state_dict` and
+    :func:`full_optimizer_tensors` gather exactly the state of the single-process model (the same keys and shapes),
+    so a checkpoint written on 4 ranks loads on 1 and the other way round; :func:`load_full_state_dict` and
+    :func:`load_full_optimizer_tensors` give each rank its slice, from a full state present on every rank or
+    broadcast from rank 0. :func:`clip_grad_norm_` clips by the norm of the whole gradient, shards included.
 """
 
 from softmoe.distributed.communication import (
@@ -52,6 +54,7 @@ from softmoe.distributed.context import (
 )
 from softmoe.distributed.expert_parallel import (
     ExpertParallelExperts,
+    clip_grad_norm_,
     data_parallel,
     expert_parallel_modules,
     shard_experts,
@@ -70,6 +73,7 @@ __all__ = [
     "DistContext",
     "ExpertParallelExperts",
     "all_to_all",
+    "clip_grad_norm_",
     "data_parallel",
     "expert_parallel_modules",
     "full_optimizer_tensors",

@@ -1,216 +1,134 @@
-"""Checkpoints of expert-parallel models: the full single-process state, gathered on save and scattered on load.
+"""Checkpoints of distributed models: the full single-process state, through ``torch.distributed.checkpoint``.
 
-:func:`full_state_dict` and :func:`full_optimizer_tensors` gather the shards into exactly the state of the
-unsharded single-process model (the same keys and shapes), so a checkpoint written on 4 ranks loads on 1 and
-the other way round; :func:`load_full_state_dict` and :func:`load_full_optimizer_tensors` give each rank its
-slice, either from a full state present on every rank or scattered from one rank.
+Sharded expert banks hold DTensors (:class:`~softmoe.distributed.ExpertParallelExperts`), so the state-dict helpers
+of ``torch.distributed.checkpoint.state_dict`` gather them into exactly the state of the unsharded single-process
+model (the same keys and shapes) and give each rank its slice on load: a checkpoint written on 4 ranks loads on 1
+and the other way round. The same functions serve a data-parallel model and a single process (no process group).
+
+Optimizer state travels as flat tensors keyed ``state.<parameter name>.<state name>`` (e.g.
+``state.moe.phi.exp_avg``), which is what the training loop writes with safetensors; hyper-parameters come from
+the optimizer as constructed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from softmoe.checkpoint import load_optimizer_tensors, optimizer_tensors
-from softmoe.distributed.communication import _active, _collective_device
-from softmoe.distributed.expert_parallel import (
-    ExpertParallelExperts,
-    _group_members,
-    _join,
-    expert_parallel_modules,
-    unwrap,
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 
-
-def _shard_keys(module: nn.Module) -> dict[str, tuple[str, ExpertParallelExperts]]:
-    """Full-model key -> (sharded key, module) for every tensor of every sharded expert bank."""
-    keys = {}
-    for name, m in expert_parallel_modules(module):
-        for local_key in m.shard.state_dict():
-            keys[_join(name, local_key)] = (_join(name, f"shard.{local_key}"), m)
-    return keys
-
-
-def _gather_shards(tensor: torch.Tensor, module: ExpertParallelExperts, rank0_only: bool) -> torch.Tensor | None:
-    tensor = tensor.detach().contiguous()
-    if module.group_size == 1:
-        return tensor.clone()
-    if rank0_only:
-        pieces = [torch.empty_like(tensor) for _ in range(module.group_size)] if module.group_rank == 0 else None
-        dist.gather(tensor, pieces, group=module.group, group_dst=0)
-        return torch.cat(pieces) if pieces is not None else None
-    pieces = [torch.empty_like(tensor) for _ in range(module.group_size)]
-    dist.all_gather(pieces, tensor, group=module.group)
-    return torch.cat(pieces)
-
-
-def _is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+from softmoe.distributed.communication import _active, _collective_device
+from softmoe.distributed.expert_parallel import unwrap
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The state dict of the unsharded, unwrapped model: the same keys and shapes as the single-process model.
 
-    Expert shards are gathered (collective: every rank must call it when the model has sharded experts). With
-    ``rank0_only`` the result is complete on global rank 0 and empty elsewhere; otherwise every rank gets it.
+    Collective in a distributed run (every rank must call it). With ``rank0_only`` the result is complete, on the
+    CPU, on global rank 0 and empty elsewhere; otherwise every rank gets it on its device.
     """
-    module = unwrap(model)
-    state = module.state_dict()
-    sharded = {local_key: (full_key, m) for full_key, (local_key, m) in _shard_keys(module).items()}
-    keep = not rank0_only or _is_main()
-    result = {}
-    for key, value in state.items():
-        if key in sharded:
-            full_key, m = sharded[key]
-            gathered = _gather_shards(value, m, rank0_only)
-            if keep and gathered is not None:
-                result[full_key] = gathered
-        elif keep:
-            result[key] = value
-    return result
-
-
-def _param_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return {id(p): i for i, p in enumerate(params)}
-
-
-def _sharded_optimizer_entries(
-    model: nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[int, tuple[torch.Tensor, ExpertParallelExperts]]:
-    """Optimizer parameter index -> (shard parameter, module) for every sharded expert parameter."""
-    index = _param_index(optimizer)
-    entries = {}
-    for _, m in expert_parallel_modules(model):
-        for p in m.shard.parameters():
-            if id(p) in index:
-                entries[index[id(p)]] = (p, m)
-    return entries
+    options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+    return get_model_state_dict(unwrap(model), options=options)
 
 
 def full_optimizer_tensors(
     model: nn.Module, optimizer: torch.optim.Optimizer, rank0_only: bool = True
 ) -> dict[str, torch.Tensor]:
-    """:func:`softmoe.checkpoint.optimizer_tensors` of the unsharded model (collective under expert parallelism).
+    """The optimizer state of the unsharded model as flat tensors ``state.<parameter>.<name>`` (collective).
 
-    Per-parameter state shaped like a sharded expert parameter (Adam's moments) is gathered along the expert axis;
-    other state (Adam's step) is taken as is. Parameters are indexed in optimizer order, which sharding preserves,
-    so the result loads into the optimizer of the single-process model.
+    ``rank0_only`` as in :func:`full_state_dict`. Non-tensor state (a plain step count) is stored as a 0-d tensor.
     """
-    flat = optimizer_tensors(optimizer)
-    sharded = _sharded_optimizer_entries(model, optimizer)
-    keep = not rank0_only or _is_main()
-    result = {}
-    for key in sorted(flat, key=_optimizer_key_order):
-        value = flat[key]
-        index = int(key.split(".", 2)[1])
-        entry = sharded.get(index)
-        if entry is not None and value.shape == entry[0].shape:
-            gathered = _gather_shards(value, entry[1], rank0_only)
-            if keep and gathered is not None:
-                result[key] = gathered
-        elif keep:
-            result[key] = value
-    return result
+    options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+    state = get_optimizer_state_dict(unwrap(model), optimizer, options=options).get("state", {})
+    return {
+        f"state.{param}.{name}": value if torch.is_tensor(value) else torch.tensor(value)
+        for param, entries in state.items()
+        for name, value in entries.items()
+    }
 
 
-def _optimizer_key_order(key: str) -> tuple[int, str]:
-    _, index, name = key.split(".", 2)
-    return int(index), name
+def _expected_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Key -> global shape of every entry of ``module``'s state dict (a DTensor's shape is the global one)."""
+    return {key: tuple(value.shape) for key, value in module.state_dict().items()}
 
 
-def _slice_for(full: torch.Tensor, module: ExpertParallelExperts, what: str) -> torch.Tensor:
-    if full.dim() == 0 or full.shape[0] != module.num_experts:
-        raise ValueError(
-            f"{what}: expected a leading expert axis of size num_experts={module.num_experts}, got shape "
-            f"{tuple(full.shape)}"
-        )
-    return full[module.expert_offset : module.expert_offset + module.num_local_experts]
+def _shape_problems(module: nn.Module, state: Mapping[str, torch.Tensor] | None) -> str | None:
+    if state is None:
+        return None
+    expected = _expected_shapes(module)
+    problems = [
+        f"{key}: expected shape {expected[key]}, got {tuple(value.shape)}"
+        for key, value in state.items()
+        if key in expected and tuple(value.shape) != expected[key]
+    ]
+    return "; ".join(problems[:4]) or None
 
 
-def _distribute(
-    state: Mapping[str, torch.Tensor] | None,
-    src: int | None,
-    shard_of: Callable[[str, tuple[int, ...]], ExpertParallelExperts | None],
-) -> dict[str, torch.Tensor]:
-    """A full flat state -> this rank's part: the expert slice of sharded entries (``shard_of(key, shape)``), the
-    whole tensor otherwise. ``src=None``: ``state`` is on every rank (no communication); ``src=k``: it is on rank k
-    only, sharded entries are scattered over their group and the others broadcast (collective)."""
-    if src is None or not _active():
-        if state is None:
-            raise ValueError("a full state is needed on this rank (or pass src= the rank that has it)")
-        local = {}
-        for key, value in state.items():
-            module = shard_of(key, tuple(value.shape))
-            local[key] = value if module is None else _slice_for(value, module, key)
-        return local
-    is_src = dist.get_rank() == src
-    if is_src and state is None:
-        raise ValueError(f"rank {src} is the source of the state and must pass it")
-    device = _collective_device()
-    meta = [[(k, tuple(v.shape), v.dtype) for k, v in state.items()] if is_src else None]
-    dist.broadcast_object_list(meta, src=src, device=device)
-    local = {}
-    for key, shape, dtype in meta[0]:  # the same order, checks and collectives on every rank
-        module = shard_of(key, shape)
-        if module is None:
-            if is_src:
-                t = state[key].detach().to(device).contiguous().clone()
-            else:
-                t = torch.empty(shape, dtype=dtype, device=device)
-            dist.broadcast(t, src=src)
-            local[key] = t
-            continue
-        if not shape or shape[0] != module.num_experts:
-            raise ValueError(f"{key}: expected a leading expert axis of size {module.num_experts}, got shape {shape}")
-        members = _group_members(module.group)
-        if src not in members:
-            raise ValueError(f"{key}: the source rank {src} is not in the expert-parallel group {members}")
-        t = torch.empty((module.num_local_experts, *shape[1:]), dtype=dtype, device=device)
-        chunks = list(state[key].detach().to(device).contiguous().chunk(module.group_size)) if is_src else None
-        dist.scatter(t, chunks, group=module.group, group_src=members.index(src))
-        local[key] = t
-    return local
+def _raise_everywhere(problem: str | None, from_rank0: bool) -> None:
+    """Raise ``problem`` (found on rank 0 when ``from_rank0``) as a ValueError on every rank (collective)."""
+    if from_rank0:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0, device=_collective_device())
+        problem = box[0]
+    if problem is not None:
+        raise ValueError(f"the checkpoint does not fit this model: {problem}")
 
 
 def load_full_state_dict(
-    model: nn.Module, state: Mapping[str, torch.Tensor] | None, src: int | None = None, strict: bool = True
+    model: nn.Module, state: Mapping[str, torch.Tensor] | None, from_rank0: bool = False, strict: bool = True
 ):
     """Load a full (unsharded) state dict into ``model``, each sharded expert bank taking its slice.
 
-    ``src=None``: every rank passes the full state (for instance each read the checkpoint file); no communication.
-    ``src=k``: only rank k passes it (others pass None); expert tensors are scattered (each rank receives only its
-    experts) and the other tensors broadcast (collective). Returns what ``load_state_dict`` returns.
+    ``from_rank0=False``: every rank passes the full state (for instance each read the checkpoint file).
+    ``from_rank0=True``: only global rank 0 passes it (the others pass None) and it is broadcast (collective).
+    A tensor of another shape than the model's raises the same ValueError on every rank, before anything loads.
+    Returns what ``load_state_dict`` returns.
     """
     module = unwrap(model)
-    keys = _shard_keys(module)
-    local = _distribute(state, src, lambda key, shape: keys[key][1] if key in keys else None)
-    for full_key, (local_key, _) in keys.items():
-        if full_key in local:
-            local[local_key] = local.pop(full_key)
-    return module.load_state_dict(local, strict=strict)
+    from_rank0 = from_rank0 and _active()
+    main = not from_rank0 or dist.get_rank() == 0
+    if main and state is None:
+        raise ValueError("a full state is needed on this rank (or pass from_rank0=True and the state on rank 0)")
+    _raise_everywhere(_shape_problems(module, state) if main else None, from_rank0)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0, strict=strict)
+    return set_model_state_dict(module, dict(state) if main else {}, options=options)
 
 
 def load_full_optimizer_tensors(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     flat: Mapping[str, torch.Tensor] | None,
-    src: int | None = None,
+    from_rank0: bool = False,
 ) -> None:
-    """Inverse of :func:`full_optimizer_tensors`: load the unsharded optimizer state, slicing sharded entries.
+    """Inverse of :func:`full_optimizer_tensors`: load the unsharded optimizer state, each rank taking its slice.
 
-    ``src`` as in :func:`load_full_state_dict`. Works unchanged on a model without sharded experts (data parallel
-    or single process), so a run resumes with any world size.
+    ``from_rank0`` as in :func:`load_full_state_dict`. Works unchanged on a data-parallel model and in a single
+    process, so a run resumes with any world size.
     """
-    sharded = _sharded_optimizer_entries(model, optimizer)
-
-    def shard_of(key: str, shape: tuple[int, ...]) -> ExpertParallelExperts | None:
-        entry = sharded.get(int(key.split(".", 2)[1]))
-        if entry is not None and len(shape) > 0 and shape[1:] == tuple(entry[0].shape[1:]):
-            return entry[1]
-        return None
-
-    load_optimizer_tensors(optimizer, _distribute(flat, src, shard_of))
+    module = unwrap(model)
+    from_rank0 = from_rank0 and _active()
+    main = not from_rank0 or dist.get_rank() == 0
+    if main and flat is None:
+        raise ValueError("a full optimizer state is needed on this rank (or pass from_rank0=True)")
+    state_dict = {}
+    if main:
+        names = {id(p): name for name, p in module.named_parameters()}
+        groups = [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+            for group in optimizer.param_groups
+        ]
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in flat.items():
+            param, name = key.removeprefix("state.").rsplit(".", 1)
+            state.setdefault(param, {})[name] = value
+        state_dict = {"state": state, "param_groups": groups}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0)
+    set_optimizer_state_dict(module, optimizer, state_dict, options=options)

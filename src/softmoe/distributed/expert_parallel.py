@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from softmoe.backends import ReferenceOnly
@@ -77,9 +79,11 @@ class ExpertParallelExperts(ReferenceOnly, nn.Module):
     group owns experts ``[k * num_local_experts, (k + 1) * num_local_experts)``. Every rank of the group must call
     it together (and, when training, run the backward pass together).
 
-    The local bank is kept as the child module ``shard`` (the original bank, sliced in place), so its parameters are
-    named ``<layer>.experts.shard.<name>``; :func:`full_state_dict` maps them back to ``<layer>.experts.<name>``.
-    With ``average_gradients`` the shard's gradients are divided by the group size, matching DDP's averaging of the
+    The bank's stacked tensors become this module's own, under the same names, as DTensors sharded along the expert
+    axis over the group's device mesh (``Shard(0)``): the state dict has the keys and global shapes of the unsharded
+    model, and ``torch.distributed.checkpoint`` gathers and scatters them (:mod:`softmoe.distributed.checkpoints`).
+    The bank itself (child ``bank``) keeps no tensors; it runs on this rank's slices (``to_local``). With
+    ``average_gradients`` the shard's gradients are divided by the group size, matching DDP's averaging of the
     replicated parameters (see the module docstring).
 
     Build it with :func:`shard_experts`, which validates the configuration on every rank first.
@@ -102,27 +106,37 @@ class ExpertParallelExperts(ReferenceOnly, nn.Module):
         self.num_local_experts = experts.num_experts // size
         self.expert_offset = rank * self.num_local_experts
         self.grad_scale = 1.0 / size if average_gradients else 1.0
+        device = tensors[0][1].device if tensors else torch.device("cpu")
+        self.mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device.type)
         local = slice(self.expert_offset, self.expert_offset + self.num_local_experts)
         for name, tensor, is_parameter in tensors:
             piece = tensor.detach()[local].clone()
+            sharded = DTensor.from_local(piece, self.mesh, [Shard(0)], run_check=False, shape=tensor.shape,
+                                         stride=tensor.stride())
+            persistent = name not in experts._non_persistent_buffers_set
+            delattr(experts, name)
             if is_parameter:
-                setattr(experts, name, nn.Parameter(piece, requires_grad=tensor.requires_grad))
+                self.register_parameter(name, nn.Parameter(sharded, requires_grad=tensor.requires_grad))
             else:
-                experts.register_buffer(name, piece, persistent=name not in experts._non_persistent_buffers_set)
+                self.register_buffer(name, sharded, persistent=persistent)
         experts.num_experts = self.num_local_experts
-        self.shard = experts
+        self.bank = experts
+
+    def local_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's slices of the bank's tensors (differentiable; gradients scaled by ``grad_scale``)."""
+        scale = self.grad_scale if torch.is_grad_enabled() else 1.0
+        local = {}
+        for name, p in self.named_parameters(recurse=False):
+            local[name] = p.to_local() if scale == 1.0 else _ScaleGrad.apply(p.to_local(), scale)
+        for name, b in self.named_buffers(recurse=False):
+            local[name] = b.to_local()
+        return local
 
     def _rows_of_group(self, rows: int, device: torch.device) -> list[int]:
         mine = torch.tensor([rows], dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(self.group_size)]
         _timed("rows", device, self.group, 0, lambda: dist.all_gather(gathered, mine, group=self.group))
         return torch.cat(gathered).tolist()  # one device sync
-
-    def _run_local(self, slots: torch.Tensor) -> torch.Tensor:
-        if self.grad_scale == 1.0 or not torch.is_grad_enabled():
-            return self.shard(slots)
-        params = {name: _ScaleGrad.apply(p, self.grad_scale) for name, p in self.shard.named_parameters()}
-        return torch.func.functional_call(self.shard, params, (slots,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (num_experts, rows, dim) slots of this rank, grouped by expert -> expert outputs, same shape."""
@@ -138,7 +152,7 @@ class ExpertParallelExperts(ReferenceOnly, nn.Module):
         received = all_to_all(x.reshape(-1), recv_sizes, send_sizes, self.group)
         pieces = [piece.view(local, r, dim) for piece, r in zip(received.split(recv_sizes), group_rows)]
         slots = pieces[0] if size == 1 else torch.cat(pieces, dim=1)  # (local experts, rows of all ranks, dim)
-        out = self._run_local(slots)
+        out = torch.func.functional_call(self.bank, self.local_tensors(), (slots,))
         back = torch.cat([piece.reshape(-1) for piece in out.split(group_rows, dim=1)])
         returned = all_to_all(back, send_sizes, recv_sizes, self.group)
         return returned.view(self.num_experts, rows, dim)
@@ -154,6 +168,26 @@ class ExpertParallelExperts(ReferenceOnly, nn.Module):
             f"num_experts={self.num_experts}, local_experts=[{self.expert_offset}, "
             f"{self.expert_offset + self.num_local_experts}), group_size={self.group_size}"
         )
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for models whose expert shards are DTensors; returns the total norm.
+
+    The norm is that of the whole, unsharded gradient (each shard's norm is reduced over its mesh), so every rank
+    scales by the same factor and the update equals the single-process one. Without sharded gradients it is
+    torch's function.
+    """
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters]
+    if not any(isinstance(g, DTensor) for g in grads):
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    norms = [torch.linalg.vector_norm(g) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in grads:
+            g.mul_(scale)
+    return total
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -284,8 +318,8 @@ def data_parallel(model: nn.Module, device: torch.device | str | None = None, pr
                 f"{name}: experts are sharded over {module.group_size} ranks but data parallelism spans {world}; "
                 "shard the experts over the data parallel group (expert replicas would not be synchronized)"
             )
-        ignore += [_join(name, f"shard.{n}") for n, _ in module.shard.named_parameters()]
-        ignore += [_join(name, f"shard.{n}") for n, _ in module.shard.named_buffers()]
+        ignore += [_join(name, n) for n, _ in module.named_parameters(recurse=False)]
+        ignore += [_join(name, n) for n, _ in module.named_buffers(recurse=False)]
     if ignore:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
     device = torch.device(device) if device is not None else next(model.parameters()).device
