@@ -40,9 +40,15 @@ def small_moe_vit() -> ViT:
 
 
 @pytest.mark.slow
-def test_algorithm1_on_a_soft_moe_vit_compiles_once_with_fullgraph():
+@pytest.mark.parametrize(
+    "selection",
+    [dict(k=2), dict(strategy="mass", tau=0.3), dict(strategy="budget", k=3)],
+    ids=["algorithm1", "mass", "budget"],
+)
+def test_algorithm1_on_a_soft_moe_vit_compiles_once_with_fullgraph(selection):
     """select_experts inference compiled with fullgraph (inductor): 20 random inputs, each with its own pattern of
-    selected experts, take at most 2 compilations and give eager's outputs."""
+    selected experts (and, for the adaptive strategies, of expert counts), take at most 2 compilations and give
+    eager's outputs."""
     model = small_moe_vit()
     eager = copy.deepcopy(model)  # watched by a hook that records each input's selection (a host read)
     patterns = set()
@@ -54,7 +60,7 @@ def test_algorithm1_on_a_soft_moe_vit_compiles_once_with_fullgraph():
     recorder = Recorder(inductor=True)
     compiled = torch.compile(model, backend=recorder, fullgraph=True)
     generator = torch.Generator().manual_seed(1)
-    with torch.no_grad(), select_experts(model, k=2), select_experts(eager, k=2):
+    with torch.no_grad(), select_experts(model, **selection), select_experts(eager, **selection):
         for _ in range(20):
             images = torch.randn(4, 3, 16, 16, generator=generator)
             torch.testing.assert_close(compiled(images), eager(images), atol=1e-5, rtol=1e-5)

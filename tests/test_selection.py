@@ -23,6 +23,8 @@ from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.selection import (
     Selector,
     combine_scores,
+    experts_by_budget,
+    experts_by_mass,
     mask_from_subsets,
     random_subsets,
     resolve_k,
@@ -817,8 +819,8 @@ def test_strategy_without_k(strategy):
     [
         (torch.tensor([[0, 1], [2, 2], [3, 4]]), r"must not repeat an expert"),
         (torch.tensor([[5, 1, 5], [0, 1, 2], [3, 4, 6]]), r"must not repeat an expert"),
-        (torch.tensor([[0, 8], [1, 2], [3, 4]]), r"indices must lie in \[0, 8\), got \[\[0, 8\]"),
-        (torch.tensor([[0, -1], [1, 2], [3, 4]]), r"indices must lie in \[0, 8\), got \[\[0, -1\]"),
+        (torch.tensor([[0, 8], [1, 2], [3, 4]]), r"indices must lie in \[0, 8\) \(or be -1, unused\), got \[\[0, 8\]"),
+        (torch.tensor([[0, -2], [1, 2], [3, 4]]), r"indices must lie in \[0, 8\) \(or be -1, unused\), got \[\[0, -2\]"),
         (torch.tensor([[0, 1], [1, 2]]), r"shape \(batch=3, k\), got torch\.int64 \(2, 2\)"),
         (torch.tensor([[0, 1], [1, 2], [3, 4]], dtype=torch.int32), r"int64.*got torch\.int32 \(3, 2\)"),
         (torch.tensor([0, 1, 2]), r"shape \(batch=3, k\), got torch\.int64 \(3,\)"),
@@ -900,3 +902,158 @@ def test_fast_path_with_large_expert_kernels_equals_masked_reference(k, batch, m
     finally:
         torch.set_num_threads(threads)
     assert (fast - ref).abs().max().item() < 1e-5
+
+
+# --------------------------------------------------------------- 9. adaptive strategies: per-input expert counts
+
+
+def shares_combine(shares):
+    """A combine tensor (batch, 1 token, n, 1 slot) whose per-expert sums are the given rows of shares."""
+    return torch.tensor(shares, dtype=torch.float64)[:, None, :, None]
+
+
+def test_mass_golden_values():
+    combine = shares_combine([[0.05, 0.5, 0.15, 0.3], [0.25, 0.25, 0.25, 0.25]])
+    assert experts_by_mass(combine, 0.7, 1, 4).tolist() == [[1, 3, -1, -1], [0, 1, 2, -1]]  # ties: low index
+    assert experts_by_mass(combine, 0.85, 1, 4).tolist() == [[1, 2, 3, -1], [0, 1, 2, 3]]
+    assert experts_by_mass(combine, 0.85, 1, 2).tolist() == [[1, 3], [0, 1]]  # k_max caps
+    assert experts_by_mass(combine, 0.4, 2, 4).tolist() == [[1, 3, -1, -1], [0, 1, -1, -1]]  # k_min floors
+    assert experts_by_mass(combine, 1.0, 1, 4).tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+def test_budget_gives_spread_inputs_more_experts():
+    peaked, spread = [0.85, 0.05, 0.05, 0.05], [0.3, 0.25, 0.25, 0.2]
+    combine = shares_combine([peaked, spread, peaked, spread])
+    chosen = experts_by_budget(combine, 2.5, 1, 4)  # 10 experts in all over 4 inputs
+    counts = (chosen >= 0).sum(dim=1).tolist()
+    assert sum(counts) == 10 and counts == [1, 4, 1, 4]
+    assert chosen.tolist()[0] == [0, -1, -1, -1]
+    assert (experts_by_budget(combine, 2.5, 2, 3) >= 0).sum(dim=1).tolist() == [2, 3, 2, 3]  # bounds hold
+    assert (experts_by_budget(combine, 1, 1, 4) >= 0).sum(dim=1).tolist() == [1, 1, 1, 1]
+    assert (experts_by_budget(combine, 4, 1, 4) >= 0).sum(dim=1).tolist() == [4, 4, 4, 4]
+
+
+def adaptive_layer(p, dtype=torch.float64):
+    layer = make_layer(p, dtype)
+    with torch.no_grad():
+        layer.scale.fill_(12.0)  # peaked routing: the inputs need different numbers of experts
+    return layer
+
+
+@pytest.mark.parametrize("renormalize", [False, True], ids=["raw", "renorm"])
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
+@pytest.mark.parametrize("custom", [False, True], ids=["mlp", "custom"])
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("setting", [("mass", 0.6), ("mass", 0.9), ("budget", 3)], ids=["mass0.6", "mass0.9", "budget3"])
+def test_adaptive_fast_path_equals_masked_reference(setting, p, custom, padded, renormalize):
+    strategy, value = setting
+    layer = make_layer(p, torch.float64, custom=custom) if custom else adaptive_layer(p)
+    with torch.no_grad():
+        layer.scale.fill_(12.0)
+    x = make_input(torch.float64, batch=6)
+    mask = padding_mask(6) if padded else None
+    kwargs = {"tau": value} if strategy == "mass" else {"k": value}
+    with torch.no_grad(), select_experts(layer, strategy=strategy, renormalize=renormalize, **kwargs) as layers:
+        records = capture_selections(layers)
+        out = layer(x, mask)
+    selected = records[id(layer)][0]
+    counts = (selected >= 0).sum(dim=1)
+    assert len(set(counts.tolist())) > 1, f"the inputs should keep different numbers of experts: {counts.tolist()}"
+    reference = masked_reference_forward(layer, x, selected, mask, renormalize)
+    torch.testing.assert_close(out, reference, atol=1e-10, rtol=1e-10)
+    if strategy == "budget":
+        assert int(counts.sum()) == value * 6
+
+
+def test_adaptive_selection_skips_the_work_of_dropped_experts(monkeypatch):
+    p = 2
+    layer = adaptive_layer(p)
+    x = make_input(torch.float64, batch=6)
+    block_rows = []
+    original_product = grouped_mm_module.group_product
+
+    def group_product(x, w):
+        block_rows.append(x.shape[0])
+        return original_product(x, w)
+
+    monkeypatch.setattr(grouped_mm_module, "group_product", group_product)
+    with torch.no_grad(), select_experts(layer, strategy="mass", tau=0.7) as layers:
+        records = capture_selections(layers)
+        layer(x)
+    selected = records[id(layer)][0]
+    kept = selected[selected >= 0]
+    per_expert = torch.bincount(kept, minlength=N) * p
+    assert kept.numel() < selected.numel()  # some places are unused ...
+    assert block_rows == [c for c in per_expert.tolist() if c > 0] * 2  # ... and no product reads them
+    assert sum(block_rows) == 2 * p * kept.numel()
+
+
+@pytest.mark.parametrize("custom", [False, True], ids=["mlp", "custom"])
+def test_tau_one_is_every_expert_and_tau_near_zero_is_k_min(custom):
+    layer = make_layer(2, torch.float64, custom=custom)
+    x = make_input(torch.float64, batch=5)
+    with torch.no_grad():
+        plain = layer(x)
+        with select_experts(layer, strategy="mass", tau=1.0) as layers:
+            records = capture_selections(layers)
+            every = layer(x)
+        assert (records[id(layer)][0] >= 0).all()
+        torch.testing.assert_close(every, plain, atol=1e-10, rtol=1e-10)
+        for k_min in (1, 3):
+            with select_experts(layer, strategy="mass", tau=1e-9, k_min=k_min) as layers:
+                records = capture_selections(layers)
+                fewest = layer(x)
+            selected = records[id(layer)][0]
+            assert (selected >= 0).sum(dim=1).tolist() == [k_min] * 5
+            assert torch.equal(selected[:, :k_min], top_k_by_combine(layer.route(x).combine, k_min))
+            torch.testing.assert_close(fewest, masked_reference_forward(layer, x, selected), atol=1e-10, rtol=1e-10)
+
+
+def test_adaptive_selection_gradients():
+    layer = adaptive_layer(1)
+    x = make_input(torch.float64, batch=4).requires_grad_()
+    selected = torch.tensor([[0, 3, -1], [2, -1, -1], [1, 4, 6], [5, -1, -1]])
+
+    def fast(x):
+        return layer.forward_selected(x, selected)
+
+    def reference(x):
+        return masked_reference_forward(layer, x, selected)
+
+    torch.autograd.gradcheck(fast, (x,))
+    target = torch.randn(4, TOKENS, DIM, dtype=torch.float64)
+    (g_fast,) = torch.autograd.grad((fast(x) * target).sum(), x)
+    (g_ref,) = torch.autograd.grad((reference(x) * target).sum(), x)
+    torch.testing.assert_close(g_fast, g_ref, atol=1e-10, rtol=1e-10)
+
+
+def test_unused_places_are_checked_like_indices():
+    layer = make_layer()
+    x = make_input()
+    layer.forward_selected(x, torch.tensor([[0, -1], [-1, -1], [3, 1]]))  # -1 may repeat; a row may keep nothing
+    with pytest.raises(ValueError, match=r"must lie in \[0, 8\) \(or be -1, unused\)"):
+        layer.forward_selected(x, torch.tensor([[0, -2], [1, 2], [3, 1]]))
+    with pytest.raises(ValueError, match="must not repeat"):
+        layer.forward_selected(x, torch.tensor([[0, 0], [1, -1], [3, 1]]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(strategy="mass"), r"needs tau, a combine-mass share in \(0, 1\], got None"),
+        (dict(strategy="mass", tau=0.0), r"got 0.0"),
+        (dict(strategy="mass", tau=1.5), r"got 1.5"),
+        (dict(strategy="mass", tau=True), r"got True"),
+        (dict(strategy="mass", tau=0.5, k_min=0), r"1 <= k_min <= k_max <= 8, got k_min=0, k_max=8"),
+        (dict(strategy="mass", tau=0.5, k_max=9), r"got k_min=1, k_max=9"),
+        (dict(strategy="mass", tau=0.5, k_min=4, k_max=3), r"got k_min=4, k_max=3"),
+        (dict(strategy="mass", tau=0.5, k_min=1.5), r"k_min must be an int, got 1.5"),
+        (dict(strategy="budget"), r"needs k, the average experts per input"),
+        (dict(strategy="budget", k=6, k_max=4), r"the average k = 6 experts must lie in \[k_min, k_max\] = \[1, 4\]"),
+        (dict(strategy="budget", k=1.5), r"a fractional k must lie in \(0, 1\], got 1.5"),
+    ],
+)
+def test_bad_adaptive_settings_name_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        with select_experts(make_layer(), **kwargs):
+            pass

@@ -1,4 +1,4 @@
-"""The ``softmoe`` command: train and evaluate classifiers, plus the commands other packages add.
+"""The ``softmoe`` command: train, evaluate and calibrate classifiers, plus the commands other packages add.
 
 A package adds commands through the entry-point group ``softmoe.commands``: each entry is a function that takes the
 argparse subparsers, adds its command and sets its ``handler`` (a function of the parsed arguments). The paper
@@ -37,6 +37,11 @@ def _k_value(text: str) -> int | float:
         return float(text) if "." in text else int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"k must be an integer or a fraction like 0.25, got {text!r}") from None
+
+
+def _add_bounds(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--k-min", type=_positive_int, default=1, help="adaptive strategies: fewest experts (default 1)")
+    parser.add_argument("--k-max", type=_positive_int, help="adaptive strategies: most experts (default: n)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,12 +85,31 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--k", type=_k_value, help="experts per input: an int, or a fraction of n like 0.25")
     evaluate.add_argument(
         "--strategy",
-        choices=("combine", "random", "all"),
-        help="combine = Algorithm 1 (the default with --k); all (the default without --k): every expert",
+        choices=("combine", "mass", "budget", "random", "all"),
+        help="combine = Algorithm 1 (the default with --k); mass (needs --tau) and budget (--k on average) adapt "
+        "the count per input; all (the default without --k): every expert",
     )
+    evaluate.add_argument("--tau", type=float, help="the mass strategy's share of the combine mass, in (0, 1]")
+    _add_bounds(evaluate)
     evaluate.add_argument("--seeds", type=_positive_int, default=10, help="seeds for the random strategy (default: 10)")
     evaluate.add_argument("--renormalize", action="store_true", help="rescale combine weights over the kept slots")
     evaluate.set_defaults(handler=_evaluate)
+
+    calibrate = commands.add_parser(
+        "calibrate", help="the cheapest expert selection within an accuracy drop, found on the validation split"
+    )
+    calibrate.add_argument("run_dir", type=Path, help="a run folder, as for evaluate")
+    calibrate.add_argument("--epoch", type=_positive_int, help="epoch to load (default: the last)")
+    target = calibrate.add_mutually_exclusive_group(required=True)
+    target.add_argument("--max-drop", type=float, help="tolerated validation-accuracy drop, in points (e.g. 1.0)")
+    target.add_argument("--target", type=float, help="or an absolute validation accuracy to reach (e.g. 0.85)")
+    calibrate.add_argument(
+        "--strategy", choices=("combine", "mass"), default="combine",
+        help="combine: Algorithm 1 over k = 1..n; mass: the adaptive strategy over a grid of tau (default: combine)",
+    )
+    calibrate.add_argument("--grid", type=_k_value, nargs="+", help="the k (or tau) values to try")
+    _add_bounds(calibrate)
+    calibrate.set_defaults(handler=_calibrate)
     for entry in sorted(entry_points(group=COMMANDS), key=lambda entry: entry.name):
         entry.load()(commands)
 
@@ -149,35 +173,58 @@ def _run_model(run_dir: Path) -> dict:
     return model
 
 
-def _evaluate(args: argparse.Namespace) -> None:
+def _trained(args: argparse.Namespace):
+    """(epoch, splits, model in eval mode) of the run folder ``args.run_dir`` at ``args.epoch`` (default: the last)."""
     from softmoe.data import load_dataset
-    from softmoe.selection import random_statistics, select_experts
     from softmoe.runs import finished_epochs, load_epoch
-    from softmoe.train import accuracy
 
     config = _run_model(args.run_dir)
     done = len(finished_epochs(args.run_dir))
     epoch = args.epoch or done
     if not 1 <= epoch <= done:
         raise ValueError(f"epoch {epoch} is not available in {args.run_dir} (finished epochs: 1..{done})")
-    splits = load_dataset(config["dataset"]).limit(test=config.get("limit_examples"))
+    limit = config.get("limit_examples")
+    splits = load_dataset(config["dataset"]).limit(val=limit, test=limit)
     model = _classifier(config)
-    load_epoch(model, args.run_dir, epoch).eval()
+    return epoch, splits, load_epoch(model, args.run_dir, epoch).eval()
+
+
+def _evaluate(args: argparse.Namespace) -> None:
+    from softmoe.calibration import evaluate_setting
+    from softmoe.selection import random_statistics, select_experts
+    from softmoe.train import accuracy
+
+    epoch, splits, model = _trained(args)
     strategy = args.strategy or ("all" if args.k is None else "combine")
-    if strategy != "all" and args.k is None:
+    if strategy in ("combine", "budget", "random") and args.k is None:
         raise ValueError(f"--strategy {strategy} needs --k")
+    if strategy == "mass" and args.tau is None:
+        raise ValueError("--strategy mass needs --tau")
+    value = args.tau if strategy == "mass" else args.k
     result = {"epoch": epoch, "all_experts": accuracy(model, splits.test), "strategy": strategy, "k": args.k}
-    if strategy != "all":
-        seeds = range(args.seeds) if strategy == "random" else [0]
+    if strategy == "random":
         accuracies = []
-        for seed in seeds:
+        for seed in range(args.seeds):
             with select_experts(model, k=args.k, strategy=strategy, renormalize=args.renormalize, seed=seed):
                 accuracies.append(accuracy(model, splits.test))
-        if strategy == "random":
-            result["random"] = random_statistics(accuracies)
-        else:
-            result["accuracy"] = accuracies[0]
+        result["random"] = random_statistics(accuracies)
+    elif strategy != "all":
+        setting = evaluate_setting(
+            model, splits.test, strategy, value, k_min=args.k_min, k_max=args.k_max, renormalize=args.renormalize
+        )
+        result.update(tau=args.tau, accuracy=setting.accuracy, expert_fraction=setting.expert_fraction)
     print(json.dumps(result, indent=2))
+
+
+def _calibrate(args: argparse.Namespace) -> None:
+    from softmoe.calibration import calibrate
+
+    epoch, splits, model = _trained(args)
+    result = calibrate(
+        model, splits.val, args.max_drop, target=args.target, strategy=args.strategy, grid=args.grid,
+        test=splits.test, k_min=args.k_min, k_max=args.k_max,
+    )
+    print(json.dumps({"epoch": epoch, **result.to_json()}, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,8 @@ Every bank implements :class:`Experts`, the interface the Soft MoE layer uses:
   block ``rows[j]`` through expert ``j``;
 - grouped rows of selected experts: ``experts.forward_selected(rows, expert)``, rows (groups, rows, dim) and
   expert (groups,) int64 -> (groups, rows, out_dim), group ``g`` through expert ``expert[g]``; experts no group
-  names cost nothing, and nothing synchronizes with the host on a GPU;
+  names cost nothing, and nothing synchronizes with the host on a GPU. ``expert[g] = -1`` marks a padding group
+  (inputs that keep fewer experts than others in one batch): its output is zero and it runs through no expert;
 - the mixing backends it offers (:mod:`softmoe.backends`): ``choose_backend`` and ``mix``.
 
 Two banks:
@@ -92,7 +93,8 @@ class Experts(Protocol):
         ...
 
     def forward_selected(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """rows (groups, rows, dim), expert (groups,) int64 -> (groups, rows, out_dim)."""
+        """rows (groups, rows, dim), expert (groups,) int64 (-1: a padding group, zero output, no compute)
+        -> (groups, rows, out_dim)."""
         ...
 
     def choose_backend(self, backend: str, x: torch.Tensor, slots_per_expert: int) -> BackendChoice:
@@ -109,10 +111,11 @@ class Experts(Protocol):
 
 
 def token_counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many entries of ``expert`` (int64) name each expert -> (num_experts,) int64, without a host sync (unlike
-    ``torch.bincount``, whose output size depends on the data)."""
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=expert.device)
-    return counts.index_add_(0, expert.reshape(-1), torch.ones_like(expert.reshape(-1)))
+    """How many entries of ``expert`` (int64; -1 entries are not counted) name each expert -> (num_experts,) int64,
+    without a host sync (unlike ``torch.bincount``, whose output size depends on the data)."""
+    flat = expert.reshape(-1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert.device)
+    return counts.index_add_(0, torch.where(flat < 0, num_experts, flat), torch.ones_like(flat))[:num_experts]
 
 
 class MLPExperts(nn.Module):
@@ -181,13 +184,17 @@ class MLPExperts(nn.Module):
 
         The groups are sorted by expert and both layers run as grouped products (:mod:`softmoe.kernels.grouped_mm`):
         an expert no group names costs nothing; no host synchronization where torch's grouped GEMM serves.
+        Padding groups (expert -1) sort last, past every expert's rows, so no product reads them; their output is
+        zero (and no gradient flows through them).
         """
         check_selected_rows(rows, expert, self.dim)
         groups, per_group, _ = rows.shape
-        order = torch.argsort(expert, stable=True)
-        sorted_expert = expert[order]
+        padding = (expert < 0).view(groups, 1, 1)
+        key = torch.where(expert < 0, self.num_experts, expert)
+        order = torch.argsort(key, stable=True)
+        sorted_expert = key[order].clamp_max(self.num_experts - 1)  # padding groups index a bias they never keep
         ends = (token_counts(expert, self.num_experts).cumsum(0) * per_group).to(torch.int32)
-        flat = rows[order].reshape(groups * per_group, self.dim)
+        flat = torch.where(padding, 0.0, rows)[order].reshape(groups * per_group, self.dim)
         h = grouped_mm(flat, self.weight1, ends).view(groups, per_group, self.hidden)
         if self.bias1 is not None:
             h = h + self.bias1[sorted_expert].unsqueeze(1)
@@ -195,7 +202,8 @@ class MLPExperts(nn.Module):
         y = grouped_mm(flat_h, self.weight2, ends).view(groups, per_group, self.out_dim)
         if self.bias2 is not None:
             y = y + self.bias2[sorted_expert].unsqueeze(1)
-        return torch.empty_like(y).index_copy(0, order, y)
+        y = torch.empty_like(y).index_copy(0, order, y)
+        return torch.where(padding, 0.0, y)
 
     def token_space_is_cheaper(self, tokens: int, slots_per_expert: int) -> bool:
         """The CPU cost model between the "slots" and "tokens" backends, per input.
@@ -448,11 +456,16 @@ class StackedExperts(ReferenceOnly, nn.Module):
         Each group's expert parameters are gathered (one copy per group) and the groups run under one
         ``torch.func.vmap``: no host synchronization and no recompilation for a new selection, at the memory cost of
         ``groups`` parameter copies (custom experts are usually small).
+        Padding groups (expert -1) get a zero output; unlike :class:`MLPExperts`, which skips them, they run
+        through expert 0 and are discarded (one vmap needs one shape, and leaving them out would synchronize).
         """
         check_selected_rows(rows, expert, self.dim)
         params, buffers = self._stacked()
-        gathered = ({k: v[expert] for k, v in params.items()}, {k: v[expert] for k, v in buffers.items()})
-        return torch.func.vmap(self._call_one)(*gathered, rows)
+        padding = (expert < 0).view(-1, 1, 1)
+        index = expert.clamp_min(0)
+        gathered = ({k: v[index] for k, v in params.items()}, {k: v[index] for k, v in buffers.items()})
+        out = torch.func.vmap(self._call_one)(*gathered, torch.where(padding, 0.0, rows))
+        return torch.where(padding, 0.0, out)
 
     def expert_state(self, j: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The parameters and buffers of expert ``j`` as plain dicts keyed by the template's names."""

@@ -186,7 +186,8 @@ def check_tokens(
 
 
 def check_selected(selected: torch.Tensor, batch: int, num_experts: int, values: bool = True) -> None:
-    """Raise a ValueError unless ``selected`` is an int64 (batch, k) tensor of distinct expert indices per row.
+    """Raise a ValueError unless ``selected`` is an int64 (batch, k) tensor of distinct expert indices per row,
+    where -1 marks an unused place (an input that keeps fewer than k experts).
 
     ``values=False`` checks the dtype and shape only: the values' checks read them on the host (a synchronization
     on a GPU, a graph break under torch.compile).
@@ -197,9 +198,12 @@ def check_selected(selected: torch.Tensor, batch: int, num_experts: int, values:
         )
     if not values:
         return
-    if selected.numel() and (int(selected.min()) < 0 or int(selected.max()) >= num_experts):
-        raise ValueError(f"selected expert indices must lie in [0, {num_experts}), got {selected.tolist()}")
-    if selected.shape[1] > 1 and bool((selected.sort(dim=1).values.diff(dim=1) == 0).any()):
+    if selected.numel() and (int(selected.min()) < -1 or int(selected.max()) >= num_experts):
+        raise ValueError(
+            f"selected expert indices must lie in [0, {num_experts}) (or be -1, unused), got {selected.tolist()}"
+        )
+    ordered = selected.sort(dim=1).values
+    if selected.shape[1] > 1 and bool(((ordered.diff(dim=1) == 0) & (ordered[:, 1:] >= 0)).any()):
         raise ValueError(f"selected must not repeat an expert within a row, got {selected.tolist()}")
 
 
@@ -441,8 +445,10 @@ class SoftMoE(nn.Module):
         """Soft MoE with only the experts ``selected`` (batch, k) int64 of each input; the others are skipped.
 
         Equals C Y^ where Y^ has zero rows for the slots of unselected experts (Algorithm 1's step 4); with
-        ``renormalize`` each token's combine weights are rescaled to sum to 1 over the kept slots. No slot is built
-        and no expert runs for an unselected (input, expert) pair. x: (batch, tokens, dim) -> (batch, tokens, d_out).
+        ``renormalize`` each token's combine weights are rescaled to sum to 1 over the kept slots. No expert runs
+        for an unselected (input, expert) pair. An entry -1 is an unused place: inputs may keep different numbers
+        of experts in one batch (as the adaptive strategies of :mod:`softmoe.selection` do), and the expert products
+        of the unused places are skipped, not padded. x: (batch, tokens, dim) -> (batch, tokens, d_out).
 
         ``check``: validate the values of ``selected`` (in range, no repeats). None (the default) checks them where
         that is free (CPU tensors outside torch.compile); True always (a host synchronization on a GPU); False never.
@@ -465,10 +471,12 @@ class SoftMoE(nn.Module):
         batch, tokens, d = x.shape
         p = self.slots_per_expert
         k = selected.shape[1]
-        slot_index = (selected.unsqueeze(-1) * p + torch.arange(p, device=x.device)).reshape(batch, 1, k * p)
+        used = (selected >= 0).repeat_interleave(p, dim=1).unsqueeze(1)  # (batch, 1, k * p)
+        index = selected.clamp_min(0)
+        slot_index = (index.unsqueeze(-1) * p + torch.arange(p, device=x.device)).reshape(batch, 1, k * p)
         slot_index = slot_index.expand(batch, tokens, k * p)
         kept_dispatch = dispatch.gather(2, slot_index)
-        kept_combine = combine.gather(2, slot_index)
+        kept_combine = torch.where(used, combine.gather(2, slot_index), 0.0)
         if renormalize:
             kept_combine = kept_combine / kept_combine.sum(-1, keepdim=True).clamp_min(torch.finfo(combine.dtype).tiny)
         slots = dispatch_slots(x, kept_dispatch).view(batch * k, p, d)

@@ -3,9 +3,17 @@
 Strategies (per input, per SoftMoE layer):
     "combine"  Algorithm 1: sum the combine weights C(X) over tokens (and over an expert's slots), keep the k
                largest; ties go to the lower expert index.
+    "mass"     adaptive: the fewest experts, by Algorithm 1's order, whose share of the summed combine weight
+               (normalized over experts) reaches ``tau``, between ``k_min`` and ``k_max`` experts.
+    "budget"   adaptive under a budget: k experts per input ON AVERAGE over the batch (round(k * batch) in all,
+               between ``k_min`` and ``k_max`` per input), given to the (input, expert) pairs with the largest
+               shares, so an input whose combine mass is spread keeps more experts than a peaked one.
     "random"   k experts drawn uniformly without replacement from a seeded ``torch.Generator``.
     "all"      every expert (the plain forward).
     a bool tensor (batch, n)  an explicit subset per input, each row with the same number k of True entries.
+
+The adaptive strategies keep different numbers of experts for the inputs of one batch; their selections are
+(batch, k_max) with -1 in the unused places, and the expert products of those places are skipped, not padded.
 
 Semantics are the paper's: the outputs of unselected experts are zero and combine weights are not renormalized
 (``renormalize=True`` rescales each token's combine weights over the kept slots). Unselected experts are not
@@ -29,7 +37,8 @@ from torch import nn
 from softmoe.layer import SoftMoE
 from softmoe.topk import top_k
 
-STRATEGIES = ("combine", "random", "all")
+STRATEGIES = ("combine", "mass", "budget", "random", "all")
+ADAPTIVE = ("mass", "budget")
 
 
 def resolve_k(k: int | float, num_experts: int) -> int:
@@ -61,6 +70,41 @@ def top_k_by_combine(combine: torch.Tensor, k: int) -> torch.Tensor:
     return top_k(combine_scores(combine), k, dim=1)[1].sort(dim=1).values
 
 
+def combine_shares(combine: torch.Tensor) -> torch.Tensor:
+    """Algorithm 1's C_sum normalized over experts: each input's share of the combine mass per expert (batch, n)."""
+    scores = combine_scores(combine)
+    return scores / scores.sum(dim=1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+
+
+def _ascending_with_padding(ranked: torch.Tensor, counts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The first ``counts[i]`` experts of each row of ``ranked`` (batch, width), sorted ascending, then -1."""
+    used = torch.arange(ranked.shape[1], device=ranked.device) < counts.unsqueeze(1)
+    ordered = torch.where(used, ranked, num_experts).sort(dim=1).values
+    return torch.where(ordered == num_experts, -1, ordered)
+
+
+def experts_by_mass(combine: torch.Tensor, tau: float, k_min: int, k_max: int) -> torch.Tensor:
+    """The "mass" strategy: per input the fewest experts, largest shares first, whose shares sum to at least
+    ``tau``, clamped to [k_min, k_max] -> (batch, k_max) int64, ascending, -1 in the unused places."""
+    shares, ranked = top_k(combine_shares(combine), k_max, dim=1)
+    reached = (shares.cumsum(dim=1) < tau).sum(dim=1) + 1  # the first count whose running share reaches tau
+    return _ascending_with_padding(ranked, reached.clamp(k_min, k_max), combine.shape[2])
+
+
+def experts_by_budget(combine: torch.Tensor, average: float, k_min: int, k_max: int) -> torch.Tensor:
+    """The "budget" strategy: round(average * batch) experts in all (halves up), at least k_min and at most k_max
+    per input, given to the pairs with the largest shares -> (batch, k_max) int64, ascending, -1 unused."""
+    batch = combine.shape[0]
+    shares, ranked = top_k(combine_shares(combine), k_max, dim=1)
+    extra = min(max(math.floor(average * batch + 0.5), batch * k_min), batch * k_max) - batch * k_min
+    candidates = shares[:, k_min:].reshape(-1)
+    chosen = torch.zeros_like(candidates, dtype=torch.int64)
+    if extra > 0:
+        chosen = chosen.index_fill(0, top_k(candidates, extra, dim=0)[1], 1)
+    counts = k_min + chosen.view(batch, k_max - k_min).sum(dim=1)
+    return _ascending_with_padding(ranked, counts, combine.shape[2])
+
+
 def random_subsets(
     batch: int, num_experts: int, k: int, generator: torch.Generator | None = None, device: torch.device | None = None
 ) -> torch.Tensor:
@@ -88,9 +132,9 @@ def subsets_from_mask(keep: torch.Tensor, num_experts: int, batch: int | None = 
 
 
 def mask_from_subsets(selected: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """selected (batch, k) int64 -> bool mask (batch, n)."""
-    keep = torch.zeros(selected.shape[0], num_experts, dtype=torch.bool, device=selected.device)
-    return keep.scatter_(1, selected, True)
+    """selected (batch, k) int64, -1 for an unused place -> bool mask (batch, n)."""
+    keep = torch.zeros(selected.shape[0], num_experts + 1, dtype=torch.bool, device=selected.device)
+    return keep.scatter_(1, torch.where(selected < 0, num_experts, selected), True)[:, :num_experts]
 
 
 @dataclass
@@ -103,10 +147,13 @@ class Selector:
     """
 
     strategy: str | torch.Tensor
-    k: int
+    k: int | float
     renormalize: bool = False
     seed: int = 0
     generators: dict[torch.device, torch.Generator] = field(default_factory=dict)
+    tau: float = 1.0
+    k_min: int = 1
+    k_max: int | None = None
 
     def generator_on(self, device: torch.device) -> torch.Generator:
         """The random strategy's generator on ``device``."""
@@ -121,6 +168,10 @@ class Selector:
             return subsets_from_mask(self.strategy, num_experts, batch).to(combine.device)
         if self.strategy == "combine":
             return top_k_by_combine(combine, self.k)
+        if self.strategy == "mass":
+            return experts_by_mass(combine, self.tau, self.k_min, self.k_max)
+        if self.strategy == "budget":
+            return experts_by_budget(combine, self.k, self.k_min, self.k_max)
         if self.strategy == "random":
             generator = self.generator_on(combine.device)
             return random_subsets(batch, num_experts, self.k, generator, combine.device)
@@ -139,8 +190,12 @@ def make_selector(
     renormalize: bool = False,
     seed: int = 0,
     generators: dict[torch.device, torch.Generator] | None = None,
+    tau: float | None = None,
+    k_min: int = 1,
+    k_max: int | None = None,
 ) -> Selector | None:
-    """The selector for one layer, or None for "all" (the plain forward). Validates k and the strategy.
+    """The selector for one layer, or None for "all" (the plain forward). Validates k, tau, the bounds and the
+    strategy.
 
     ``seed`` and ``generators`` (shared between layers; a new dict when None) are the random strategy's source."""
     n = layer.num_experts
@@ -155,10 +210,42 @@ def make_selector(
         raise ValueError(f"strategy must be one of {STRATEGIES} or a bool mask (batch, n), got {strategy!r}")
     if strategy == "all":
         return None
+    if strategy in ADAPTIVE:
+        k_min, k_max = _bounds(k_min, k_max, n)
+        if strategy == "mass":
+            if tau is None or isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau <= 1:
+                raise ValueError(f'strategy "mass" needs tau, a combine-mass share in (0, 1], got {tau!r}')
+            return Selector(strategy, k_max, renormalize, tau=float(tau), k_min=k_min, k_max=k_max)
+        return Selector(strategy, _average_k(k, n, k_min, k_max), renormalize, k_min=k_min, k_max=k_max)
     if k is None:
         raise ValueError(f"strategy {strategy!r} needs k (an int in [1, {n}] or a fraction in (0, 1])")
     generators = {} if generators is None else generators
     return Selector(strategy, resolve_k(k, n), renormalize, seed, generators)
+
+
+def _bounds(k_min: int, k_max: int | None, n: int) -> tuple[int, int]:
+    """The adaptive strategies' bounds on each input's expert count, checked: 1 <= k_min <= k_max <= n."""
+    k_max = n if k_max is None else k_max
+    for name, value in (("k_min", k_min), ("k_max", k_max)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    if not 1 <= k_min <= k_max <= n:
+        raise ValueError(f"the expert-count bounds must satisfy 1 <= k_min <= k_max <= {n}, got k_min={k_min}, "
+                         f"k_max={k_max}")
+    return k_min, k_max
+
+
+def _average_k(k: int | float | None, n: int, k_min: int, k_max: int) -> float:
+    """The "budget" strategy's average experts per input: an int count, or a fraction in (0, 1] of n (unrounded)."""
+    if k is None or isinstance(k, bool) or not isinstance(k, (int, float)):
+        raise ValueError(f'strategy "budget" needs k, the average experts per input (an int, or a fraction in '
+                         f"(0, 1] of {n}), got {k!r}")
+    if isinstance(k, float) and not 0.0 < k <= 1.0:
+        raise ValueError(f"a fractional k must lie in (0, 1], got {k}")
+    average = k * n if isinstance(k, float) else float(k)
+    if not k_min <= average <= k_max:
+        raise ValueError(f"the average k = {average:g} experts must lie in [k_min, k_max] = [{k_min}, {k_max}]")
+    return average
 
 
 @contextmanager
@@ -169,17 +256,26 @@ def select_experts(
     renormalize: bool = False,
     seed: int | None = 0,
     generator: torch.Generator | None = None,
+    *,
+    tau: float | None = None,
+    k_min: int = 1,
+    k_max: int | None = None,
 ) -> Iterator[list[SoftMoE]]:
-    """Within the block every SoftMoE layer of ``model`` uses only k experts per input, chosen by ``strategy``.
+    """Within the block every SoftMoE layer of ``model`` uses only some of its experts per input, chosen by
+    ``strategy`` (the module doc lists them).
 
     Args:
         model: any module; each of its SoftMoE layers chooses its own experts per input.
-        k: experts kept per input: an int (same for every layer), or a fraction of each layer's n.
-        strategy: "combine" (Algorithm 1), "random", "all", or a bool mask (batch, n) of explicit subsets.
+        k: experts kept per input: an int (same for every layer), or a fraction of each layer's n; for "budget"
+            the average over the batch (a fraction is not rounded: 0.3 of 8 experts is 2.4 on average).
+        strategy: "combine" (Algorithm 1), "mass", "budget", "random", "all", or a bool mask (batch, n).
         renormalize: rescale each token's combine weights over the kept slots (the paper does not).
         seed, generator: the random strategy's source: ``generator`` on its device, else a ``torch.Generator``
             seeded with ``seed`` (0 when None) made on the device of the layers' inputs. Layers draw from it in
             module order, so a run is reproducible (on one device).
+        tau: the "mass" strategy's share of the combine mass to reach, in (0, 1].
+        k_min, k_max: the adaptive strategies' bounds on each input's expert count (k_max: the layer's n when
+            None).
     Yields the list of affected layers. Previous selectors are restored on exit.
     """
     layers = soft_moe_layers(model)
@@ -187,7 +283,9 @@ def select_experts(
         raise ValueError(f"{type(model).__name__} contains no SoftMoE layer")
     generators = {} if generator is None else {generator.device: generator}
     seed = 0 if seed is None else seed
-    selectors = [make_selector(layer, k, strategy, renormalize, seed, generators) for layer in layers]
+    selectors = [
+        make_selector(layer, k, strategy, renormalize, seed, generators, tau, k_min, k_max) for layer in layers
+    ]
     previous = [layer.selector for layer in layers]
     try:
         for layer, selector in zip(layers, selectors):
