@@ -41,15 +41,33 @@ def test_smoke_reproduction_writes_complete_results(smoke_results):
         k = str(model["oracle"]["k"])
         if k in selection["per_k"]:
             assert model["oracle"]["best_subset_accuracy"] >= selection["per_k"][k]["algorithm1"] - 1e-9
+    # Beyond the paper, for n = 4 and 8: accuracy against expert compute, calibrated settings, specialization.
+    for n in ("4", "8"):
+        study = suite["models"][n]["budgets"]
+        points = study["points"]
+        assert [p["value"] for p in points["algorithm1"]] == list(range(1, int(n)))
+        assert [p["expert_fraction"] for p in points["algorithm1"]] == [k / int(n) for k in range(1, int(n))]
+        assert points["mass"][-1]["value"] == 1.0 and points["mass"][-1]["expert_fraction"] == 1.0
+        assert points["mass"][-1]["test_accuracy"] == points["all"]["test_accuracy"]
+        assert all(p["us_per_example"] > 0 for p in points["algorithm1"] + points["mass"])
+        for calibrated in study["calibrated"].values():
+            assert calibrated["chosen"]["accuracy"] >= calibrated["required_accuracy"]
+        shares = suite["models"][n]["specialization"]["class_expert_shares"]
+        assert len(shares) == 10 and all(len(row) == int(n) for row in shares)
+        assert all(abs(sum(row) - 1) < 1e-5 for row in shares)  # every digit class occurs in the test split
+    assert "budgets" not in suite["models"]["2"] and "specialization" not in suite["models"]["2"]
 
 
 def test_smoke_report_is_well_formed(smoke_results):
     report = (smoke_results / "report.md").read_text()
-    for heading in ("Table 1", "Figures 1 and 2a", "Table 10", "Figure 5", "How our numbers compare"):
+    for heading in ("Table 1", "Figures 1 and 2a", "Table 10", "Figure 5", "How our numbers compare",
+                    "Beyond Algorithm 1", "Specialization made visible"):
         assert heading in report
     assert "94.69" in report and "46.57 ± 0.44" in report  # the paper's numbers beside ours
     assert "model `authors` and the protocol `authors`" in report and "sample standard deviation (ddof = 1)" in report
-    for png in ("fig_selection_vs_n.png", "fig_distinct_best_subsets.png", "fig_training_curves.png"):
+    assert "| n = 8 | adaptive mass | tau = " in report
+    for png in ("fig_selection_vs_n.png", "fig_distinct_best_subsets.png", "fig_training_curves.png", "fig_budgets.png",
+                "fig_class_experts.png", "fig_expert_top_images.png"):
         assert f"({png})" in report
         data = (smoke_results / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

@@ -29,7 +29,7 @@ from softmoe.selection import select_experts, soft_moe_layers
 from softmoe.train import accuracy
 
 CALIBRATED = ("combine", "mass")
-DEFAULT_TAUS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 1.0)
+DEFAULT_TAUS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 1.0)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from torch import nn
 
 from softmoe.backends import BackendChoice, ReferenceOnly, autocast_on, transforms_active, unsupported
 from softmoe.kernels.grouped_mm import grouped_mm
+from softmoe.kernels.modes import host_reads_are_free
 from softmoe.kernels import (
     expert_matmul,
     native_applies,
@@ -456,16 +457,21 @@ class StackedExperts(ReferenceOnly, nn.Module):
         Each group's expert parameters are gathered (one copy per group) and the groups run under one
         ``torch.func.vmap``: no host synchronization and no recompilation for a new selection, at the memory cost of
         ``groups`` parameter copies (custom experts are usually small).
-        Padding groups (expert -1) get a zero output; unlike :class:`MLPExperts`, which skips them, they run
-        through expert 0 and are discarded (one vmap needs one shape, and leaving them out would synchronize).
+        Padding groups (expert -1) get a zero output. Where reading the selection on the host is free (CPU, outside
+        torch.compile and torch.func) they are left out; elsewhere they run through expert 0 and are discarded (one
+        vmap needs one shape, and leaving them out would synchronize).
         """
         check_selected_rows(rows, expert, self.dim)
+        padding = expert < 0
+        if host_reads_are_free(expert) and bool(padding.any()):
+            kept = (~padding).nonzero().squeeze(1)
+            out = rows.new_zeros(rows.shape[0], rows.shape[1], self.out_dim)
+            return out.index_copy(0, kept, self.forward_selected(rows[kept], expert[kept]))
         params, buffers = self._stacked()
-        padding = (expert < 0).view(-1, 1, 1)
         index = expert.clamp_min(0)
         gathered = ({k: v[index] for k, v in params.items()}, {k: v[index] for k, v in buffers.items()})
-        out = torch.func.vmap(self._call_one)(*gathered, torch.where(padding, 0.0, rows))
-        return torch.where(padding, 0.0, out)
+        out = torch.func.vmap(self._call_one)(*gathered, torch.where(padding.view(-1, 1, 1), 0.0, rows))
+        return torch.where(padding.view(-1, 1, 1), 0.0, out)
 
     def expert_state(self, j: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The parameters and buffers of expert ``j`` as plain dicts keyed by the template's names."""

@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from softmoe.backends import BackendChoice, check_backend, transforms_active
+from softmoe.backends import BackendChoice, check_backend
 from softmoe.experts import Experts, MLPExperts, StackedExperts, autocast_device
 from softmoe.kernels import needs_grad, onednn_applies, onednn_linear
+from softmoe.kernels.modes import host_reads_are_free
 
 NORM_EPS = 1e-6
 NORMALIZATIONS = ("router", "inputs", "none")
@@ -205,15 +206,6 @@ def check_selected(selected: torch.Tensor, batch: int, num_experts: int, values:
     ordered = selected.sort(dim=1).values
     if selected.shape[1] > 1 and bool(((ordered.diff(dim=1) == 0) & (ordered[:, 1:] >= 0)).any()):
         raise ValueError(f"selected must not repeat an expert within a row, got {selected.tolist()}")
-
-
-def checks_are_free(x: torch.Tensor) -> bool:
-    """Whether checking tensor values costs nothing: a CPU tensor, outside torch.compile and torch.func transforms."""
-    return (
-        x.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and not transforms_active()
-    )
 
 
 def truncated_lecun_normal_(tensor: torch.Tensor, fan_in: int) -> torch.Tensor:
@@ -454,7 +446,7 @@ class SoftMoE(nn.Module):
         that is free (CPU tensors outside torch.compile); True always (a host synchronization on a GPU); False never.
         """
         check_tokens(x, self.dim, mask, self.phi.dtype)
-        values = checks_are_free(selected) if check is None else check
+        values = host_reads_are_free(selected) if check is None else check
         check_selected(selected, x.shape[0], self.num_experts, values)
         x = self.slot_inputs(x)
         _, dispatch, combine = self._route_flat(x, mask)

@@ -39,6 +39,9 @@ from softmoe.oracle import (
 )
 from softmoe.runs import load_epoch
 from softmoe.train import TrainConfig, accuracy, train_classifier
+from softmoe_repro import budgets
+from softmoe_repro.budgets import budget_study
+from softmoe_repro.specialization import plot_class_experts, plot_top_images, specialization
 
 PAPER_EXPERTS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -83,13 +86,16 @@ class SuitePreset:
     max_subsets: int = DEFAULT_MAX_SUBSETS
     grid: tuple[int, int] = (2, 2)
     limit_examples: int | None = None
+    budget_experts: tuple[int, ...] = (8, 32, 128)
+    specialization_experts: tuple[int, ...] = (8, 32)
 
 
 PRESETS = {
     "default": SuitePreset("default", "mnist5k"),
     "paper": SuitePreset("paper", "mnist5k", max_subsets=20_000_000),
     "smoke": SuitePreset(
-        "smoke", "digits", experts=(2, 4, 8), train=TrainConfig(epochs=3), random_seeds=3, limit_examples=600
+        "smoke", "digits", experts=(2, 4, 8), train=TrainConfig(epochs=3), random_seeds=3, limit_examples=600,
+        budget_experts=(4, 8), specialization_experts=(4, 8),
     ),
 }
 
@@ -215,6 +221,10 @@ def run_suite(
             "selection": evaluate_selection(model, splits, preset),
             "oracle": evaluate_oracle(model, splits, preset),
         }
+        if n in preset.budget_experts:
+            models[str(n)]["budgets"] = budget_study(model, splits)
+        if n in preset.specialization_experts:
+            models[str(n)]["specialization"] = specialization(model, splits.test)
     results = {
         "preset": {**asdict(preset), "train": asdict(train_config)},
         "model": {"name": preset.model, **asdict(mnist_model(preset.model))},
@@ -330,6 +340,21 @@ def write_plots(results: dict, out_dir: str | Path) -> dict[str, str]:
     paths["training"] = str(out_dir / "fig_training_curves.png")
     fig.savefig(paths["training"], dpi=120)
     plt.close(fig)
+
+    studies = {f"n = {n}": models[str(n)]["budgets"] for n in ns if "budgets" in models[str(n)]}
+    if studies:
+        paths["budgets"] = budgets.plot(
+            studies, out_dir / "fig_budgets.png", f"accuracy against expert compute ({results['data']['name']})"
+        )
+    special = [n for n in ns if "specialization" in models[str(n)]]
+    if special:
+        tables = {f"n = {n}": models[str(n)]["specialization"]["class_expert_shares"] for n in special}
+        paths["class_experts"] = plot_class_experts(tables, out_dir / "fig_class_experts.png")
+        n = special[-1]
+        paths["top_images"] = plot_top_images(
+            models[str(n)]["specialization"]["top_images"], out_dir / "fig_expert_top_images.png",
+            f"n = {n}: the test images that weight each expert most (label, share)",
+        )
     return paths
 
 
@@ -400,7 +425,45 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
             lines.append(f"| {n} | {o['k']} | {count} | {distinct} | {o.get('distinct_cap', '–')} |")
     lines += ["", f"![training curves]({Path(plots['training']).name})", "", "### How our numbers compare", ""]
     lines += [f"- {finding}" for finding in findings(results)]
+    lines += beyond_algorithm1(results, plots)
     return "\n".join(lines) + "\n"
+
+
+def beyond_algorithm1(results: dict, plots: dict[str, str]) -> list[str]:
+    """The report's sections on calibrated budgets and specialization (not in the paper), where present."""
+    models = results["models"]
+    ns = sorted(int(n) for n in models)
+    studies = {f"n = {n}": models[str(n)]["budgets"] for n in ns if "budgets" in models[str(n)]}
+    lines = []
+    if studies and "budgets" in plots:
+        drop = next(iter(studies.values()))["max_drop"]
+        lines += [
+            "", "### Beyond Algorithm 1: accuracy against the expert compute run (not in the paper)", "",
+            f"![accuracy against expert compute]({Path(plots['budgets']).name})", "",
+            "Each point is one selection on the test split: all experts, Algorithm 1 at every k, the adaptive "
+            "`mass` strategy (the fewest experts holding a share tau of each input's combine mass) over a grid of "
+            "tau, and random subsets; x is the fraction of the expert FLOPs actually run (top) or the measured time "
+            "per example (bottom). The table gives the cheapest setting of each strategy within "
+            f"{drop:g} point{'s' if drop != 1 else ''} of all experts on the validation split (`softmoe calibrate`), "
+            "and its test accuracy.",
+            "", *budgets.table(studies), "",
+        ]
+        lines += [f"- {finding}" for finding in budgets.findings(studies)]
+    special = [n for n in ns if "specialization" in models[str(n)]]
+    if special and "class_experts" in plots:
+        lines += [
+            "", "### Specialization made visible (not in the paper)", "",
+            f"![class x expert shares]({Path(plots['class_experts']).name})", "",
+            "Mean share of each expert in Algorithm 1's score per class (test split): a bright cell is an expert that "
+            "a class relies on. " + "; ".join(
+                f"n = {n}: shares from {100 * min(map(min, table)):.2f} % to {100 * max(map(max, table)):.2f} % "
+                f"(uniform: {100 / n:.2f} %)"
+                for n, table in ((n, models[str(n)]["specialization"]["class_expert_shares"]) for n in special)
+            ) + ".", "",
+            f"![top images per expert]({Path(plots['top_images']).name})", "",
+            "For the experts with the largest mean share, the test images that weight them most.",
+        ]
+    return lines
 
 
 def findings(results: dict) -> list[str]:

@@ -39,6 +39,9 @@ from softmoe_repro.common import (
 from softmoe.models.vit import ViT, count_parameters, second_half
 from softmoe.runs import load_epoch
 from softmoe.train import TrainConfig, evaluate_accuracy, train_classifier
+from softmoe_repro import budgets
+from softmoe_repro.budgets import budget_study
+from softmoe_repro.specialization import dispatch_maps, plot_dispatch
 
 FRACTIONS = (0.5, 0.25, 0.125)
 
@@ -84,6 +87,7 @@ class VitPreset:
     test_limit: int | None = None
     random_seeds: int = 5
     threads: int | None = 1
+    budget_experts: tuple[int, ...] = (8, 32)
 
 
 PRESETS = {
@@ -104,6 +108,7 @@ PRESETS = {
         train_limit=None,
         val_limit=None,
         random_seeds=2,
+        budget_experts=(8,),
     ),
 }
 
@@ -244,6 +249,10 @@ def _run_variant(
             "train_seconds_this_run": train_seconds[n],
             "selection": selection,
         }
+        if n in preset.budget_experts:
+            models[str(n)]["budgets"] = budget_study(model, splits)
+        if n == max(preset.experts):
+            models[str(n)]["dispatch_maps"] = dispatch_maps(model, splits.test, model.grid)
     return {
         "moe_residual": moe_residual,
         "equal_accuracy_target": target,
@@ -389,6 +398,27 @@ def write_plots(results: dict, out_dir: str | Path) -> dict[str, str]:
     paths["training"] = str(out_dir / "fig_vit_training_curves.png")
     fig.savefig(paths["training"], dpi=120)
     plt.close(fig)
+
+    studies = {
+        f"{name.replace('_', ' ')}, n = {n}": variant["models"][str(n)]["budgets"]
+        for name, variant in variants.items()
+        for n in sorted(int(n) for n in variant["models"])
+        if "budgets" in variant["models"][str(n)]
+    }
+    if studies:
+        paths["budgets"] = budgets.plot(
+            studies, out_dir / "fig_vit_budgets.png", f"Soft MoE ViT on {results['data']['name']}: accuracy "
+            "against expert compute (k or tau in every MoE layer)"
+        )
+    for name, variant in variants.items():
+        maps = [(n, m["dispatch_maps"]) for n, m in variant["models"].items() if "dispatch_maps" in m]
+        if maps:
+            n, chosen = maps[0]
+            paths[f"dispatch_{name}"] = plot_dispatch(
+                chosen, out_dir / f"fig_vit_dispatch_{name}.png",
+                f"{name.replace('_', ' ')}, n = {n}: dispatch weights of one slot of each of a few experts over the "
+                "patches (first MoE layer)",
+            )
     return paths
 
 
@@ -436,6 +466,7 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         "",
     ]
     lines += [f"- {finding}" for finding in findings(results)]
+    lines += _beyond_algorithm1(results, plots)
     timing = results["timing"]
     lines += [
         "",
@@ -443,6 +474,36 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         f"{timing['evaluate_seconds'] / 60:.1f} evaluating) with {timing['threads']} torch thread(s).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _beyond_algorithm1(results: dict, plots: dict[str, str]) -> list[str]:
+    """The sections on calibrated budgets and dispatch maps (not in the paper), where present."""
+    studies = {
+        f"{name.replace('_', ' ')}, n = {n}": variant["models"][str(n)]["budgets"]
+        for name, variant in results["variants"].items()
+        for n in sorted(int(n) for n in variant["models"])
+        if "budgets" in variant["models"][str(n)]
+    }
+    lines = []
+    if studies and "budgets" in plots:
+        lines += [
+            "", "### Beyond Algorithm 1: accuracy against the expert compute run (not in the paper)", "",
+            f"![accuracy against expert compute]({Path(plots['budgets']).name})", "",
+            "Every MoE layer selects with the same k (Algorithm 1, every k), the same tau (the adaptive `mass` "
+            "strategy) or random subsets; x is the fraction of the expert FLOPs run over all MoE layers (top) or the "
+            "measured time per example (bottom). Cheapest settings within "
+            f"{budgets.MAX_DROP:g} point of all experts on the validation split (`softmoe calibrate`):", "",
+            *budgets.table(studies), "",
+        ]
+        lines += [f"- {finding}" for finding in budgets.findings(studies)]
+    dispatch = [key for key in plots if key.startswith("dispatch_")]
+    if dispatch:
+        lines += ["", "### Where the slots look (not in the paper)", ""]
+        for key in dispatch:
+            lines += [f"![dispatch maps]({Path(plots[key]).name})", ""]
+        lines.append("Each row: a test image, then the dispatch weights (softmax over the patches) of the first slot "
+                     "of a few experts in the first MoE layer, over the image: what each slot averages.")
+    return lines
 
 
 def _variant_markdown(name: str, variant: dict) -> list[str]:

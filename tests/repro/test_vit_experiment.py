@@ -36,9 +36,20 @@ def test_experiment_end_to_end_on_a_tiny_preset(tmp_path):
         models = variant["models"]
         assert models["2"]["expert_parameters"] == models["8"]["expert_parameters"] - 6 * 8
     assert (tmp_path / "vit_runs" / "no_residual" / "n008" / "epoch_002.json").exists()
+    for variant in results["variants"].values():
+        study = variant["models"]["8"]["budgets"]  # every MoE layer: k, tau or random subsets
+        assert [p["value"] for p in study["points"]["algorithm1"]] == list(range(1, 8))
+        assert set(study["calibrated"]) == {"combine", "mass"}
+        maps = variant["models"]["8"]["dispatch_maps"]
+        assert len(maps["images"]) == 3 and maps["experts"] == [0, 2, 5, 7]
+        assert all(len(m) == 2 and len(m[0]) == 2 for row in maps["maps"] for m in row)  # 8x8 images, patch 4
+        assert "budgets" not in variant["models"]["2"] and "dispatch_maps" not in variant["models"]["2"]
     plots = experiment.write_plots(results, tmp_path)
-    assert all((tmp_path / name).exists() for name in ("fig_vit_selection_vs_n.png", "fig_vit_training_curves.png"))
+    names = ("fig_vit_selection_vs_n.png", "fig_vit_training_curves.png", "fig_vit_budgets.png",
+             "fig_vit_dispatch_residual.png", "fig_vit_dispatch_no_residual.png")
+    assert all((tmp_path / name).exists() for name in names)
     text = experiment.markdown(results, plots)
+    assert "Beyond Algorithm 1" in text and "Where the slots look" in text
     assert text.startswith("## Soft MoE ViT") and "| 8 | 1 (n/8) |" in text and "31.88" in text
     assert "### No residual" in text and "### Residual" in text
     with pytest.raises(ValueError, match="unknown preset"):

@@ -16,6 +16,12 @@ def transforms_active() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
+def host_reads_are_free(x: torch.Tensor) -> bool:
+    """Whether reading ``x``'s values on the host costs nothing: a CPU tensor, outside torch.compile and torch.func
+    transforms (elsewhere a read synchronizes with the device or breaks the graph)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling() and not transforms_active()
+
+
 def plain_eager_mode(device_type: str) -> bool:
     """Whether ops run as written: not traced by torch.compile, not under torch.func transforms, and autocast off
     for ``device_type`` (hand-written autograd Functions serve only this mode; softmoe's native ops, registered as
