@@ -376,6 +376,19 @@ def instrument(layer, monkeypatch):
     return log
 
 
+def record_block_rows(monkeypatch) -> list[int]:
+    """The rows of every per-expert product of softmoe::grouped_mm, in call order."""
+    block_rows = []
+    original_product = grouped_mm_module.group_product
+
+    def group_product(x, w):
+        block_rows.append(x.shape[0])
+        return original_product(x, w)
+
+    monkeypatch.setattr(grouped_mm_module, "group_product", group_product)
+    return block_rows
+
+
 def expected_counts(selected, n, p):
     return torch.bincount(selected.reshape(-1), minlength=n) * p
 
@@ -389,14 +402,7 @@ def test_unselected_experts_do_not_run_mlp(p, entry, monkeypatch):
     selected = torch.tensor([[0, 1], [0, 2], [0, 5], [0, 7]])
     keep = mask_from_subsets(selected, N)
     # the per-expert computation itself: each grouped product runs one matmul per expert block it has rows for
-    block_rows = []
-    original_product = grouped_mm_module.group_product
-
-    def group_product(x, w):
-        block_rows.append(x.shape[0])
-        return original_product(x, w)
-
-    monkeypatch.setattr(grouped_mm_module, "group_product", group_product)
+    block_rows = record_block_rows(monkeypatch)
     log = instrument(layer, monkeypatch)
     with torch.no_grad():
         if entry == "forward_selected":
@@ -969,14 +975,7 @@ def test_adaptive_selection_skips_the_work_of_dropped_experts(monkeypatch):
     p = 2
     layer = adaptive_layer(p)
     x = make_input(torch.float64, batch=6)
-    block_rows = []
-    original_product = grouped_mm_module.group_product
-
-    def group_product(x, w):
-        block_rows.append(x.shape[0])
-        return original_product(x, w)
-
-    monkeypatch.setattr(grouped_mm_module, "group_product", group_product)
+    block_rows = record_block_rows(monkeypatch)
     with torch.no_grad(), select_experts(layer, strategy="mass", tau=0.7) as layers:
         records = capture_selections(layers)
         layer(x)

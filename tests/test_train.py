@@ -49,45 +49,6 @@ def test_training_learns_and_is_deterministic(tmp_path):
     assert names == [".lock", *epochs, "metrics.csv", "optimizer_002.safetensors", "optimizer_003.safetensors", "run.json"]
 
 
-def test_resume_after_interruption_equals_uninterrupted_run(tmp_path, monkeypatch):
-    splits = tiny_splits()
-    reference, reference_history = train_classifier(factory, splits, CONFIG, tmp_path / "ref", progress=False)
-
-    real_batches = train_module.batches
-    calls = {"n": 0}
-
-    def interrupted_batches(*args, **kwargs):
-        for batch in real_batches(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == 7:  # inside epoch 2 (4 training batches per epoch, plus evaluation batches)
-                raise KeyboardInterrupt
-            yield batch
-
-    monkeypatch.setattr(train_module, "batches", interrupted_batches)
-    with pytest.raises(KeyboardInterrupt):
-        train_classifier(factory, splits, CONFIG, tmp_path / "run", progress=False)
-    monkeypatch.setattr(train_module, "batches", real_batches)
-    assert [h["epoch"] for h in finished_epochs(tmp_path / "run")] == [1]
-
-    trained_epochs = []
-    original_write = train_module.write_json
-
-    def record(path, data):
-        trained_epochs.append(data["epoch"])
-        original_write(path, data)
-
-    monkeypatch.setattr(train_module, "write_json", record)
-    resumed, history = train_classifier(factory, splits, CONFIG, tmp_path / "run", progress=False)
-    assert trained_epochs == [2, 3]  # epoch 1 is not trained again, nothing is lost
-    for pa, pb in zip(reference.parameters(), resumed.parameters()):
-        assert torch.equal(pa, pb)
-    assert [h["val_accuracy"] for h in history] == [h["val_accuracy"] for h in reference_history]
-
-    trained_epochs.clear()
-    train_classifier(factory, splits, CONFIG, tmp_path / "run", progress=False)
-    assert trained_epochs == []  # a finished run is only loaded
-
-
 def test_load_epoch_restores_that_epoch(tmp_path):
     splits = tiny_splits()
     model, history = train_classifier(factory, splits, CONFIG, tmp_path, progress=False)
@@ -286,10 +247,14 @@ def test_vision_recipe_learns_is_deterministic_and_writes_the_run_folder(tmp_pat
     assert finished_epochs(tmp_path / "a")[0]["schedule"] == {"step_count": 3}  # 48 / 16 steps per epoch
 
 
-@pytest.mark.slow
-def test_vision_recipe_resumes_exactly(tmp_path, monkeypatch):
-    splits = recipe_splits()
-    reference, reference_history = train_classifier(vit_factory, splits, RECIPE, tmp_path / "ref", progress=False)
+@pytest.mark.parametrize("recipe", ["paper", pytest.param("vision", marks=pytest.mark.slow)])
+def test_resume_after_interruption_equals_uninterrupted_run(tmp_path, monkeypatch, recipe):
+    """An interruption inside epoch 2 (per epoch: 4 or 3 training batches, then the validation and test batches);
+    the resumed run trains epochs 2 and 3 only and ends as the uninterrupted one; a finished run is only loaded."""
+    model_factory, config, splits = {
+        "paper": (factory, CONFIG, tiny_splits()), "vision": (vit_factory, RECIPE, recipe_splits()),
+    }[recipe]
+    reference, reference_history = train_classifier(model_factory, splits, config, tmp_path / "ref", progress=False)
 
     real_batches = train_module.batches
     calls = {"n": 0}
@@ -297,13 +262,13 @@ def test_vision_recipe_resumes_exactly(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         for batch in real_batches(*args, **kwargs):
             calls["n"] += 1
-            if calls["n"] == 7:  # the second step of epoch 2 (3 training, 1 validation, 1 test batch per epoch)
+            if calls["n"] == 7:
                 raise KeyboardInterrupt
             yield batch
 
     monkeypatch.setattr(train_module, "batches", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        train_classifier(vit_factory, splits, RECIPE, tmp_path / "run", progress=False)
+        train_classifier(model_factory, splits, config, tmp_path / "run", progress=False)
     monkeypatch.setattr(train_module, "batches", real_batches)
     assert [h["epoch"] for h in finished_epochs(tmp_path / "run")] == [1]
 
@@ -315,15 +280,15 @@ def test_vision_recipe_resumes_exactly(tmp_path, monkeypatch):
         write_json(path, data)
 
     monkeypatch.setattr(train_module, "write_json", record)
-    resumed, history = train_classifier(vit_factory, splits, RECIPE, tmp_path / "run", progress=False)
-    assert trained == [2, 3]
+    resumed, history = train_classifier(model_factory, splits, config, tmp_path / "run", progress=False)
+    assert trained == [2, 3]  # epoch 1 is not trained again, nothing is lost
     assert same_weights(reference, resumed)
     assert without_seconds(history) == without_seconds(reference_history)
     with open(tmp_path / "run" / "metrics.csv") as f:
         assert [int(r["epoch"]) for r in csv.DictReader(f)] == [1, 2, 3]
 
     trained.clear()
-    again, _ = train_classifier(vit_factory, splits, RECIPE, tmp_path / "run", progress=False)
+    again, _ = train_classifier(model_factory, splits, config, tmp_path / "run", progress=False)
     assert trained == [] and same_weights(again, reference)  # a finished run is only loaded
 
 

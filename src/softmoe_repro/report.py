@@ -30,8 +30,8 @@ SECTIONS = {
 
 
 def code_version() -> str:
-    """softmoe's version plus the git commit of the source tree when there is one (".dirty" when the package's
-    source differs from that commit)."""
+    """softmoe's version plus the git commit of the source tree when there is one (".dirty" when the source of the
+    library or of the reproduction differs from that commit)."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -41,8 +41,8 @@ def code_version() -> str:
             cwd=Path(__file__).parent,
             timeout=10,
         ).stdout.strip()
-        dirty = subprocess.run(  # the package's own source only: regenerated results are not code
-            ["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
+        dirty = subprocess.run(  # both packages' source only: regenerated results are not code
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", str(Path(softmoe.__file__).parent), "."],
             capture_output=True,
             text=True,
             cwd=Path(__file__).parent,

@@ -6,8 +6,8 @@ ViT's slots look.
 - :func:`top_images`: for a few experts, the test images that give them the largest share;
 - :func:`dispatch_maps`: for a few images and slots of a ViT's first MoE layer, the dispatch weights over the patches.
 
-Everything is stored as plain lists in the experiments' JSON (images as 0-255 integers), so ``softmoe report`` can
-redraw the figures without the data.
+Everything is stored in the experiments' JSON (images as hex strings of their 0-255 pixels, :func:`encode_images`),
+so ``softmoe report`` can redraw the figures without the data.
 """
 
 from __future__ import annotations
@@ -47,11 +47,18 @@ def expert_shares(model: nn.Module, data: ImageDataset, batch_size: int = 1024) 
     return torch.cat(parts)
 
 
-def _pixels(images: torch.Tensor) -> list:
-    """Images (k, C, H, W) in [0, 1] as 0-255 integer lists: (k, H, W) for one channel, (k, H, W, 3) for RGB."""
+def encode_images(images: torch.Tensor) -> dict:
+    """Images (k, C, H, W) in [0, 1] -> {"shape": (H, W) or (H, W, 3), "hex": one string of 0-255 bytes per image}."""
     scaled = (images.clamp(0, 1) * 255).round().to(torch.uint8)
     scaled = scaled[:, 0] if scaled.shape[1] != 3 else scaled.permute(0, 2, 3, 1)
-    return scaled.tolist()
+    return {"shape": list(scaled.shape[1:]), "hex": [bytes(image.contiguous().flatten().tolist()).hex() for image in scaled]}
+
+
+def decode_images(encoded: dict) -> list:
+    """The inverse of :func:`encode_images`: a list of uint8 numpy arrays of ``encoded["shape"]``."""
+    import numpy as np
+
+    return [np.frombuffer(bytes.fromhex(text), dtype=np.uint8).reshape(encoded["shape"]) for text in encoded["hex"]]
 
 
 def class_expert_shares(shares: torch.Tensor, labels: torch.Tensor, num_classes: int) -> list[list[float]]:
@@ -72,7 +79,7 @@ def top_images(shares: torch.Tensor, data: ImageDataset, experts: int = 4, per_e
             "expert": j,
             "shares": shares[order, j].tolist(),
             "labels": data.labels[order].tolist(),
-            "images": _pixels(data.images[order]),
+            "images": encode_images(data.images[order]),
         })
     return out
 
@@ -99,7 +106,7 @@ def dispatch_maps(model: nn.Module, data: ImageDataset, grid: tuple[int, int], i
     n = layer.num_experts
     experts = sorted({round(i * (n - 1) / max(1, slots - 1)) for i in range(slots)})
     maps = [[dispatch[b, :, j, 0].reshape(grid).tolist() for j in experts] for b in range(batch.shape[0])]
-    return {"experts": experts, "labels": data.labels[:images].tolist(), "images": _pixels(batch), "maps": maps}
+    return {"experts": experts, "labels": data.labels[:images].tolist(), "images": encode_images(batch), "maps": maps}
 
 
 def _plt():
@@ -134,14 +141,15 @@ def plot_class_experts(tables: dict[str, list[list[float]]], path: str | Path, c
 def plot_top_images(top: list[dict], path: str | Path, title: str) -> str:
     """One row per expert: the images that weight it most, with their label and share."""
     plt = _plt()
-    columns = max(len(entry["images"]) for entry in top)
+    pictures = [decode_images(entry["images"]) for entry in top]
+    columns = max(len(row) for row in pictures)
     fig, axes = plt.subplots(len(top), columns, figsize=(1.3 * columns, 1.5 * len(top)), squeeze=False)
     for row, entry in enumerate(top):
         for col in range(columns):
             ax = axes[row][col]
             ax.axis("off")
-            if col < len(entry["images"]):
-                ax.imshow(entry["images"][col], cmap="gray", vmin=0, vmax=255)
+            if col < len(pictures[row]):
+                ax.imshow(pictures[row][col], cmap="gray", vmin=0, vmax=255)
                 ax.set_title(f"{entry['labels'][col]} ({entry['shares'][col]:.2f})", fontsize=6)
         axes[row][0].text(-0.15, 0.5, f"expert {entry['expert']}", transform=axes[row][0].transAxes, ha="right",
                           va="center", fontsize=7)
@@ -155,9 +163,10 @@ def plot_top_images(top: list[dict], path: str | Path, title: str) -> str:
 def plot_dispatch(maps: dict, path: str | Path, title: str) -> str:
     """Each image, then one overlay per slot: the slot's dispatch weights over the patches."""
     plt = _plt()
-    rows, columns = len(maps["images"]), 1 + len(maps["experts"])
+    pictures = decode_images(maps["images"])
+    rows, columns = len(pictures), 1 + len(maps["experts"])
     fig, axes = plt.subplots(rows, columns, figsize=(1.7 * columns, 1.8 * rows), squeeze=False)
-    for b, picture in enumerate(maps["images"]):
+    for b, picture in enumerate(pictures):
         axes[b][0].imshow(picture, cmap="gray", vmin=0, vmax=255)
         axes[b][0].set_title(f"label {maps['labels'][b]}", fontsize=7)
         height, width = len(picture), len(picture[0])

@@ -10,6 +10,7 @@ from softmoe.data import ImageDataset
 from softmoe.models.vit import ViT
 from softmoe_repro.specialization import (
     class_expert_shares,
+    decode_images,
     dispatch_maps,
     plot_class_experts,
     plot_dispatch,
@@ -33,7 +34,8 @@ def test_top_images_are_the_inputs_with_the_largest_share():
     assert [entry["expert"] for entry in top] == [0, 1]  # mean shares 0.5 and 0.5: ties to the lower index
     assert top[0]["labels"] == [3, 2] and top[1]["labels"] == [1, 0]
     assert top[0]["shares"] == pytest.approx([0.9, 0.6])
-    assert top[0]["images"][0] == [[0, 0], [0, 0]] and top[1]["images"][0] == [[85, 85], [85, 85]]
+    assert top[0]["images"] == {"shape": [2, 2], "hex": ["00000000", "aaaaaaaa"]}
+    assert decode_images(top[1]["images"])[0].tolist() == [[85, 85], [85, 85]]
 
 
 def small_vit():
@@ -47,6 +49,9 @@ def test_dispatch_maps_are_the_layers_dispatch_over_the_patch_grid():
     data = ImageDataset(torch.rand(5, 1, 8, 8), torch.tensor([0, 1, 2, 0, 1]), 3, "rand")
     maps = dispatch_maps(model, data, model.grid, images=2, slots=3)
     assert maps["experts"] == [0, 2, 3] and maps["labels"] == [0, 1]
+    pixels = decode_images(maps["images"])
+    assert len(pixels) == 2 and pixels[0].shape == (8, 8)
+    assert pixels[1].tolist() == (data.images[1, 0] * 255).round().to(torch.uint8).tolist()
     layer = model.moe_layers()[0]
     dispatch = routing_of(model, layer, data.images[:2]).dispatch
     for b in range(2):

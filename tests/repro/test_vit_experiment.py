@@ -41,7 +41,7 @@ def test_experiment_end_to_end_on_a_tiny_preset(tmp_path):
         assert [p["value"] for p in study["points"]["algorithm1"]] == list(range(1, 8))
         assert set(study["calibrated"]) == {"combine", "mass"}
         maps = variant["models"]["8"]["dispatch_maps"]
-        assert len(maps["images"]) == 3 and maps["experts"] == [0, 2, 5, 7]
+        assert len(maps["images"]["hex"]) == 3 and maps["images"]["shape"] == [8, 8] and maps["experts"] == [0, 2, 5, 7]
         assert all(len(m) == 2 and len(m[0]) == 2 for row in maps["maps"] for m in row)  # 8x8 images, patch 4
         assert "budgets" not in variant["models"]["2"] and "dispatch_maps" not in variant["models"]["2"]
     plots = experiment.write_plots(results, tmp_path)
