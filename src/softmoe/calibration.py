@@ -25,7 +25,7 @@ from torch import nn
 
 from softmoe.data import ImageDataset
 from softmoe.layer import SoftMoE
-from softmoe.selection import select_experts, soft_moe_layers
+from softmoe.selection import ADAPTIVE, select_experts, soft_moe_layers
 from softmoe.train import accuracy
 
 CALIBRATED = ("combine", "mass")
@@ -99,10 +99,9 @@ def evaluate_setting(
     ``value`` its k or tau), and the fraction of the expert FLOPs it ran."""
     if strategy == "all":
         return Setting("all", None, accuracy(model, data, batch_size), 1.0)
-    bounds = {"k_min": k_min, "k_max": k_max}
-    selection = {"tau": value, **bounds} if strategy == "mass" else {"k": value, **bounds} if strategy == "budget" else {
-        "k": value
-    }
+    selection = {"tau": value} if strategy == "mass" else {"k": value}
+    if strategy in ADAPTIVE:
+        selection.update(k_min=k_min, k_max=k_max)
     layers = soft_moe_layers(model)
     with counted_selection(model, strategy=strategy, renormalize=renormalize, **selection) as counters:
         correct = accuracy(model, data, batch_size)

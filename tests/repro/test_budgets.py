@@ -46,3 +46,14 @@ def test_plot_renders(tmp_path):
     pytest.importorskip("matplotlib")
     path = budgets.plot({"n = 8": study(0.25, 0.2)}, tmp_path / "b.png", "title")
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.endswith("b.png")
+
+
+def test_findings_compare_as_printed_and_name_the_faster_ks():
+    close = study(0.09375, 0.0937)  # 9.4 % and 9.4 % as printed: the same compute
+    close["points"]["algorithm1"] = [
+        {"value": 1, "test_accuracy": 0.7, "expert_fraction": 0.125, "us_per_example": 2.0},
+        {"value": 2, "test_accuracy": 0.8, "expert_fraction": 0.25, "us_per_example": 4.0},
+    ]
+    text = budgets.findings({"n = 8": close})
+    assert text[1] == "Both need the same compute for n = 8 (9.4 % vs 9.4 %)."
+    assert text[2].endswith("Algorithm 1 2.0 to 4.0 µs; Algorithm 1 is faster than all experts at k = 1.")
