@@ -51,6 +51,19 @@ def test_grouped_mm_never_reads_an_expert_without_rows():
     assert torch.isfinite(out).all()
 
 
+def test_rows_past_the_last_end_are_zero_and_unread():
+    """Rows no expert owns (the padding of adaptive selection) give zero outputs and zero gradients, whatever they
+    hold."""
+    x = torch.randn(7, 4, dtype=torch.float64)
+    x[5:] = float("nan")
+    x.requires_grad_()
+    weight = torch.randn(3, 4, 2, dtype=torch.float64, requires_grad=True)
+    out = grouped_mm(x, weight, ends_of([2, 0, 3]))
+    assert torch.equal(out[5:], torch.zeros(2, 2, dtype=torch.float64)) and torch.isfinite(out).all()
+    out.sum().backward()
+    assert torch.equal(x.grad[5:], torch.zeros(2, 4, dtype=torch.float64)) and torch.isfinite(weight.grad).all()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("counts", [[3, 0, 2], [0, 0, 4]])
 def test_grouped_mm_ops_pass_opcheck(counts):

@@ -111,6 +111,11 @@ class Experts(Protocol):
         ...
 
 
+def _with_zero_row(bias: torch.Tensor) -> torch.Tensor:
+    """A stacked bias (num_experts, size) with a zero row appended: the bias of a padding group (index num_experts)."""
+    return torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+
+
 def token_counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
     """How many entries of ``expert`` (int64; -1 entries are not counted) name each expert -> (num_experts,) int64,
     without a host sync (unlike ``torch.bincount``, whose output size depends on the data)."""
@@ -185,26 +190,24 @@ class MLPExperts(nn.Module):
 
         The groups are sorted by expert and both layers run as grouped products (:mod:`softmoe.kernels.grouped_mm`):
         an expert no group names costs nothing; no host synchronization where torch's grouped GEMM serves.
-        Padding groups (expert -1) sort last, past every expert's rows, so no product reads them; their output is
-        zero (and no gradient flows through them).
+        Padding groups (expert -1) sort last, past every expert's rows: no product reads them, the grouped products
+        give them zero rows and a zero bias row is added, so their output is zero and no gradient flows through them.
         """
         check_selected_rows(rows, expert, self.dim)
         groups, per_group, _ = rows.shape
-        padding = (expert < 0).view(groups, 1, 1)
-        key = torch.where(expert < 0, self.num_experts, expert)
+        key = torch.where(expert < 0, self.num_experts, expert)  # padding sorts last
         order = torch.argsort(key, stable=True)
-        sorted_expert = key[order].clamp_max(self.num_experts - 1)  # padding groups index a bias they never keep
+        sorted_key = key[order]
         ends = (token_counts(expert, self.num_experts).cumsum(0) * per_group).to(torch.int32)
-        flat = torch.where(padding, 0.0, rows)[order].reshape(groups * per_group, self.dim)
+        flat = rows[order].reshape(groups * per_group, self.dim)
         h = grouped_mm(flat, self.weight1, ends).view(groups, per_group, self.hidden)
         if self.bias1 is not None:
-            h = h + self.bias1[sorted_expert].unsqueeze(1)
+            h = h + _with_zero_row(self.bias1)[sorted_key].unsqueeze(1)
         flat_h = self.act(h).reshape(groups * per_group, self.hidden)
         y = grouped_mm(flat_h, self.weight2, ends).view(groups, per_group, self.out_dim)
         if self.bias2 is not None:
-            y = y + self.bias2[sorted_expert].unsqueeze(1)
-        y = torch.empty_like(y).index_copy(0, order, y)
-        return torch.where(padding, 0.0, y)
+            y = y + _with_zero_row(self.bias2)[sorted_key].unsqueeze(1)
+        return torch.empty_like(y).index_copy(0, order, y)
 
     def token_space_is_cheaper(self, tokens: int, slots_per_expert: int) -> bool:
         """The CPU cost model between the "slots" and "tokens" backends, per input.
@@ -463,15 +466,19 @@ class StackedExperts(ReferenceOnly, nn.Module):
         """
         check_selected_rows(rows, expert, self.dim)
         padding = expert < 0
-        if host_reads_are_free(expert) and bool(padding.any()):
+        if host_reads_are_free(expert):
+            if not bool(padding.any()):
+                return self._vmap_selected(rows, expert)
             kept = (~padding).nonzero().squeeze(1)
             out = rows.new_zeros(rows.shape[0], rows.shape[1], self.out_dim)
-            return out.index_copy(0, kept, self.forward_selected(rows[kept], expert[kept]))
+            return out.index_copy(0, kept, self._vmap_selected(rows[kept], expert[kept]))
+        mask = padding.view(-1, 1, 1)
+        return torch.where(mask, 0.0, self._vmap_selected(torch.where(mask, 0.0, rows), expert.clamp_min(0)))
+
+    def _vmap_selected(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         params, buffers = self._stacked()
-        index = expert.clamp_min(0)
-        gathered = ({k: v[index] for k, v in params.items()}, {k: v[index] for k, v in buffers.items()})
-        out = torch.func.vmap(self._call_one)(*gathered, torch.where(padding.view(-1, 1, 1), 0.0, rows))
-        return torch.where(padding.view(-1, 1, 1), 0.0, out)
+        gathered = ({k: v[expert] for k, v in params.items()}, {k: v[expert] for k, v in buffers.items()})
+        return torch.func.vmap(self._call_one)(*gathered, rows)
 
     def expert_state(self, j: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The parameters and buffers of expert ``j`` as plain dicts keyed by the template's names."""

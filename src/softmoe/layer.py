@@ -463,13 +463,16 @@ class SoftMoE(nn.Module):
         batch, tokens, d = x.shape
         p = self.slots_per_expert
         k = selected.shape[1]
-        used = (selected >= 0).repeat_interleave(p, dim=1).unsqueeze(1)  # (batch, 1, k * p)
+        # Unused places (-1) take expert 0's slots; the experts give them zero outputs, so only a renormalization
+        # needs to leave their combine weights out.
         index = selected.clamp_min(0)
         slot_index = (index.unsqueeze(-1) * p + torch.arange(p, device=x.device)).reshape(batch, 1, k * p)
         slot_index = slot_index.expand(batch, tokens, k * p)
         kept_dispatch = dispatch.gather(2, slot_index)
-        kept_combine = torch.where(used, combine.gather(2, slot_index), 0.0)
+        kept_combine = combine.gather(2, slot_index)
         if renormalize:
+            used = (selected >= 0).repeat_interleave(p, dim=1).unsqueeze(1)  # (batch, 1, k * p)
+            kept_combine = torch.where(used, kept_combine, 0.0)
             kept_combine = kept_combine / kept_combine.sum(-1, keepdim=True).clamp_min(torch.finfo(combine.dtype).tiny)
         slots = dispatch_slots(x, kept_dispatch).view(batch * k, p, d)
         expert_out = self.experts.forward_selected(slots, selected.reshape(batch * k))

@@ -1,7 +1,8 @@
 """``softmoe::grouped_mm``: rows sorted by expert, each expert's block times that expert's weight.
 
     x (rows, K) sorted by expert, weight (E, K, N), ends (E,) int32 (cumulative row counts: expert j owns rows
-    ends[j-1]:ends[j]) -> out (rows, N) with out[ends[j-1]:ends[j]] = x[ends[j-1]:ends[j]] @ weight[j]
+    ends[j-1]:ends[j]) -> out (rows, N) with out[ends[j-1]:ends[j]] = x[ends[j-1]:ends[j]] @ weight[j]; rows past
+    ends[-1] belong to no expert: they are never read and their output (and gradient) is zero
 
 An expert with no rows costs nothing. It is a registered custom op, so torch.compile keeps it as one node whatever
 the (data-dependent) group sizes, and it never recompiles for a new pattern of sizes. Where it runs:
@@ -75,10 +76,14 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> tor
     """x (rows, K) sorted by expert, weight (E, K, N), ends (E,) int32 -> (rows, N); see the module doc."""
     check_grouped(x, weight, ends)
     if uses_grouped_gemm(x, weight, weight.shape[1], weight.shape[2]):
-        return torch._grouped_mm(x.contiguous(), weight, offs=ends)
+        out = torch._grouped_mm(x.contiguous(), weight, offs=ends)
+        owned = torch.arange(x.shape[0], device=x.device) < ends[-1]  # no host read: rows past ends[-1] are zero
+        return torch.where(owned.unsqueeze(1), out, 0.0)
     out = x.new_empty(x.shape[0], weight.shape[2])
-    for j, start, stop in _groups(ends):
+    groups = _groups(ends)
+    for j, start, stop in groups:
         out[start:stop] = group_product(x[start:stop], weight[j])
+    out[groups[-1][2] if groups else 0 :] = 0.0
     return out
 
 
