@@ -13,8 +13,15 @@ FLOP/s and bandwidth measured in this run.
     python benchmarks/bench_latency.py --json results/mnist5k/latency.json   # joins that folder's report
     python benchmarks/bench_latency.py --device cuda --dtype bfloat16         # on a GPU (the paper timed one)
     python benchmarks/bench_latency.py --device cuda --dtype bfloat16 --compile   # with CUDA graphs
+    python benchmarks/bench_latency.py --isa avx512,avx2     # one fresh process per instruction set
+    python benchmarks/bench_latency.py --sweep --preset small   # one layer, every k < n at batch 1, 4, 16, 100
 
-On a GPU the limits are a bf16 or fp32 8192^3 matmul and a 1 GiB copy, and the header names the GPU.
+On a GPU the limits are a bf16 or fp32 8192^3 matmul and a 1 GiB copy, and the header names the GPU. On the CPU
+``--isa`` (default: the host's best) and ``--allocator`` (default: tuned, as the training CLI runs) choose the
+processes, one after the other (``benchmarks/common.py``). k < n runs Algorithm 1 with ``plan="auto"``, which skips
+the unselected experts where that is cheaper and else runs every expert with their combine weights zeroed
+(``softmoe.selection_plan``); ``--sweep`` times that against every expert for one layer of the stack at every
+k < n and several batch sizes, and says which plan ran: Algorithm 1 must never be slower.
 """
 
 from __future__ import annotations
@@ -27,11 +34,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
+    add_process_arguments,
+    apply_allocator,
     environment,
     machine_limits,
     measure_interleaved,
     print_table,
+    process_settings,
     roofline_seconds,
+    run_processes,
 )
 
 import softmoe  # noqa: E402
@@ -48,7 +59,50 @@ from softmoe_repro.latency import (  # noqa: E402
     work,
 )
 from softmoe.kernels.grouped_mm import uses_grouped_gemm  # noqa: E402
-from softmoe.runtime import tune_cpu_allocator  # noqa: E402
+
+
+SWEEP_BATCHES = (1, 4, 16, 100)
+# A k whose median time exceeds every expert's by more than this is reported as slower (same-run noise is ~3%).
+SLOWER_TOLERANCE = 0.03
+
+
+def sweep(preset: dict, repeats: int, warmup: int) -> dict:
+    """One layer of the stack: Algorithm 1 (plan "auto") at every k < n against every expert, at SWEEP_BATCHES."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        layer = MoEStack(preset["hidden"]).layers[0].eval()
+    results, rows, slower = {}, [], []
+    for batch in SWEEP_BATCHES:
+        x = torch.randn(batch, TOKENS, DIM)
+
+        def timed(k: int | None):
+            def run() -> None:
+                strategy = "all" if k is None else "combine"
+                with torch.no_grad(), softmoe.select_experts(layer, k=k, strategy=strategy):
+                    layer(x)
+
+            return run
+
+        configs = {"all": timed(None)} | {str(k): timed(k) for k in range(1, EXPERTS)}
+        stats = measure_interleaved(configs, warmup=warmup, repeats=repeats)
+        with torch.no_grad():
+            combine = layer.route(x).combine
+        plans = {}
+        for k in range(1, EXPERTS):
+            selected = softmoe.selection.top_k_by_combine(combine, k)
+            plans[k] = "selected" if layer.selected_plan_is_cheaper(x, selected) else "dense"
+        base = stats["all"]["median"]
+        speedups = {k: base / stats[str(k)]["median"] for k in range(1, EXPERTS)}
+        slower += [f"batch {batch} k = {k}" for k, v in speedups.items() if v < 1 / (1 + SLOWER_TOLERANCE)]
+        results[str(batch)] = {"all_ms": base * 1e3, "speedup": speedups, "plan": plans,
+                               "ms": {k: stats[str(k)]["median"] * 1e3 for k in range(1, EXPERTS)}}
+        rows.append([batch, f"{base * 1e3:.1f}"] + [f"{speedups[k]:.2f} {plans[k][0]}" for k in range(1, EXPERTS)])
+    print_table(["batch", "all experts ms"] + [f"k = {k}" for k in range(1, EXPERTS)], rows)
+    print("speed-up over every expert (median of round-robin passes); s = only the selected experts ran, d = every "
+          "expert ran with the unselected ones' combine weights zeroed (the cost model's choice)")
+    verdict = "none" if not slower else ", ".join(slower)
+    print(f"Algorithm 1 slower than every expert (by more than {SLOWER_TOLERANCE:.0%}): {verdict}")
+    return {"batches": results, "slower": slower, "tolerance": SLOWER_TOLERANCE}
 
 
 def main() -> None:
@@ -62,14 +116,36 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--compile", action="store_true", help="time the stack compiled with torch.compile "
                         "(fullgraph; on a GPU in bf16 with CUDA graphs, mode reduce-overhead)")
-    args = parser.parse_args()
+    parser.add_argument("--sweep", action="store_true", help="one layer, every k < n at batch "
+                        f"{', '.join(map(str, SWEEP_BATCHES))}, against every expert (Algorithm 1 never slower)")
+    add_process_arguments(parser)
+    parser.set_defaults(allocator="tuned")
+    argv = sys.argv[1:]
+    args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
+    try:
+        settings = process_settings(args)
+    except ValueError as error:
+        parser.error(str(error))
+    if device.type == "cpu" and args.child_json is None and settings != [("native", args.allocator)]:
+        results = run_processes(args, [a for a in argv if a not in ("--isa", args.isa, "--allocator", args.allocator)])
+        if args.json:
+            write_json(args.json, {"processes": results})
+        return
     preset = PRESETS[args.preset]
     repeats = args.repeats or preset["repeats"]
     warmup = args.warmup if args.warmup is not None else preset["warmup"]
-    tuned = tune_cpu_allocator() if device.type == "cpu" else False
+    allocator = apply_allocator(args.allocator) if device.type == "cpu" else "allocator: CUDA's"
+    if args.sweep:
+        env = environment()
+        print(f"# Algorithm 1 against every expert, one layer of Table 3's stack (hidden {preset['hidden']}), "
+              f"{env['cpu']} | {env['isa']} | {env['torch_threads']} threads | {env['date']} | {allocator}")
+        results = {"environment": env, "preset": args.preset, "sweep": sweep(preset, repeats, warmup)}
+        if args.child_json or args.json:
+            write_json(args.child_json or args.json, results)
+        return
     torch.manual_seed(0)
     with torch.no_grad(), device:  # built on the device: no 9 GB initialized on the host first
         stack = MoEStack(preset["hidden"]).eval().to(dtype=dtype)
@@ -81,11 +157,11 @@ def main() -> None:
     else:
         limits = machine_limits(matmul_size=8192, copy_bytes=2**30, device=device, dtype=dtype)
         where = f"{torch.cuda.get_device_name(device)} (host {env['cpu']})"
-    print(f"# Table 3 on {where}, torch {env['torch']}, {env['date']}")
+    print(f"# Table 3 on {where}, {env['isa']}, torch {env['torch']}, {env['date']}")
     print(
         f"preset {args.preset}: 6 Soft MoE layers, {EXPERTS} experts of hidden {preset['hidden']}, "
         f"{params / 1e9:.2f}B parameters ({expert_params / 1e9:.2f}B in experts); {args.dtype}; "
-        f"{'compiled' if args.compile else 'eager'}; {'CPU allocator tuned' if tuned else 'allocator untuned'}; "
+        f"{'compiled' if args.compile else 'eager'}; {allocator}; "
         f"measured peak {limits['flops_per_s'] / 1e9:.0f} GFLOP/s, bandwidth "
         f"{limits['bytes_per_s'] / 1e9:.1f} GB/s; {warmup} warm-up + {repeats} timed passes each, round-robin"
     )
@@ -104,9 +180,9 @@ def main() -> None:
             graphs = uses_grouped_gemm(x, x, DIM, preset["hidden"])
             model = torch.compile(stack, fullgraph=True, mode="reduce-overhead" if graphs else None)
 
-        def timed(k: int, strategy: str):
+        def timed(k: int, strategy: str, plan: str = "auto"):
             def run() -> None:
-                with torch.no_grad(), softmoe.select_experts(stack, k=k, strategy=strategy):
+                with torch.no_grad(), softmoe.select_experts(stack, k=k, strategy=strategy, plan=plan):
                     model(x)
 
             return run
@@ -114,7 +190,7 @@ def main() -> None:
         used = {k: ([EXPERTS] * len(stack.layers) if k == EXPERTS else experts_used(stack, x, k)) for k in ks}
         configs = {str(k): timed(k, "combine") for k in ks[1:]}
         configs["all"] = timed(EXPERTS, "all")
-        configs["grouped"] = timed(EXPERTS, "combine")
+        configs["grouped"] = timed(EXPERTS, "combine", plan="selected")
         stats = measure_interleaved(configs, warmup=warmup, repeats=repeats, device=device)
         batched, grouped = stats.pop("all"), stats.pop("grouped")
         stats[str(EXPERTS)] = min(batched, grouped, key=lambda s: s["median"])  # the faster way to run every expert
@@ -141,8 +217,8 @@ def main() -> None:
         target = TARGET_SPEEDUP.get(batch)
         verdict = f" (target >= {target}x: {'PASS' if quarter >= target else 'FAIL'})" if target else ""
         print(f"batch {batch}: k = n/4 is {quarter:.2f}x faster than k = n{verdict}")
-    if args.json:
-        write_json(args.json, results)
+    if args.child_json or args.json:
+        write_json(args.child_json or args.json, results)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,24 @@
-"""Speed of ``softmoe.SoftMoE`` on CPU against a per-expert Python loop, a dense MLP and the machine's roofline.
+"""Speed of ``softmoe.SoftMoE`` on CPU against the published peer packages, a per-expert Python loop, a dense MLP
+and the machine's roofline, per instruction set and allocator.
 
 Usage::
 
-    python benchmarks/bench_layer.py            # full run (about three minutes)
-    python benchmarks/bench_layer.py --quick    # short run (well under a minute)
-    python benchmarks/bench_layer.py --json results.json
+    python benchmarks/bench_layer.py            # full run, the host's ISA, default allocator
+    python benchmarks/bench_layer.py --quick    # short run
+    python benchmarks/bench_layer.py --isa avx512,avx2 --allocator default,tuned --json results.json
 
-It first calls ``softmoe.runtime.tune_cpu_allocator()`` (large tensors from glibc's heap instead of fresh mmap
-pages; see that module) and says whether it was applied. Then, for every shape and in the same run, it times
-the forward pass (under ``torch.no_grad``) and forward+backward (``out.backward(grad)`` with ``x`` requiring
-grad and all gradients reset to None before each step) of:
+Every (``--isa``, ``--allocator``) pair runs in a fresh process of its own, one after the other (``avx2`` limits
+softmoe's kernels and torch's MKL, oneDNN and ATen kernels to AVX2, so an AVX-512 host times what an AVX2 host
+runs; ``tuned`` calls ``softmoe.runtime.tune_cpu_allocator()`` first, ``default`` leaves glibc as it comes); a
+summary puts them side by side and holds the ViT-S forward+backward of the default allocator to within 1.1x of the
+tuned one. In each process, for every shape, it times the forward pass (under ``torch.no_grad``) and
+forward+backward (``out.backward(grad)`` with ``x`` requiring grad and all gradients reset to None before each
+step) of:
 
 - ``softmoe.SoftMoE`` itself;
+- the published peers installed (``make peers``; ``benchmarks/peers.py``) at the same shape: soft-moe-pytorch and
+  soft-moe (MLP experts in a Python loop; the faster of them is the row's "best peer") and soft-mixture-of-experts
+  (one linear map per expert: less work, shown but not counted);
 - ``loop``: the same layer math as the public ports write it, the layer's own routing (``layer.route``)
   followed by a Python loop over an ``nn.ModuleList`` of ``n`` pairs of ``nn.Linear`` holding the layer's expert
   weights (its outputs are checked against the layer's);
@@ -34,8 +41,9 @@ Definitions (B batch, M tokens, D dim, N experts, P slots per expert, H expert h
 - Bytes, compulsory traffic: forward reads x and all parameters and writes the output:
   4*(params + 2*B*M*D). Forward+backward: 4*(3*params + 4*B*M*D) (parameters read twice, gradients written;
   x and output read/written with their gradients).
-- Roofline time = max(FLOPs / matmul peak, bytes / copy bandwidth), with the row's limits; "x roofline" =
-  measured time / roofline.
+- Roofline time = max(FLOPs / matmul peak, bytes / B), with the row's limits, B the bandwidth of a ``sum`` over
+  a tensor of as many bytes as the row's expert weights (read beside the row: a short probe catches bursts of a
+  shared host that a stream of hundreds of MB never sees); "x roofline" = measured time / roofline.
 - Speed-up vs loop = loop time / layer time; dense-MLP ratio = layer time / dense MLP time (fwd, fwd+bwd).
 - Forward floor (rows on the "slots" and "native" backends): the expert products alone (the backend's batched
   expert matmuls on the row's slots, timed in the same rounds as the forward) and the time to read the expert weights once at the read bandwidth
@@ -54,8 +62,8 @@ with 1 slot each, hidden = max(1, round(784 / n)) as in the paper's model (softm
 ViT-S/16 Soft MoE layer (batch 8, 196 tokens, dim 384, 128 experts, 1 slot, hidden 1536, gelu).
 
 Targets, fp32 (PASS/FAIL per row): ViT-S forward within 1.3x of roofline and forward+backward within 1.6x;
-forward+backward within 2x of roofline at every MNIST shape; faster than the loop (forward and
-forward+backward) at every shape, by at least 1.5x at n >= 64.
+forward+backward within 2x of roofline at every MNIST shape; at most 0.5x the best peer's time, forward and
+forward+backward; faster than the loop at every shape, by at least 1.5x at n >= 64.
 """
 
 from __future__ import annotations
@@ -74,18 +82,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
     OtherLoad,
+    add_process_arguments,
+    apply_allocator,
     environment,
     machine_limits,
+    measure,
     measure_interleaved,
     print_table,
+    process_settings,
     roofline_seconds,
+    run_processes,
 )
+from peers import MLP_PEERS, build_peers  # noqa: E402
 
 import softmoe  # noqa: E402
 from softmoe.kernels import expert_matmul, native_mixing_applies  # noqa: E402
 from softmoe.models.mnist import expert_hidden_for  # noqa: E402
-from softmoe.runtime import tune_cpu_allocator  # noqa: E402
 
+# The layer's time as a fraction of the fastest published MLP peer's (benchmarks/peers.py) that a row must meet.
+PEER_TARGET = 0.5
 # Cores kept busy by other processes above which a row's timings are flagged as unreliable.
 OTHER_LOAD_LIMIT = 0.2
 ACTIVATION_MODULES = {"relu": nn.ReLU, "gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh")}
@@ -202,6 +217,9 @@ def check_targets(s: Shape, row: dict) -> str:
             failures.append(f"fwd+bwd {row['fwdbwd_x_roofline']:.2f}x>1.6")
     elif row["fwdbwd_x_roofline"] > 2.0:
         failures.append(f"fwd+bwd {row['fwdbwd_x_roofline']:.2f}x>2")
+    for key, label in (("fwd_vs_best_peer", "fwd"), ("fwdbwd_vs_best_peer", "fwd+bwd")):
+        if row[key] is not None and row[key] > PEER_TARGET:
+            failures.append(f"{label} {row[key]:.2f}x best peer>{PEER_TARGET}")
     need = 1.5 if s.experts >= 64 else 1.0
     for key, label in (("fwd_speedup_vs_loop", "fwd"), ("fwdbwd_speedup_vs_loop", "fwd+bwd")):
         ok = row[key] >= need if need > 1.0 else row[key] > 1.0
@@ -231,23 +249,22 @@ def measure_shape(
         raise AssertionError(f"{s}: loop baseline differs from the layer (relative error {error:.2e})")
     del want, got
 
-    fns = {}
-    params = {
-        "layer": list(layer.parameters()),
-        "loop": list(loop.parameters()) + loop.routing_parameters(),
-        "dense": list(dense.parameters()),
-    }
-    for name, module in (("layer", layer), ("loop", loop), ("dense", dense)):
-        fns[name] = step_fns(module, params[name], x, grad)
+    peers, missing = build_peers(s.dim, s.experts, s.slots, s.hidden, s.activation)
+    modules = {"layer": layer, "loop": loop, "dense": dense} | peers
+    params = {name: list(module.parameters()) for name, module in modules.items()}
+    params["loop"] += loop.routing_parameters()
+    fns = {name: step_fns(module, params[name], x, grad) for name, module in modules.items()}
     path = layer.backend_for(x).name
     forwards = {k: v[0] for k, v in fns.items()}
     if path == "slots" or (path == "native" and not native_mixing_applies(x, s.hidden, s.activation)):
         forwards["experts"] = expert_products(layer, x, native=path == "native")
+    volume = torch.empty(parameter_bytes(layer.experts) // 4)
+    volume.fill_(1.0)
     with OtherLoad() as other:
-        before = machine_limits(limit_repeats)
+        before = machine_limits(limit_repeats) | {"volume_read_bytes_per_s": read_rate(volume)}
         fwd = measure_interleaved(forwards, warmup, repeats, budget_s)
         fwdbwd = measure_interleaved({k: v[1] for k, v in fns.items()}, warmup, repeats, budget_s)
-        after = machine_limits(limit_repeats)
+        after = machine_limits(limit_repeats) | {"volume_read_bytes_per_s": read_rate(volume)}
     return {
         "backend": path,
         "dense_hidden": dense[0].out_features,
@@ -258,14 +275,21 @@ def measure_shape(
         "times": {"fwd": fwd, "fwdbwd": fwdbwd},
         "limits": [before, after],
         "other_load": other.value,
+        "peers_missing": missing,
     }
+
+
+def read_rate(volume: torch.Tensor) -> float:
+    """Bytes per second of a ``sum`` over ``volume`` (as many bytes as the row's expert weights), best of 5."""
+    return volume.numel() * volume.element_size() / measure(volume.sum, warmup=1, repeats=5)["min"]
 
 
 def summarize_shape(s: Shape, sweeps: list[dict]) -> dict:
     """The row of a shape from its sweeps: per function the fastest time of any sweep, the best limits read."""
     first = sweeps[0]
     readings = [limits for sweep in sweeps for limits in sweep["limits"]]
-    limits = {key: max(r[key] for r in readings) for key in ("flops_per_s", "bytes_per_s", "read_bytes_per_s")}
+    limits = {key: max(r[key] for r in readings)
+              for key in ("flops_per_s", "bytes_per_s", "read_bytes_per_s", "volume_read_bytes_per_s")}
     for key in ("matmul", "copy", "read"):
         limits[key] = f"{first['limits'][0][key]}, best of {len(readings)} readings"
     times = {}
@@ -297,6 +321,7 @@ def summarize_shape(s: Shape, sweeps: list[dict]) -> dict:
         "limits": limits,
         "limit_readings": readings,
         "other_load": max(loads) if loads else None,
+        "peers_missing": first["peers_missing"],
     }
     for key, nflops in (("fwd", flops), ("fwdbwd", 3 * flops)):
         t = times[key]["layer"]["min"]
@@ -304,6 +329,10 @@ def summarize_shape(s: Shape, sweeps: list[dict]) -> dict:
         row[f"{key}_gflops"] = nflops / t / 1e9
         row[f"{key}_speedup_vs_loop"] = times[key]["loop"]["min"] / t
         row[f"{key}_dense_ratio"] = t / times[key]["dense"]["min"]
+        mlp_peers = [times[key][name]["min"] for name in MLP_PEERS if name in times[key]]
+        row[f"{key}_vs_best_peer"] = t / min(mlp_peers) if mlp_peers else None
+        row[f"{key}_peers_ms"] = {name: 1e3 * times[key][name]["min"] for name in times[key]
+                                  if name not in ("layer", "loop", "dense", "experts")}
     add_roofline(s, row, limits)
     if "experts" in times["fwd"]:
         weights, t = first["expert_weight_bytes"], times["fwd"]["experts"]["min"]
@@ -338,8 +367,10 @@ def expert_products(layer: softmoe.SoftMoE, x: torch.Tensor, native: bool) -> Ca
 
 def add_roofline(s: Shape, row: dict, limits: dict) -> None:
     """Set the roofline times, the measured/roofline ratios and the PASS/FAIL verdict of ``row``."""
+    # Bytes are held to a read of the expert weights' volume measured beside the row (module doc).
+    stream = limits | {"bytes_per_s": limits["volume_read_bytes_per_s"]}
     for key in ("fwd", "fwdbwd"):
-        roof = roofline_seconds(row[f"{key}_flops"], row[f"{key}_bytes"], limits)
+        roof = roofline_seconds(row[f"{key}_flops"], row[f"{key}_bytes"], stream)
         row[f"{key}_roofline_ms"] = 1e3 * roof
         row[f"{key}_x_roofline"] = row[f"{key}_ms"] / 1e3 / roof
     row["targets"] = check_targets(s, row)
@@ -359,7 +390,8 @@ HEADERS = [
     "fwd+bwd x roofline",
     "fwd+bwd speed-up vs loop",
     "dense-MLP ratio fwd / fwd+bwd",
-    "limits GFLOP/s / copy, read GB/s",
+    "vs best peer fwd / fwd+bwd",
+    "limits GFLOP/s / copy, read, weights-volume read GB/s",
     "other load",
     "targets",
 ]
@@ -380,11 +412,18 @@ def table_row(r: dict) -> list[str]:
         f"{r['fwdbwd_x_roofline']:.2f}",
         f"{r['fwdbwd_speedup_vs_loop']:.1f}x",
         f"{r['fwd_dense_ratio']:.2f} / {r['fwdbwd_dense_ratio']:.2f}",
+        peer_ratio(r),
         f"{r['limits']['flops_per_s'] / 1e9:.0f} / {r['limits']['bytes_per_s'] / 1e9:.1f}, "
-        f"{r['limits']['read_bytes_per_s'] / 1e9:.1f}",
+        f"{r['limits']['read_bytes_per_s'] / 1e9:.1f}, {r['limits']['volume_read_bytes_per_s'] / 1e9:.1f}",
         "n/a" if r["other_load"] is None else f"{r['other_load']:.2f}",
         r["targets"],
     ]
+
+
+def peer_ratio(r: dict) -> str:
+    if r["fwd_vs_best_peer"] is None:
+        return "no peer installed"
+    return f"{r['fwd_vs_best_peer']:.2f} / {r['fwdbwd_vs_best_peer']:.2f}"
 
 
 def floor_line(r: dict) -> str:
@@ -408,34 +447,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write all results as JSON to PATH")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     parser.add_argument("--shapes", choices=["all", "mnist", "vit"], default="all")
+    parser.add_argument("--mnist-experts", help="the MNIST rows' n, comma-separated (default 2, 4, ..., 512; "
+                        "with --quick 2, 16, 128, 512)")
     parser.add_argument(
         "--sweeps", type=int, default=None, help="passes over all shapes, a row keeping each function's fastest "
         "time and the best limits of all its sweeps (default 2, 1 with --quick)"
     )
+    add_process_arguments(parser)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.sweeps is None:
         args.sweeps = 1 if args.quick else 2
     if args.sweeps < 1:
         parser.error(f"--sweeps must be >= 1, got {args.sweeps}")
+    try:
+        process_settings(args)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.child_json is None:  # the parent: one fresh process per instruction set and allocator
+        return summarize_processes(args, run_processes(args, passed_on(argv)))
 
-    tuned = tune_cpu_allocator()
-    print(
-        "softmoe.runtime.tune_cpu_allocator(): "
-        + ("applied (glibc mallopt: M_MMAP_MAX=0, M_TRIM_THRESHOLD=2**31-1)" if tuned else "not applied (not glibc)"),
-        flush=True,
-    )
+    print(apply_allocator(args.allocator), flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     env = environment()
     limits = machine_limits(repeats=3 if args.quick else 10)
     print(
-        f"{env['date']} | {env['cpu']} | {env['cores']} cores, torch {env['torch']} with {env['torch_threads']} "
-        f"threads | fp32 | at start: matmul peak {limits['flops_per_s'] / 1e9:.0f} GFLOP/s ({limits['matmul']}), "
+        f"{env['date']} | {env['cpu']} | {env['isa']} | {env['cores']} cores, torch {env['torch']} with "
+        f"{env['torch_threads']} threads | fp32 | at start: matmul peak {limits['flops_per_s'] / 1e9:.0f} GFLOP/s ({limits['matmul']}), "
         f"copy bandwidth {limits['bytes_per_s'] / 1e9:.1f} GB/s ({limits['copy']})",
         flush=True,
     )
 
     ns = [2, 16, 128, 512] if args.quick else [2**k for k in range(1, 10)]
+    if args.mnist_experts:
+        ns = [int(n) for n in args.mnist_experts.split(",")]
     shapes = []
     if args.shapes in ("all", "mnist"):
         shapes += mnist_shapes(ns)
@@ -473,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         "other load: cores kept busy by other processes while the row was timed (> 0.2: timings inflated)."
     )
     print()
-    print_table(HEADERS, [table_row(r) for r in rows], align="lrrl" + "r" * 11 + "l")
+    print_table(HEADERS, [table_row(r) for r in rows], align="lrrl" + "r" * 12 + "l")
     passed = sum(r["targets"] == "PASS" for r in rows)
     print(f"\nTargets met on {passed}/{len(rows)} rows.")
     for r in rows:
@@ -486,13 +532,54 @@ def main(argv: list[str] | None = None) -> int:
             "those multi-threaded timings are inflated; rerun on an idle machine."
         )
 
+    for r in rows:
+        if r["peers_missing"]:
+            print(f"peers not timed for {r['shape']} n={r['experts']}: " + "; ".join(r["peers_missing"].values()))
+            break
+    with open(args.child_json, "w") as f:
+        json.dump({"environment": env, "limits": limits, "quick": args.quick, "rows": rows}, f)
+    return 0
+
+
+def passed_on(argv: list[str]) -> list[str]:
+    """The arguments a child process gets from the parent's: all but --isa, --allocator and --json (the parent's)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--isa", "--allocator", "--json"):
+            skip = True
+        elif not arg.startswith(("--isa=", "--allocator=", "--json=")):
+            kept.append(arg)
+    return kept
+
+
+def summarize_processes(args, results: list[dict]) -> int:
+    """Print the rows of every (isa, allocator) process side by side, the default allocator against the tuned one
+    where both ran, and write them all to --json."""
+    print("\n==== summary ====")
+    table = []
+    for result in results:
+        for r in result["rows"]:
+            table.append([result["isa"], result["allocator"], r["shape"], str(r["experts"]), r["backend"],
+                          f"{r['fwd_ms']:.2f}", f"{r['fwdbwd_ms']:.2f}",
+                          f"{r['fwd_x_roofline']:.2f} / {r['fwdbwd_x_roofline']:.2f}", peer_ratio(r), r["targets"]])
+    print(f"{results[0]['environment']['cpu']}, {results[0]['environment']['date']}")
+    print_table(["isa", "allocator", "shape", "n", "backend", "fwd ms", "fwd+bwd ms", "x roofline fwd / fwd+bwd",
+                 "vs best peer fwd / fwd+bwd", "targets"], table, align="llllrrrrrl")
+    by_setting = {(r["isa"], r["allocator"]): r for r in results}
+    for isa in dict.fromkeys(r["isa"] for r in results):
+        if (isa, "default") in by_setting and (isa, "tuned") in by_setting:
+            tuned = {(r["shape"], r["experts"]): r for r in by_setting[isa, "tuned"]["rows"]}
+            for r in by_setting[isa, "default"]["rows"]:
+                other = tuned.get((r["shape"], r["experts"]))
+                if other is not None and r["shape"] == "ViT-S/16":
+                    ratio = r["fwdbwd_ms"] / other["fwdbwd_ms"]
+                    print(f"{isa}: {r['shape']} fwd+bwd, default allocator / tuned: {ratio:.2f} "
+                          f"(target <= 1.10: {'PASS' if ratio <= 1.10 else 'FAIL'})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"allocator_tuned": tuned, "environment": env, "limits": limits, "quick": args.quick, "rows": rows},
-                f,
-                indent=2,
-            )
+            json.dump({"processes": results}, f, indent=2)
         print(f"wrote {args.json}")
     return 0
 

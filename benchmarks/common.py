@@ -8,11 +8,16 @@ synchronization of its device, so a time is the work's, not its launch's.
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
 import platform
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -22,6 +27,78 @@ from softmoe.runtime import cpu_model
 
 MATMUL_SIZE = 2048
 COPY_BYTES = 256 * 2**20
+
+# What limits a process to one instruction set: softmoe's kernels (SOFTMOE_ISA) and torch's own, MKL, oneDNN and
+# ATen's vectorized CPU kernels, so that an AVX-512 host runs what an AVX2 host would ("native": the host's best).
+ISA_ENVIRONMENT = {
+    "native": {},
+    "avx512": {"SOFTMOE_ISA": "avx512"},
+    "avx2": {"SOFTMOE_ISA": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "ATEN_CPU_CAPABILITY": "avx2"},
+}
+ALLOCATORS = ("default", "tuned")
+
+
+def add_process_arguments(parser) -> None:
+    """--isa and --allocator, each taking one value or a comma-separated list (see :func:`run_processes`)."""
+    parser.add_argument("--isa", default="native", help="instruction sets to run under, comma-separated, of "
+                        f"{sorted(ISA_ENVIRONMENT)} (default: native, the host's best)")
+    parser.add_argument("--allocator", default="default", help="'default' (glibc as it comes), 'tuned' "
+                        "(softmoe.runtime.tune_cpu_allocator) or both, comma-separated (default: default)")
+    parser.add_argument("--child-json", help=argparse.SUPPRESS)
+
+
+def process_settings(args) -> list[tuple[str, str]]:
+    """The (isa, allocator) pairs asked for, checked (a ValueError names a bad value)."""
+    isas, allocators = args.isa.split(","), args.allocator.split(",")
+    for isa in isas:
+        if isa not in ISA_ENVIRONMENT:
+            raise ValueError(f"--isa: expected one of {sorted(ISA_ENVIRONMENT)}, got {isa!r}")
+    for allocator in allocators:
+        if allocator not in ALLOCATORS:
+            raise ValueError(f"--allocator: expected one of {ALLOCATORS}, got {allocator!r}")
+    return [(isa, allocator) for isa in isas for allocator in allocators]
+
+
+def run_processes(args, argv: list[str]) -> list[dict]:
+    """Run this script once per (isa, allocator) of ``args``, each in a fresh process under that instruction set
+    (:data:`ISA_ENVIRONMENT`), one after the other; return what each wrote with ``--child-json``.
+
+    A child is started with the same arguments plus ``--isa ISA --allocator ALLOCATOR --child-json PATH`` and must
+    call :func:`apply_allocator` first and write its results (a dict) to PATH."""
+    results = []
+    for isa, allocator in process_settings(args):
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "child.json")
+            env = os.environ | ISA_ENVIRONMENT[isa]
+            command = [sys.executable, sys.argv[0], *argv, "--isa", isa, "--allocator", allocator,
+                       "--child-json", path]
+            print(f"\n==== {isa} instruction set, {allocator} allocator ====", flush=True)
+            subprocess.run(command, env=env, check=True)
+            with open(path) as f:
+                results.append(json.load(f) | {"isa": isa, "allocator": allocator})
+    return results
+
+
+def apply_allocator(allocator: str) -> str:
+    """Tune glibc's allocator for large blocks when ``allocator`` is "tuned"; a line saying what is in effect."""
+    from softmoe.runtime import tune_cpu_allocator
+
+    if allocator == "tuned":
+        applied = tune_cpu_allocator()
+        return ("allocator tuned (softmoe.runtime.tune_cpu_allocator: M_MMAP_MAX=0, M_TRIM_THRESHOLD=2**31-1)"
+                if applied else "allocator: tuning not applied (not glibc)")
+    return "allocator: default (glibc as it comes)"
+
+
+def isa_line() -> str:
+    """The instruction sets in effect in this process: softmoe's kernels and what limits torch's libraries."""
+    from softmoe.kernels import cpu_isa
+
+    limits = [f"{key}={os.environ[key]}" for key in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
+                                                      "ATEN_CPU_CAPABILITY") if key in os.environ]
+    return (f"softmoe kernels {cpu_isa() or 'unavailable'}; torch CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}" + (f" ({', '.join(limits)})" if limits else ""))
 
 
 def _stats(times: Sequence[float]) -> dict[str, float]:
@@ -140,6 +217,7 @@ def environment() -> dict:
     """Machine, software and date, for the header of a benchmark report."""
     return {
         "cpu": cpu_model(),
+        "isa": isa_line(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from reference import kernels_called
 
 import softmoe.kernels.grouped_mm as op_module
+from softmoe.kernels import native_available
 from softmoe.kernels.grouped_mm import grouped_mm, grouped_mm_weight_grad, row_block_matmul
+
+expert_matmul_module = sys.modules["softmoe.kernels.expert_matmul"]  # the package exports a function of that name
 
 F64 = torch.float64
 
@@ -127,16 +132,46 @@ def test_large_weights_take_row_blocks_exactly_with_gradients(large_weights_on_t
         assert (got - expected).abs().max().item() < 1e-10
 
 
-def test_large_float32_weights_take_onednn_for_enough_rows(large_weights_on_two_threads):
+@pytest.mark.parametrize("intel", [True, False])
+def test_large_float32_weights_take_mkl_on_intel_and_onednn_elsewhere(large_weights_on_two_threads, monkeypatch,
+                                                                       intel):
+    monkeypatch.setattr(op_module, "intel_cpu", lambda: intel)
     torch.manual_seed(0)
     weight = torch.randn(2, 12, 40)
     x = torch.randn(op_module.ONEDNN_MIN_ROWS + 2, 12)
     counts = [2, op_module.ONEDNN_MIN_ROWS]
-    assert "mkldnn::_linear_pointwise" in kernels_called(lambda: grouped_mm(x, weight, ends_of(counts)))
+    called = kernels_called(lambda: grouped_mm(x, weight, ends_of(counts)))
+    assert ("mkldnn::_linear_pointwise" in called) == (not intel)
+    assert ("aten::mm" in called) == intel
     want = loop_reference(x.double(), weight.double(), counts)
     assert (grouped_mm(x, weight, ends_of(counts)).double() - want).abs().max().item() < 1e-5
     few = [2, op_module.ONEDNN_MIN_ROWS - 1]
     assert "mkldnn::_linear_pointwise" not in kernels_called(lambda: grouped_mm(x[:-1], weight, ends_of(few)))
+
+
+@pytest.mark.skipif(not native_available(), reason="softmoe's native kernels are not built here")
+def test_large_weights_take_the_native_expert_matmul_for_few_rows(large_weights_on_two_threads, monkeypatch):
+    """Groups of NATIVE_MIN_ROWS..NATIVE_MAX_ROWS rows through a large weight run softmoe::expert_matmul (the
+    kernel the plain forward uses for them), one row and a transposed weight (the backward) do not; equal to
+    float64, gradients included."""
+    monkeypatch.setattr(expert_matmul_module, "NATIVE_MIN_WEIGHT", 1)
+    torch.manual_seed(1)
+    counts = [1, expert_matmul_module.NATIVE_MIN_ROWS, expert_matmul_module.NATIVE_MAX_ROWS, 0]
+    x = torch.randn(sum(counts), 24, requires_grad=True)
+    weight = torch.randn(4, 24, 40, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        grouped_mm(x, weight, ends_of(counts))
+    calls = {event.key: event.count for event in prof.key_averages()}
+    assert calls.get("softmoe::expert_matmul") == 2  # the groups of 2 and 16 rows
+    out = grouped_mm(x, weight, ends_of(counts))
+    x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    want = loop_reference(x64, w64, counts)
+    assert (out.double() - want).abs().max().item() < 1e-4
+    grad = torch.randn(out.shape)
+    got = torch.autograd.grad(out, [x, weight], grad)
+    expected = torch.autograd.grad(want, [x64, w64], grad.double())
+    for g, e in zip(got, expected, strict=True):
+        assert (g.double() - e).abs().max().item() < 1e-3
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -32,6 +32,7 @@ from softmoe.selection import (
     subsets_from_mask,
     top_k_by_combine,
 )
+from softmoe.topk import top_k
 
 DIM, HIDDEN, N, BATCH, TOKENS = 6, 12, 8, 3, 5
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -406,9 +407,9 @@ def test_unselected_experts_do_not_run_mlp(p, entry, monkeypatch):
     log = instrument(layer, monkeypatch)
     with torch.no_grad():
         if entry == "forward_selected":
-            layer.forward_selected(x, selected)
+            layer.forward_selected(x, selected, plan="selected")
         else:
-            with select_experts(layer, strategy=keep):
+            with select_experts(layer, strategy=keep, plan="selected"):
                 layer(x)
     assert len(log["counts"]) == 1
     counts = log["counts"][0]
@@ -426,7 +427,7 @@ def test_unselected_experts_do_not_run_custom_expert(strategy, monkeypatch):
     layer = make_layer(p, custom=True)
     x = make_input(batch=batch)
     log = instrument(layer, monkeypatch)
-    with torch.no_grad(), select_experts(layer, k=k, strategy=strategy, seed=4) as layers:
+    with torch.no_grad(), select_experts(layer, k=k, strategy=strategy, seed=4, plan="selected") as layers:
         records = capture_selections(layers)
         before = layer(x)
     (selected,) = records[id(layer)]
@@ -438,7 +439,7 @@ def test_unselected_experts_do_not_run_custom_expert(strategy, monkeypatch):
     with torch.no_grad():
         for _, value in layer.experts.named_parameters():
             value[unused] = float("nan")
-        with select_experts(layer, k=k, strategy=strategy, seed=4):
+        with select_experts(layer, k=k, strategy=strategy, seed=4, plan="selected"):
             after = layer(x)
     torch.testing.assert_close(after, before, rtol=0, atol=0)
 
@@ -447,7 +448,7 @@ def test_unselected_experts_do_not_run_multi_layer_model(monkeypatch):
     model = TwoLayerModel()
     x = make_input(batch=4)
     logs = [instrument(layer, monkeypatch) for layer in (model.moe_a, model.moe_b)]
-    with torch.no_grad(), select_experts(model, k=0.25) as layers:
+    with torch.no_grad(), select_experts(model, k=0.25, plan="selected") as layers:
         records = capture_selections(layers)
         model(x)
     built = []  # the slot tensors built, layer by layer (dispatch_slots is one function, so both logs see both)
@@ -976,7 +977,7 @@ def test_adaptive_selection_skips_the_work_of_dropped_experts(monkeypatch):
     layer = adaptive_layer(p)
     x = make_input(torch.float64, batch=6)
     block_rows = record_block_rows(monkeypatch)
-    with torch.no_grad(), select_experts(layer, strategy="mass", tau=0.7) as layers:
+    with torch.no_grad(), select_experts(layer, strategy="mass", tau=0.7, plan="selected") as layers:
         records = capture_selections(layers)
         layer(x)
     selected = records[id(layer)][0]
@@ -993,13 +994,13 @@ def test_tau_one_is_every_expert_and_tau_near_zero_is_k_min(custom):
     x = make_input(torch.float64, batch=5)
     with torch.no_grad():
         plain = layer(x)
-        with select_experts(layer, strategy="mass", tau=1.0) as layers:
+        with select_experts(layer, strategy="mass", tau=1.0, plan="selected") as layers:
             records = capture_selections(layers)
             every = layer(x)
         assert (records[id(layer)][0] >= 0).all()
         torch.testing.assert_close(every, plain, atol=1e-10, rtol=1e-10)
         for k_min in (1, 3):
-            with select_experts(layer, strategy="mass", tau=1e-9, k_min=k_min) as layers:
+            with select_experts(layer, strategy="mass", tau=1e-9, k_min=k_min, plan="selected") as layers:
                 records = capture_selections(layers)
                 fewest = layer(x)
             selected = records[id(layer)][0]
@@ -1071,6 +1072,22 @@ def test_custom_experts_leave_unused_places_out_on_cpu(monkeypatch):
 
     monkeypatch.setattr(layer.experts, "_vmap_selected", spy)
     with torch.no_grad():
-        out = layer.forward_selected(x, selected)
+        out = layer.forward_selected(x, selected, plan="selected")
     assert groups == [6]  # of the 9 places, only the 6 used ones run through the experts
     torch.testing.assert_close(out, masked_reference_forward(layer, x, selected), atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_algorithm1_fast_top_k_equals_the_stable_rule(seed):
+    """top_k_by_combine takes torch.topk on CPU unless the k-th and (k+1)-th scores tie; with planted boundary ties
+    (values from a few levels), NaNs and distinct values it keeps the same experts as the stable sort's rule."""
+    g = torch.Generator().manual_seed(seed)
+    n = 8
+    for levels in (3, 1000):  # few levels: many ties, also at the boundary
+        combine = torch.randint(0, levels, (16, 5, n, 1), generator=g).double()
+        if seed % 2:
+            combine[0, 0, 3, 0] = float("nan")
+            combine[1, :, 5, 0] = float("nan")
+        for k in range(1, n + 1):
+            want = top_k(combine_scores(combine), k, dim=1)[1].sort(dim=1).values
+            assert torch.equal(top_k_by_combine(combine, k), want)

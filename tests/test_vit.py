@@ -253,7 +253,7 @@ def test_each_layer_picks_its_own_experts_and_skips_the_others(monkeypatch):
             chosen[index] = top_k_by_combine(module.route(args[0]).combine, 2)
 
         layer.register_forward_hook(hook)
-    with torch.no_grad(), select_experts(model, k=2):
+    with torch.no_grad(), select_experts(model, k=2, plan="selected"):
         model(images)
     assert full_runs == []  # no layer ran all of its experts
     for index in (0, 1):

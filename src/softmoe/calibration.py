@@ -71,7 +71,7 @@ class _CountingSelector:
     (no host read per batch)."""
 
     def __init__(self, selector) -> None:
-        self.inner, self.renormalize = selector, selector.renormalize
+        self.inner, self.renormalize, self.plan = selector, selector.renormalize, selector.plan
         self.kept = self.possible = 0
 
     def select(self, combine: torch.Tensor) -> torch.Tensor:

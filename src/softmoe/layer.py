@@ -39,6 +39,7 @@ from softmoe.backends import BackendChoice, check_backend
 from softmoe.experts import Experts, MLPExperts, StackedExperts, autocast_device
 from softmoe.kernels import needs_grad, onednn_applies, onednn_linear
 from softmoe.kernels.modes import host_reads_are_free
+from softmoe.selection_plan import check_plan, mask_from_subsets, selected_plan_is_cheaper
 
 NORM_EPS = 1e-6
 NORMALIZATIONS = ("router", "inputs", "none")
@@ -279,6 +280,7 @@ class ExpertSelector(Protocol):
     """What a layer consults, when set as ``layer.selector``, to pick each input's experts (see softmoe.selection)."""
 
     renormalize: bool
+    plan: str  # one of SELECTION_PLANS
 
     def select(self, combine: torch.Tensor) -> torch.Tensor:
         """combine (batch, tokens, n, p) -> selected experts (batch, k) int64."""
@@ -420,7 +422,12 @@ class SoftMoE(nn.Module):
         if self.selector is not None:
             shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
             selected = self.selector.select(combine.view(shape))
-            return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize)
+            return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize,
+                                          self.selector.plan)
+        return self._mix(x, dispatch, combine)
+
+    def _mix(self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
+        """C f(D^T X) with every expert, on the backend :meth:`backend_for` names."""
         backend = self.backend_for(x).name
         if backend == "reference":
             return combine_slots(combine, self.run_experts(dispatch_slots(x, dispatch)))
@@ -433,24 +440,42 @@ class SoftMoE(nn.Module):
         mask: torch.Tensor | None = None,
         renormalize: bool = False,
         check: bool | None = None,
+        plan: str = "auto",
     ) -> torch.Tensor:
-        """Soft MoE with only the experts ``selected`` (batch, k) int64 of each input; the others are skipped.
+        """Soft MoE with only the experts ``selected`` (batch, k) int64 of each input; the others contribute nothing.
 
         Equals C Y^ where Y^ has zero rows for the slots of unselected experts (Algorithm 1's step 4); with
-        ``renormalize`` each token's combine weights are rescaled to sum to 1 over the kept slots. No expert runs
-        for an unselected (input, expert) pair. An entry -1 is an unused place: inputs may keep different numbers
-        of experts in one batch (as the adaptive strategies of :mod:`softmoe.selection` do), and the expert products
-        of the unused places are skipped, not padded. x: (batch, tokens, dim) -> (batch, tokens, d_out).
+        ``renormalize`` each token's combine weights are rescaled to sum to 1 over the kept slots. An entry -1 is an
+        unused place: inputs may keep different numbers of experts in one batch (as the adaptive strategies of
+        :mod:`softmoe.selection` do). x: (batch, tokens, dim) -> (batch, tokens, d_out).
+
+        ``plan`` (same output, different work; see :mod:`softmoe.selection_plan`): "selected" runs each expert
+        on the slots of the inputs that keep it, grouped by expert, and nothing for an unselected (input, expert)
+        pair or an unused place; "dense" runs every expert as the plain forward does and gives the unselected
+        slots zero combine weight; "auto" (the default) takes the one the cost model finds cheaper for this shape.
 
         ``check``: validate the values of ``selected`` (in range, no repeats). None (the default) checks them where
         that is free (CPU tensors outside torch.compile); True always (a host synchronization on a GPU); False never.
         """
+        check_plan(plan)
         check_tokens(x, self.dim, mask, self.phi.dtype)
         values = host_reads_are_free(selected) if check is None else check
         check_selected(selected, x.shape[0], self.num_experts, values)
         x = self.slot_inputs(x)
         _, dispatch, combine = self._route_flat(x, mask)
-        return self._selected_forward(x, dispatch, combine, selected, renormalize)
+        return self._selected_forward(x, dispatch, combine, selected, renormalize, plan)
+
+    def selected_plan_is_cheaper(self, x: torch.Tensor, selected: torch.Tensor) -> bool:
+        """Whether running only the ``selected`` (batch, k) experts (plan "selected") beats running them all (plan
+        "dense") for x (batch, tokens, dim): :func:`softmoe.selection_plan.selected_plan_is_cheaper` with this
+        layer's shape, and the pairs and experts in use counted where host reads are free."""
+        return self._selected_is_cheaper(x, selected, mask_from_subsets(selected, self.num_experts))
+
+    def _selected_is_cheaper(self, x: torch.Tensor, selected: torch.Tensor, keep: torch.Tensor) -> bool:
+        flops_per_row = 2 * sum(t.numel() for t in self.experts.parameters()) / self.num_experts
+        kept = tuple(torch.stack((keep.sum(), keep.any(0).sum())).tolist()) if host_reads_are_free(selected) else None
+        return selected_plan_is_cheaper(x.shape[0], selected.shape[1], self.num_experts, self.slots_per_expert,
+                                        flops_per_row, x.device, kept)
 
     def _selected_forward(
         self,
@@ -459,10 +484,20 @@ class SoftMoE(nn.Module):
         combine: torch.Tensor,
         selected: torch.Tensor,
         renormalize: bool,
+        plan: str,
     ) -> torch.Tensor:
         batch, tokens, d = x.shape
         p = self.slots_per_expert
         k = selected.shape[1]
+        if plan != "selected":
+            keep = mask_from_subsets(selected, self.num_experts)
+            if plan == "dense" or not self._selected_is_cheaper(x, selected, keep):
+                keep = (keep if p == 1 else keep.repeat_interleave(p, dim=1)).unsqueeze(1)  # (batch, 1, n * p)
+                kept_combine = torch.where(keep, combine, 0.0)
+                if renormalize:
+                    kept_combine = kept_combine / kept_combine.sum(-1, keepdim=True).clamp_min(
+                        torch.finfo(combine.dtype).tiny)
+                return self._mix(x, dispatch, kept_combine)
         # Unused places (-1) take expert 0's slots; the experts give them zero outputs, so only a renormalization
         # needs to leave their combine weights out.
         index = selected.clamp_min(0)

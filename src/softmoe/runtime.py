@@ -39,11 +39,12 @@ do not combine the two, the combination took 650 ms).
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 import sys
 from collections.abc import Callable
 
-__all__ = ["cpu_model", "tune_cpu_allocator"]
+__all__ = ["cpu_model", "intel_cpu", "tune_cpu_allocator"]
 
 # glibc's <malloc.h> parameter numbers.
 M_TRIM_THRESHOLD = -1
@@ -83,13 +84,24 @@ def tune_cpu_allocator() -> bool:
     return trim_ok and mmap_ok
 
 
-def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo on Linux), else what the platform module knows."""
+def _cpuinfo(field: str) -> str | None:
+    """The first value of ``field`` in /proc/cpuinfo, or None (no such file or field)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.split(":", 1)[0].strip() == field:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux), else what the platform module knows."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+@functools.cache
+def intel_cpu() -> bool:
+    """Whether this is an Intel CPU (vendor GenuineIntel), where MKL's products are the fastest torch has."""
+    return _cpuinfo("vendor_id") == "GenuineIntel"

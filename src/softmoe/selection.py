@@ -17,7 +17,8 @@ The adaptive strategies keep different numbers of experts for the inputs of one 
 
 Semantics are the paper's: the outputs of unselected experts are zero and combine weights are not renormalized
 (``renormalize=True`` rescales each token's combine weights over the kept slots). Unselected experts are not
-computed at all (see ``SoftMoE.forward_selected``).
+computed at all where that is cheaper than computing them (``plan="auto"``; ``plan="selected"`` always skips them,
+see :mod:`softmoe.selection_plan` and ``SoftMoE.forward_selected``).
 
     with softmoe.select_experts(model, k=0.25, strategy="combine"):
         logits = model(images)
@@ -34,7 +35,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from softmoe.kernels.modes import host_reads_are_free
 from softmoe.layer import SoftMoE
+from softmoe.selection_plan import check_plan, mask_from_subsets
 from softmoe.topk import top_k
 
 STRATEGIES = ("combine", "mass", "budget", "random", "all")
@@ -65,9 +68,17 @@ def combine_scores(combine: torch.Tensor) -> torch.Tensor:
 def top_k_by_combine(combine: torch.Tensor, k: int) -> torch.Tensor:
     """Algorithm 1: the k experts with the largest C_sum per input -> (batch, k) int64, ascending indices.
 
-    Ties are broken towards the lower expert index (:func:`softmoe.topk.top_k`).
+    Ties are broken towards the lower expert index (:func:`softmoe.topk.top_k`, a stable sort). Only a tie between
+    the k-th and the (k+1)-th largest can change which experts are kept, so where host reads are free (CPU, eager)
+    ``torch.topk`` (2.5x faster than the stable sort for 256 x 128 scores) gives the set when no row has such a tie.
     """
-    return top_k(combine_scores(combine), k, dim=1)[1].sort(dim=1).values
+    scores = combine_scores(combine)
+    if k < scores.shape[1] and host_reads_are_free(scores):
+        values, index = torch.topk(scores, k + 1, dim=1)
+        last, next_ = values[:, k - 1], values[:, k]
+        if not bool(((last == next_) | (last.isnan() & next_.isnan())).any()):
+            return index[:, :k].sort(dim=1).values
+    return top_k(scores, k, dim=1)[1].sort(dim=1).values
 
 
 def combine_shares(combine: torch.Tensor) -> torch.Tensor:
@@ -131,12 +142,6 @@ def subsets_from_mask(keep: torch.Tensor, num_experts: int, batch: int | None = 
     return keep.nonzero()[:, 1].view(keep.shape[0], k)
 
 
-def mask_from_subsets(selected: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """selected (batch, k) int64, -1 for an unused place -> bool mask (batch, n)."""
-    keep = torch.zeros(selected.shape[0], num_experts + 1, dtype=torch.bool, device=selected.device)
-    return keep.scatter_(1, torch.where(selected < 0, num_experts, selected), True)[:, :num_experts]
-
-
 @dataclass
 class Selector:
     """The per-layer choice rule installed by :func:`select_experts` (see ``SoftMoE.selector``).
@@ -154,6 +159,7 @@ class Selector:
     tau: float = 1.0
     k_min: int = 1
     k_max: int | None = None
+    plan: str = "auto"
 
     def generator_on(self, device: torch.device) -> torch.Generator:
         """The random strategy's generator on ``device``."""
@@ -193,11 +199,14 @@ def make_selector(
     tau: float | None = None,
     k_min: int = 1,
     k_max: int | None = None,
+    plan: str = "auto",
 ) -> Selector | None:
     """The selector for one layer, or None for "all" (the plain forward). Validates k, tau, the bounds and the
     strategy.
 
-    ``seed`` and ``generators`` (shared between layers; a new dict when None) are the random strategy's source."""
+    ``seed`` and ``generators`` (shared between layers; a new dict when None) are the random strategy's source;
+    ``plan`` how the layer runs the selection (:mod:`softmoe.selection_plan`)."""
+    check_plan(plan)
     n = layer.num_experts
     if isinstance(strategy, torch.Tensor):
         if strategy.dim() != 2 or strategy.shape[1] != n:
@@ -205,7 +214,7 @@ def make_selector(
         count = subsets_from_mask(strategy, n).shape[1]
         if k is not None and resolve_k(k, n) != count:
             raise ValueError(f"k = {k} does not match the {count} experts kept per row by the mask")
-        return Selector(strategy, count, renormalize)
+        return Selector(strategy, count, renormalize, plan=plan)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES} or a bool mask (batch, n), got {strategy!r}")
     if strategy == "all":
@@ -215,12 +224,12 @@ def make_selector(
         if strategy == "mass":
             if tau is None or isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau <= 1:
                 raise ValueError(f'strategy "mass" needs tau, a combine-mass share in (0, 1], got {tau!r}')
-            return Selector(strategy, k_max, renormalize, tau=float(tau), k_min=k_min, k_max=k_max)
-        return Selector(strategy, _average_k(k, n, k_min, k_max), renormalize, k_min=k_min, k_max=k_max)
+            return Selector(strategy, k_max, renormalize, tau=float(tau), k_min=k_min, k_max=k_max, plan=plan)
+        return Selector(strategy, _average_k(k, n, k_min, k_max), renormalize, k_min=k_min, k_max=k_max, plan=plan)
     if k is None:
         raise ValueError(f"strategy {strategy!r} needs k (an int in [1, {n}] or a fraction in (0, 1])")
     generators = {} if generators is None else generators
-    return Selector(strategy, resolve_k(k, n), renormalize, seed, generators)
+    return Selector(strategy, resolve_k(k, n), renormalize, seed, generators, plan=plan)
 
 
 def _bounds(k_min: int, k_max: int | None, n: int) -> tuple[int, int]:
@@ -260,6 +269,7 @@ def select_experts(
     tau: float | None = None,
     k_min: int = 1,
     k_max: int | None = None,
+    plan: str = "auto",
 ) -> Iterator[list[SoftMoE]]:
     """Within the block every SoftMoE layer of ``model`` uses only some of its experts per input, chosen by
     ``strategy`` (the module doc lists them).
@@ -276,6 +286,8 @@ def select_experts(
         tau: the "mass" strategy's share of the combine mass to reach, in (0, 1].
         k_min, k_max: the adaptive strategies' bounds on each input's expert count (k_max: the layer's n when
             None).
+        plan: "selected" (run only the kept experts), "dense" (run all, zero the others' combine weights) or
+            "auto" (the cheaper for the shape): same output (:mod:`softmoe.selection_plan`).
     Yields the list of affected layers. Previous selectors are restored on exit.
     """
     layers = soft_moe_layers(model)
@@ -284,7 +296,7 @@ def select_experts(
     generators = {} if generator is None else {generator.device: generator}
     seed = 0 if seed is None else seed
     selectors = [
-        make_selector(layer, k, strategy, renormalize, seed, generators, tau, k_min, k_max) for layer in layers
+        make_selector(layer, k, strategy, renormalize, seed, generators, tau, k_min, k_max, plan) for layer in layers
     ]
     previous = [layer.selector for layer in layers]
     try:

@@ -59,7 +59,7 @@ def experts_used(stack: MoEStack, x: torch.Tensor, k: int) -> list[int]:
 
         layer.experts.forward_selected = record
     try:
-        with torch.no_grad(), select_experts(stack, k=k):
+        with torch.no_grad(), select_experts(stack, k=k, plan="selected"):
             stack(x)
     finally:
         for layer in stack.layers:

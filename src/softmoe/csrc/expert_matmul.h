@@ -392,12 +392,20 @@ void expert_matmul_nt(const float *g, const float *w, float *out, long E, long M
 
 /* ---- out = xt^T @ g ---------------------------------------------------------------------------------------- */
 
+/* The weight gradient's column tiles are 4 vectors, whole cache lines at every width (256 bytes with AVX-512, 128
+   with AVX2, 64 portable), so that each streamed row segment fills its lines: a non-temporal store of part of a
+   line leaves the write-combining buffer half full, and the memory system then writes the line in pieces (AVX2
+   tiles of 3 vectors, 96 bytes, made the ViT-S weight gradient 3.9x slower, 36.5 ms against 9.3, on an Intel
+   Xeon). */
+#define TN_VECS 4
+#define TN_COLS (TN_VECS * LANES)
+
 /* out[k, c:c+V*LANES] = sum_r xt[r, k] g[r, c:c+V*LANES] for every k of [0, K). */
 static inline __attribute__((always_inline)) void tn_tile(const float *xt, long K, const float *g, long N, long M,
                                                          float *out, const int V, int stream)
 {
     for (long k = 0; k < K; k++) {
-        vec acc[TILE_VECS];
+        vec acc[TN_VECS];
         for (int v = 0; v < V; v++) acc[v] = vec{};
         for (long r = 0; r < M; r++) {
             const float s = xt[r * K + k];
@@ -417,12 +425,12 @@ static void tn_item(const job_t *j, long e, long begin, long end)
     const long M = j->M, K = j->K, N = j->N;
     const float *xt = j->a + e * M * K, *g = j->b + e * M * N;
     float *out = j->out + e * K * N;
-    const long c0 = begin * TILE_COLS, c1 = end * TILE_COLS < N ? end * TILE_COLS : N;
+    const long c0 = begin * TN_COLS, c1 = end * TN_COLS < N ? end * TN_COLS : N;
     const long vec_end = c0 + (c1 - c0) / LANES * LANES;
     for (long c = c0; c < vec_end;) {
-        if (vec_end - c >= TILE_COLS) {
-            tn_tile(xt, K, g + c, N, M, out + c, TILE_VECS, j->stream);
-            c += TILE_COLS;
+        if (vec_end - c >= TN_COLS) {
+            tn_tile(xt, K, g + c, N, M, out + c, TN_VECS, j->stream);
+            c += TN_COLS;
         } else {
             tn_tile(xt, K, g + c, N, M, out + c, 1, j->stream);
             c += LANES;
@@ -443,7 +451,7 @@ void expert_matmul_tn(const float *xt, const float *g, float *out, long E, long 
     const int stream = ((uintptr_t)out % LINE == 0) && ((N * 4) % LINE == 0);
     job_t j{};
     j.a = xt; j.b = g; j.out = out; j.M = M; j.K = K; j.N = N;
-    j.units = (N + TILE_COLS - 1) / TILE_COLS; j.stream = stream; j.fn = tn_item;
+    j.units = (N + TN_COLS - 1) / TN_COLS; j.stream = stream; j.fn = tn_item;
     run_parallel(j, E, threads);
 }
 

@@ -10,9 +10,11 @@ the (data-dependent) group sizes, and it never recompiles for a new pattern of s
 - CUDA, bfloat16, K and N multiples of 8: torch's grouped GEMM (``torch._grouped_mm``), no host synchronization,
   for the weight's gradient too;
 - elsewhere one product per non-empty expert (the group sizes are read on the host: free on CPU, one
-  synchronization on a GPU). On CPU a large weight (K * N >= LARGE_WEIGHT) read by few rows, where threaded MKL
-  runs far below the machine's limits, takes oneDNN (float32, at least ONEDNN_MIN_ROWS rows: 1.5-2x MKL's rate at
-  8-100 rows on the reference machine) or one contiguous block of the weight per thread (1.2-1.5x for 1-3 rows).
+  synchronization on a GPU). On CPU a large weight (K * N >= LARGE_WEIGHT) read by 1-3 rows takes one contiguous
+  block of the weight per thread (1.2-1.5x MKL's rate); more rows take MKL on Intel CPUs and oneDNN on others
+  (float32 inference): MKL's fast code paths are Intel's. Measured at 8-100 rows through 768 x 6144 and 768 x
+  30720 weights: on an AMD EPYC oneDNN ran 1.5-2x MKL's rate, on an Intel Xeon (AVX-512) MKL ran 1.2-1.7x
+  oneDNN's.
 
 Differentiable in x and weight (``softmoe::grouped_mm_weight_grad`` gives the weight's gradient).
 """
@@ -21,7 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from softmoe.kernels.build import cpu_isa
+from softmoe.kernels.expert_matmul import native_applies
 from softmoe.kernels.onednn import onednn_applies, onednn_linear
+from softmoe.runtime import intel_cpu
 
 # A weight of at least LARGE_WEIGHT elements run by few CPU rows takes the faster kernels above.
 LARGE_WEIGHT = 1 << 20
@@ -44,9 +49,13 @@ def group_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (rows, K) @ w (K, N) with the fastest kernel for few rows through a large CPU weight (module doc)."""
     if x.device.type != "cpu" or w.numel() < LARGE_WEIGHT:
         return x @ w
-    if x.shape[0] >= ONEDNN_MIN_ROWS and onednn_applies(x, w):
+    if w.is_contiguous() and native_applies(x[None], w[None]):
+        return torch.ops.softmoe.expert_matmul(x[None], w[None], None, "none", cpu_isa())[0]
+    if x.shape[0] < ONEDNN_MIN_ROWS:
+        return row_block_matmul(x, w, torch.get_num_threads())
+    if not intel_cpu() and onednn_applies(x, w):
         return onednn_linear(x, w)
-    return row_block_matmul(x, w, torch.get_num_threads())
+    return x @ w
 
 
 def uses_grouped_gemm(a: torch.Tensor, b: torch.Tensor, k: int, n: int) -> bool:

@@ -1,0 +1,72 @@
+"""How a Soft MoE layer runs k of its n experts per input: the "selected" or the "dense" plan, whichever is cheaper.
+
+Both plans give the same output (Algorithm 1's: unselected experts contribute nothing):
+
+    "selected"  each expert runs on the slots of the inputs that keep it, grouped by expert
+                (``MLPExperts.forward_selected``); an unselected (input, expert) pair costs nothing.
+    "dense"     every expert runs on every slot, as in the plain forward, and the slots of unselected experts get
+                zero combine weight: no work saved, but the plain forward's kernels.
+
+Skipping work pays only when enough of it is skipped. An expert product of r rows costs about as much as
+r + ROW_OVERHEAD rows at full speed (r rows through a weight read once: few rows are bound by reading the weight,
+and a product's efficiency grows with its rows), plus a fixed CALL_FLOPS per expert for the bookkeeping of its
+group. With F = 2 * (parameters per expert) FLOPs per row, batch B, p slots per expert and k of n experts kept:
+
+    selected = F * (P * p + u * ROW_OVERHEAD) + u * CALL_FLOPS
+    dense    = F * n * (B * p + ROW_OVERHEAD)
+
+with P the (input, expert) pairs kept and u the experts in use, and the selected plan runs when selected <=
+MARGIN * dense (the margin covers the gathers and sorting that only the selected plan does). P and u are counted
+where host reads are free (CPU, eager); elsewhere their bounds B * k and min(n, B * k) stand in, so the decision
+depends on shapes alone (no host synchronization; torch.compile makes it once per graph).
+
+The constants were fitted on CPU (Intel Xeon with AVX-512 and AMD EPYC with AVX2, 2 cores): one layer of Table 3's
+stack (768 -> 6144 -> 768, 8 experts) at batch 1, 4, 16 and 100, every k; with them no k < n was slower than all
+experts (``benchmarks/bench_latency.py --sweep``). On CUDA, eager, the selected plan's launches and host work cost
+more than the skipped products at every size measured (H100, docs/performance.md), so eager CUDA runs the dense plan;
+under torch.compile (CUDA graphs, bf16 grouped GEMM) the selected plan is taken with a larger row overhead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SELECTION_PLANS = ("auto", "selected", "dense")
+# (rows a product is worth beyond its own, margin the selected plan must beat) per device type.
+ROW_OVERHEAD = {"cpu": 30, "cuda": 256}
+MARGIN = {"cpu": 0.85, "cuda": 0.6}
+CALL_FLOPS = 1e7
+
+
+def check_plan(plan: str) -> None:
+    if plan not in SELECTION_PLANS:
+        raise ValueError(f"plan must be one of {SELECTION_PLANS}, got {plan!r}")
+
+
+def selected_plan_is_cheaper(
+    batch: int,
+    k: int,
+    num_experts: int,
+    slots_per_expert: int,
+    flops_per_row: float,
+    device: torch.device,
+    kept: tuple[int, int] | None = None,
+) -> bool:
+    """Whether the "selected" plan is expected to beat the "dense" one (module doc), for ``batch`` inputs keeping
+    ``k`` of ``num_experts`` experts each, ``slots_per_expert`` slots per expert, ``flops_per_row`` FLOPs per row per
+    expert (2 x its parameters), on ``device``. ``kept``: the (input, expert) pairs kept and the experts in use,
+    where they are known (else batch * k and min(n, batch * k), their upper bounds)."""
+    kind = "cpu" if device.type == "cpu" else "cuda"
+    if kind == "cuda" and not torch.compiler.is_compiling():
+        return False
+    pairs, used = kept if kept is not None else (batch * k, min(num_experts, batch * k))
+    rows = pairs * slots_per_expert
+    selected = flops_per_row * (rows + used * ROW_OVERHEAD[kind]) + used * CALL_FLOPS
+    dense = flops_per_row * num_experts * (batch * slots_per_expert + ROW_OVERHEAD[kind])
+    return selected <= MARGIN[kind] * dense
+
+
+def mask_from_subsets(selected: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """selected (batch, k) int64, -1 for an unused place -> bool mask (batch, n)."""
+    keep = torch.zeros(selected.shape[0], num_experts + 1, dtype=torch.bool, device=selected.device)
+    return keep.scatter_(1, torch.where(selected < 0, num_experts, selected), True)[:, :num_experts]

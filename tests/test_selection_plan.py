@@ -1,0 +1,118 @@
+"""Algorithm 1's two plans (softmoe.selection_plan): the same output, and the cost model that picks between them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import softmoe.selection_plan as plans
+from softmoe import SoftMoE, select_experts
+from softmoe.selection import masked_reference_forward
+from softmoe.selection_plan import ROW_OVERHEAD, selected_plan_is_cheaper
+
+F64 = torch.float64
+CPU = torch.device("cpu")
+
+
+def make_layer(n=8, p=1, custom=False, seed=0):
+    torch.manual_seed(seed)
+    expert = nn.Sequential(nn.Linear(12, 20), nn.GELU(), nn.Linear(20, 12)) if custom else None
+    layer = SoftMoE(12, n, slots_per_expert=p, expert_hidden=20, expert=expert, dtype=F64)
+    with torch.no_grad():
+        layer.scale.fill_(4.0)
+    return layer
+
+
+@pytest.mark.parametrize("custom", [False, True])
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_both_plans_equal_the_masked_reference(custom, p, renormalize):
+    """Fixed k, unused places (-1) and padded tokens: "selected", "dense" and "auto" all give the paper's output."""
+    layer = make_layer(p=p, custom=custom)
+    x = torch.randn(3, 5, 12, dtype=F64)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1, -2:] = False
+    selected = torch.tensor([[0, 3, 5], [2, -1, -1], [7, 1, -1]])
+    want = masked_reference_forward(layer, x, selected, mask, renormalize)
+    for plan in ("selected", "dense", "auto"):
+        got = layer.forward_selected(x, selected, mask, renormalize, plan=plan)
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_both_plans_have_the_same_gradients():
+    layer = make_layer()
+    x = torch.randn(4, 6, 12, dtype=F64, requires_grad=True)
+    selected = torch.tensor([[0, 1], [2, 7], [5, 3], [6, 4]])
+    grads = []
+    for plan in ("selected", "dense"):
+        out = layer.forward_selected(x, selected, plan=plan)
+        grads.append(torch.autograd.grad(out.square().sum(), [x, *layer.parameters()]))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_the_dense_plan_runs_every_expert_and_the_selected_plan_only_the_kept(monkeypatch):
+    layer = make_layer()
+    runs = []
+    original = layer.experts.forward_selected
+    monkeypatch.setattr(layer.experts, "forward_selected", lambda rows, expert: runs.append(expert) or
+                        original(rows, expert))
+    x = torch.randn(2, 5, 12, dtype=F64)
+    with torch.no_grad(), select_experts(layer, k=2, plan="dense"):
+        layer(x)
+    assert runs == []  # the plain forward's mixing, every expert
+    with torch.no_grad(), select_experts(layer, k=2, plan="selected"):
+        layer(x)
+    assert len(runs) == 1 and runs[0].numel() == 4
+
+
+def test_cost_model_golden_values():
+    """Hand-worked: F = 1 (it cancels but for CALL_FLOPS, which F = 1e9 makes negligible), ROW_OVERHEAD 30,
+    margin 0.85, n = 8 experts, p = 1.
+
+    batch 1, k = 2: selected 2 + 2 * 30 = 62, dense 8 * 31 = 248: 0.25 -> selected.
+    batch 1, k = 7: 7 + 7 * 30 = 217 against 248: 0.875 -> dense.
+    batch 4, k = 2, every expert in use: 8 + 8 * 30 = 248 against 8 * 34 = 272: 0.91 -> dense;
+    the same with the 4 inputs agreeing on 2 experts: 8 + 2 * 30 = 68: 0.25 -> selected.
+    batch 100, k = 6: 600 + 240 = 840 against 8 * 130 = 1040: 0.81 -> selected.
+    """
+    assert ROW_OVERHEAD["cpu"] == 30 and plans.MARGIN["cpu"] == 0.85
+    f = 1e9
+    assert selected_plan_is_cheaper(1, 2, 8, 1, f, CPU)
+    assert not selected_plan_is_cheaper(1, 7, 8, 1, f, CPU)
+    assert not selected_plan_is_cheaper(4, 2, 8, 1, f, CPU)
+    assert selected_plan_is_cheaper(4, 2, 8, 1, f, CPU, kept=(8, 2))
+    assert selected_plan_is_cheaper(100, 6, 8, 1, f, CPU)
+
+
+def test_small_experts_run_dense_because_each_group_costs_a_call():
+    """The paper's MNIST layer (n = 128 experts of hidden 6 on 196 dims): a group's bookkeeping (CALL_FLOPS) is
+    worth thousands of its rows, so even k = 1 runs dense; a Table 3 expert (768 x 6144) at k = 1 runs selected."""
+    mnist = 2 * (196 * 6 + 6 * 196)
+    assert not selected_plan_is_cheaper(256, 1, 128, 1, mnist, CPU)
+    table3 = 2 * (768 * 6144 * 2)
+    assert selected_plan_is_cheaper(256, 1, 8, 1, table3, CPU)
+
+
+def test_eager_cuda_runs_dense():
+    assert not selected_plan_is_cheaper(1, 1, 8, 1, 1e9, torch.device("cuda"))
+
+
+def test_auto_follows_the_cost_model(monkeypatch):
+    layer = make_layer()
+    x = torch.randn(2, 5, 12, dtype=F64)
+    selected = torch.tensor([[0, 1], [1, 0]])
+    for cheaper in (True, False):
+        monkeypatch.setattr(plans, "MARGIN", {"cpu": 1e9 if cheaper else 0.0, "cuda": 0.6})
+        assert layer.selected_plan_is_cheaper(x, selected) is cheaper
+
+
+def test_a_bad_plan_is_a_value_error():
+    layer = make_layer()
+    x = torch.randn(2, 5, 12, dtype=F64)
+    with pytest.raises(ValueError, match=r"plan must be one of \('auto', 'selected', 'dense'\), got 'fast'"):
+        layer.forward_selected(x, torch.tensor([[0], [1]]), plan="fast")
+    with pytest.raises(ValueError, match="plan must be one of"):
+        with select_experts(layer, k=1, plan="fast"):
+            pass
