@@ -20,9 +20,10 @@ MARGIN * dense (the margin covers the gathers and sorting that only the selected
 where host reads are free (CPU, eager); elsewhere their bounds B * k and min(n, B * k) stand in, so the decision
 depends on shapes alone (no host synchronization; torch.compile makes it once per graph).
 
-The constants were fitted on CPU (Intel Xeon with AVX-512 and AMD EPYC with AVX2, 2 cores): one layer of Table 3's
-stack (768 -> 6144 -> 768, 8 experts) at batch 1, 4, 16 and 100, every k; with them no k < n was slower than all
-experts (``benchmarks/bench_latency.py --sweep``). On CUDA, eager, the selected plan's launches and host work cost
+The constants were fitted on CPU (an Intel Xeon, 2 cores, AVX-512 and AVX2): one layer of Table 3's stack
+(768 -> 6144 -> 768, 8 experts) at batch 1, 4, 16 and 100, every k (``benchmarks/bench_latency.py --sweep``). With
+them the selected plan runs where it was measured at least as fast as all experts (1.0-4.2x) and the dense plan
+elsewhere, which costs all experts plus choosing them (0-5% more there; docs/performance.md). On CUDA, eager, the selected plan's launches and host work cost
 more than the skipped products at every size measured (H100, docs/performance.md), so eager CUDA runs the dense plan;
 under torch.compile (CUDA graphs, bf16 grouped GEMM) the selected plan is taken with a larger row overhead.
 """
