@@ -39,6 +39,7 @@ from common import (  # noqa: E402
     environment,
     machine_limits,
     measure_interleaved,
+    passed_on,
     print_table,
     process_settings,
     roofline_seconds,
@@ -130,7 +131,7 @@ def main() -> None:
     except ValueError as error:
         parser.error(str(error))
     if device.type == "cpu" and args.child_json is None and settings != [("native", args.allocator)]:
-        results = run_processes(args, [a for a in argv if a not in ("--isa", args.isa, "--allocator", args.allocator)])
+        results = run_processes(args, passed_on(argv))
         if args.json:
             write_json(args.json, {"processes": results})
         return

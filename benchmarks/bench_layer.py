@@ -88,6 +88,7 @@ from common import (  # noqa: E402
     machine_limits,
     measure,
     measure_interleaved,
+    passed_on,
     print_table,
     process_settings,
     roofline_seconds,
@@ -539,19 +540,6 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.child_json, "w") as f:
         json.dump({"environment": env, "limits": limits, "quick": args.quick, "rows": rows}, f)
     return 0
-
-
-def passed_on(argv: list[str]) -> list[str]:
-    """The arguments a child process gets from the parent's: all but --isa, --allocator and --json (the parent's)."""
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in ("--isa", "--allocator", "--json"):
-            skip = True
-        elif not arg.startswith(("--isa=", "--allocator=", "--json=")):
-            kept.append(arg)
-    return kept
 
 
 def summarize_processes(args, results: list[dict]) -> int:

@@ -80,6 +80,19 @@ def run_processes(args, argv: list[str]) -> list[dict]:
     return results
 
 
+def passed_on(argv: list[str]) -> list[str]:
+    """The arguments a child process gets from the parent's: all but --isa, --allocator and --json (the parent's)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--isa", "--allocator", "--json"):
+            skip = True
+        elif not arg.startswith(("--isa=", "--allocator=", "--json=")):
+            kept.append(arg)
+    return kept
+
+
 def apply_allocator(allocator: str) -> str:
     """Tune glibc's allocator for large blocks when ``allocator`` is "tuned"; a line saying what is in effect."""
     from softmoe.runtime import tune_cpu_allocator
