@@ -138,14 +138,14 @@ def test_large_float32_weights_take_mkl_on_intel_and_onednn_elsewhere(large_weig
     monkeypatch.setattr(op_module, "intel_cpu", lambda: intel)
     torch.manual_seed(0)
     weight = torch.randn(2, 12, 40)
-    x = torch.randn(op_module.ONEDNN_MIN_ROWS + 2, 12)
-    counts = [2, op_module.ONEDNN_MIN_ROWS]
+    x = torch.randn(op_module.BLAS_MIN_ROWS + 2, 12)
+    counts = [2, op_module.BLAS_MIN_ROWS]
     called = kernels_called(lambda: grouped_mm(x, weight, ends_of(counts)))
     assert ("mkldnn::_linear_pointwise" in called) == (not intel)
     assert ("aten::mm" in called) == intel
     want = loop_reference(x.double(), weight.double(), counts)
     assert (grouped_mm(x, weight, ends_of(counts)).double() - want).abs().max().item() < 1e-5
-    few = [2, op_module.ONEDNN_MIN_ROWS - 1]
+    few = [2, op_module.BLAS_MIN_ROWS - 1]
     assert "mkldnn::_linear_pointwise" not in kernels_called(lambda: grouped_mm(x[:-1], weight, ends_of(few)))
 
 

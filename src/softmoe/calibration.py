@@ -62,8 +62,7 @@ class Calibration:
 
 def _pair_cost(layer: SoftMoE) -> float:
     """The FLOPs of one (input, expert) pair of ``layer``, up to a constant: slots times parameters per expert."""
-    parameters = sum(t.numel() for t in layer.experts.parameters())
-    return layer.slots_per_expert * parameters / layer.num_experts
+    return layer.slots_per_expert * layer.parameters_per_expert()
 
 
 class _CountingSelector:

@@ -209,6 +209,11 @@ def check_selected(selected: torch.Tensor, batch: int, num_experts: int, values:
         raise ValueError(f"selected must not repeat an expert within a row, got {selected.tolist()}")
 
 
+def renormalized(combine: torch.Tensor) -> torch.Tensor:
+    """Combine weights (batch, tokens, slots) rescaled to sum to 1 over the slots; a token with none stays zero."""
+    return combine / combine.sum(-1, keepdim=True).clamp_min(torch.finfo(combine.dtype).tiny)
+
+
 def truncated_lecun_normal_(tensor: torch.Tensor, fan_in: int) -> torch.Tensor:
     """LeCun normal truncated to two standard deviations, in place: std 1/sqrt(fan_in) after truncation (JAX's
     ``lecun_normal``, which vmoe uses for phi and the patch embedding)."""
@@ -471,8 +476,12 @@ class SoftMoE(nn.Module):
         layer's shape, and the pairs and experts in use counted where host reads are free."""
         return self._selected_is_cheaper(x, selected, mask_from_subsets(selected, self.num_experts))
 
+    def parameters_per_expert(self) -> float:
+        """The experts' parameter count over n (a multiply-add per parameter per row: the cost of one row)."""
+        return sum(t.numel() for t in self.experts.parameters()) / self.num_experts
+
     def _selected_is_cheaper(self, x: torch.Tensor, selected: torch.Tensor, keep: torch.Tensor) -> bool:
-        flops_per_row = 2 * sum(t.numel() for t in self.experts.parameters()) / self.num_experts
+        flops_per_row = 2 * self.parameters_per_expert()
         kept = tuple(torch.stack((keep.sum(), keep.any(0).sum())).tolist()) if host_reads_are_free(selected) else None
         return selected_plan_is_cheaper(x.shape[0], selected.shape[1], self.num_experts, self.slots_per_expert,
                                         flops_per_row, x.device, kept)
@@ -494,10 +503,7 @@ class SoftMoE(nn.Module):
             if plan == "dense" or not self._selected_is_cheaper(x, selected, keep):
                 keep = (keep if p == 1 else keep.repeat_interleave(p, dim=1)).unsqueeze(1)  # (batch, 1, n * p)
                 kept_combine = torch.where(keep, combine, 0.0)
-                if renormalize:
-                    kept_combine = kept_combine / kept_combine.sum(-1, keepdim=True).clamp_min(
-                        torch.finfo(combine.dtype).tiny)
-                return self._mix(x, dispatch, kept_combine)
+                return self._mix(x, dispatch, renormalized(kept_combine) if renormalize else kept_combine)
         # Unused places (-1) take expert 0's slots; the experts give them zero outputs, so only a renormalization
         # needs to leave their combine weights out.
         index = selected.clamp_min(0)
@@ -507,8 +513,7 @@ class SoftMoE(nn.Module):
         kept_combine = combine.gather(2, slot_index)
         if renormalize:
             used = (selected >= 0).repeat_interleave(p, dim=1).unsqueeze(1)  # (batch, 1, k * p)
-            kept_combine = torch.where(used, kept_combine, 0.0)
-            kept_combine = kept_combine / kept_combine.sum(-1, keepdim=True).clamp_min(torch.finfo(combine.dtype).tiny)
+            kept_combine = renormalized(torch.where(used, kept_combine, 0.0))
         slots = dispatch_slots(x, kept_dispatch).view(batch * k, p, d)
         expert_out = self.experts.forward_selected(slots, selected.reshape(batch * k))
         return combine_slots(kept_combine, expert_out.view(batch, k * p, self.out_dim))

@@ -28,9 +28,10 @@ from softmoe.kernels.expert_matmul import native_applies
 from softmoe.kernels.onednn import onednn_applies, onednn_linear
 from softmoe.runtime import intel_cpu
 
-# A weight of at least LARGE_WEIGHT elements run by few CPU rows takes the faster kernels above.
+# A weight of at least LARGE_WEIGHT elements run by few CPU rows takes the faster kernels above; fewer than
+# BLAS_MIN_ROWS rows (where the native kernel does not serve them) take row blocks, more MKL or oneDNN.
 LARGE_WEIGHT = 1 << 20
-ONEDNN_MIN_ROWS = 4
+BLAS_MIN_ROWS = 4
 
 
 def row_block_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
@@ -51,7 +52,7 @@ def group_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x @ w
     if w.is_contiguous() and native_applies(x[None], w[None]):
         return torch.ops.softmoe.expert_matmul(x[None], w[None], None, "none", cpu_isa())[0]
-    if x.shape[0] < ONEDNN_MIN_ROWS:
+    if x.shape[0] < BLAS_MIN_ROWS:
         return row_block_matmul(x, w, torch.get_num_threads())
     if not intel_cpu() and onednn_applies(x, w):
         return onednn_linear(x, w)
