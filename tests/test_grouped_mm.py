@@ -9,6 +9,7 @@ import torch
 from reference import kernels_called
 
 import softmoe.kernels.grouped_mm as op_module
+from softmoe.activations import ACTIVATIONS
 from softmoe.kernels import native_available
 from softmoe.kernels.grouped_mm import grouped_mm, grouped_mm_weight_grad, row_block_matmul
 
@@ -49,6 +50,54 @@ def test_grouped_mm_and_gradients_equal_the_per_expert_loop(counts):
             assert torch.count_nonzero(got_grads[1][j]) == 0
 
 
+@pytest.mark.parametrize("counts", [[3, 1, 4, 2], [0, 5, 0, 2], [0, 0, 0, 0]])
+def test_bias_is_added_per_expert_with_its_gradient(counts):
+    """bias[j] is added to expert j's rows only (not to rows past the last end); its gradient is the sum of that
+    expert's rows of the upstream gradient."""
+    torch.manual_seed(sum(counts) + 1)
+    rows = sum(counts) + 2  # two rows no expert owns
+    x = torch.randn(rows, 5, dtype=F64, requires_grad=True)
+    weight = torch.randn(4, 5, 3, dtype=F64, requires_grad=True)
+    bias = torch.randn(4, 3, dtype=F64, requires_grad=True)
+    out = grouped_mm(x, weight, ends_of(counts), bias)
+    owner = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
+    want = torch.cat([loop_reference(x, weight, counts) + bias[owner], torch.zeros(2, 3, dtype=F64)])
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    g = torch.randn_like(out)
+    for got, expected in zip(torch.autograd.grad(out, [x, weight, bias], g),
+                             torch.autograd.grad(want, [x, weight, bias], g, allow_unused=True), strict=True):
+        torch.testing.assert_close(got, torch.zeros_like(got) if expected is None else expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("native", [False, True])
+def test_a_fused_activation_equals_it_applied_after(monkeypatch, activation, native):
+    """Inference only: act(x @ w + b) per expert, zero rows past the last end; with native, every weight counts
+    as large (native kernel, column and row splits, MKL above its rows); a ValueError where a gradient is needed."""
+    if native:
+        if not native_available():
+            pytest.skip("softmoe's native kernels are not built here")
+        monkeypatch.setattr(op_module, "LARGE_WEIGHT", 1)
+        monkeypatch.setattr(expert_matmul_module, "NATIVE_MIN_WEIGHT", 1)
+    torch.manual_seed(3)
+    counts = [2, 0, 5, op_module.GROUPED_NATIVE_MAX_ROWS + 1]
+    for k, n in ((6, 40), (40, 6)):
+        x, weight, bias = torch.randn(sum(counts) + 1, k), torch.randn(4, k, n), torch.randn(4, n)
+        got = grouped_mm(x, weight, ends_of(counts), bias, activation)
+        owner = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
+        plain = loop_reference(x.double(), weight.double(), counts) + bias.double()[owner]
+        want = torch.cat([ACTIVATIONS[activation](plain), torch.zeros(1, n, dtype=F64)])
+        assert (got.double() - want).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="has no backward"):
+        grouped_mm(x, weight.requires_grad_(), ends_of(counts), bias, activation)
+    with torch.no_grad():
+        grouped_mm(x, weight, ends_of(counts), bias, activation)
+
+
+def test_row_groups_name_the_owner_of_every_row():
+    assert op_module.row_groups(ends_of([2, 0, 3]), 7).tolist() == [0, 0, 2, 2, 2, 3, 3]
+
+
 def test_grouped_mm_never_reads_an_expert_without_rows():
     weight = torch.randn(3, 4, 2)
     weight[1] = float("nan")
@@ -75,6 +124,8 @@ def test_grouped_mm_ops_pass_opcheck(counts):
     x = torch.randn(sum(counts), 8, requires_grad=True)
     weight = torch.randn(3, 8, 4, requires_grad=True)
     torch.library.opcheck(grouped_mm, (x, weight, ends_of(counts)))
+    torch.library.opcheck(grouped_mm, (x, weight, ends_of(counts), torch.randn(3, 4, requires_grad=True)))
+    torch.library.opcheck(grouped_mm, (x.detach(), weight.detach(), ends_of(counts), torch.randn(3, 4), "gelu"))
     torch.library.opcheck(grouped_mm_weight_grad, (x.detach(), torch.randn(sum(counts), 4), ends_of(counts), 3))
 
 
@@ -83,6 +134,10 @@ def test_grouped_mm_bad_inputs_raise():
         grouped_mm(torch.randn(4, 3), torch.randn(2, 5, 6), ends_of([1, 3]))
     with pytest.raises(ValueError, match=r"ends must be an int32 tensor of shape \(2,\), got torch.int64 \(2,\)"):
         grouped_mm(torch.randn(4, 5), torch.randn(2, 5, 6), torch.tensor([1, 4]))
+    with pytest.raises(ValueError, match=r"bias must have shape \(2, 6\), got \(6,\)"):
+        grouped_mm(torch.randn(4, 5), torch.randn(2, 5, 6), ends_of([1, 3]), torch.randn(6))
+    with pytest.raises(ValueError, match=r"activation must be 'none' or one of \['gelu', 'gelu_tanh', 'relu'\], got 'tanh'"):
+        grouped_mm(torch.randn(4, 5), torch.randn(2, 5, 6), ends_of([1, 3]), None, "tanh")
 
 
 def test_grouped_mm_compiles_once_for_every_pattern_of_group_sizes():
@@ -118,6 +173,15 @@ def test_row_block_matmul_sums_blocks_exactly():
         assert (row_block_matmul(x, w, blocks) - x @ w).abs().max().item() < 1e-12
 
 
+@pytest.mark.skipif(not native_available(), reason="softmoe's native kernels are not built here")
+def test_row_block_matmul_with_the_native_kernel_sums_every_block():
+    torch.manual_seed(2)
+    x, w = torch.randn(5, 96), torch.randn(96, 20)
+    want = x.double() @ w.double()
+    for blocks in (1, 2, 3, 4, 5):  # 5 does not divide 96: one block
+        assert (row_block_matmul(x, w, blocks, native=True).double() - want).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_large_weights_take_row_blocks_exactly_with_gradients(large_weights_on_two_threads, rows):
     x = torch.randn(rows + 2, 6, dtype=F64, requires_grad=True)
@@ -150,19 +214,22 @@ def test_large_float32_weights_take_mkl_on_intel_and_onednn_elsewhere(large_weig
 
 
 @pytest.mark.skipif(not native_available(), reason="softmoe's native kernels are not built here")
-def test_large_weights_take_the_native_expert_matmul_for_few_rows(large_weights_on_two_threads, monkeypatch):
-    """Groups of NATIVE_MIN_ROWS..NATIVE_MAX_ROWS rows through a large weight run softmoe::expert_matmul (the
-    kernel the plain forward uses for them), one row and a transposed weight (the backward) do not; equal to
-    float64, gradients included."""
+@pytest.mark.parametrize("k, n", [(24, 40), (40, 24), (41, 24)], ids=["wide", "tall", "tall-odd"])
+def test_large_weights_take_the_native_expert_matmul_for_few_rows(large_weights_on_two_threads, monkeypatch, k, n):
+    """Groups of NATIVE_MIN_ROWS..GROUPED_NATIVE_MAX_ROWS rows through a large weight run softmoe::expert_matmul
+    (a tall weight cut in two row blocks where 2 divides K), one row, more rows and a transposed weight (the
+    backward) do not; equal to float64, gradients included."""
     monkeypatch.setattr(expert_matmul_module, "NATIVE_MIN_WEIGHT", 1)
     torch.manual_seed(1)
-    counts = [1, expert_matmul_module.NATIVE_MIN_ROWS, expert_matmul_module.NATIVE_MAX_ROWS, 0]
-    x = torch.randn(sum(counts), 24, requires_grad=True)
-    weight = torch.randn(4, 24, 40, requires_grad=True)
+    most = op_module.GROUPED_NATIVE_MAX_ROWS
+    assert most > expert_matmul_module.NATIVE_MAX_ROWS  # forward-only products take the native kernel further
+    counts = [1, expert_matmul_module.NATIVE_MIN_ROWS, most, 0, most + 1]
+    x = torch.randn(sum(counts), k, requires_grad=True)
+    weight = torch.randn(5, k, n, requires_grad=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         grouped_mm(x, weight, ends_of(counts))
     calls = {event.key: event.count for event in prof.key_averages()}
-    assert calls.get("softmoe::expert_matmul") == 2  # the groups of 2 and 16 rows
+    assert calls.get("softmoe::expert_matmul") == 2  # the groups of 2 and GROUPED_NATIVE_MAX_ROWS rows
     out = grouped_mm(x, weight, ends_of(counts))
     x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     want = loop_reference(x64, w64, counts)

@@ -24,7 +24,8 @@ def reference(x, w, b, g):
 
 # Rows 1..9 and 16 cover every register tile height (8 rows a tile with AVX-512, 4 without) and a second tile;
 # N covers vector tails (15, 17, 47, 49), exact tiles (16, 48) and several tiles (100, 130); K includes 1 and
-# values that are not multiples of the 32-row panel or of the 2-row dot-product tile.
+# values that are not multiples of the 32-row panel or of the 2-row dot-product tile; with 200 rows the forward
+# walks the columns in several blocks (OUT_BLOCK_BYTES of output each), the last one partial, then a vector tail.
 SHAPES = [
     (1, 1, 1, 1),
     (1, 2, 7, 16),
@@ -35,6 +36,7 @@ SHAPES = [
     (1, 16, 96, 100),
     (4, 4, 3, 130),
     (2, 7, 129, 47),
+    (1, 200, 33, 1001),
 ]
 
 

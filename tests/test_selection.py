@@ -382,9 +382,9 @@ def record_block_rows(monkeypatch) -> list[int]:
     block_rows = []
     original_product = grouped_mm_module.group_product
 
-    def group_product(x, w):
+    def group_product(x, w, *args):
         block_rows.append(x.shape[0])
-        return original_product(x, w)
+        return original_product(x, w, *args)
 
     monkeypatch.setattr(grouped_mm_module, "group_product", group_product)
     return block_rows

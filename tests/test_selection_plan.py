@@ -68,22 +68,29 @@ def test_the_dense_plan_runs_every_expert_and_the_selected_plan_only_the_kept(mo
 
 
 def test_cost_model_golden_values():
-    """Hand-worked: F = 1 (it cancels but for CALL_FLOPS, which F = 1e9 makes negligible), ROW_OVERHEAD 30,
-    margin 0.85, n = 8 experts, p = 1.
+    """Hand-worked: F = 1 (it cancels but for CALL_FLOPS, which F = 1e9 makes negligible), ROW_FLOOR 16,
+    ROW_OVERHEAD 2, margin 0.85, n = 8 experts, p = 1 (dense at batch 1, 4 and 16: 8 * (16 + 2) = 144).
 
-    batch 1, k = 2: selected 2 + 2 * 30 = 62, dense 8 * 31 = 248: 0.25 -> selected.
-    batch 1, k = 7: 7 + 7 * 30 = 217 against 248: 0.875 -> dense.
-    batch 4, k = 2, every expert in use: 8 + 8 * 30 = 248 against 8 * 34 = 272: 0.91 -> dense;
-    the same with the 4 inputs agreeing on 2 experts: 8 + 2 * 30 = 68: 0.25 -> selected.
-    batch 100, k = 6: 600 + 240 = 840 against 8 * 130 = 1040: 0.81 -> selected.
+    batch 1, k = 2: selected max(2, 2 * 16) + 2 * 2 = 36 against 144: 0.25 -> selected.
+    batch 1, k = 6: 96 + 12 = 108: 0.75 -> selected; k = 7: 112 + 14 = 126: 0.875 -> dense.
+    batch 4, k = 2, six experts in use: 96 + 12 = 108: 0.75 -> selected; every expert in use: 128 + 16 = 144: 1.0
+    -> dense (the bound when the experts in use are not counted: min(8, 4 * 2) = 8).
+    batch 16, k = 1, six experts in use: 108: 0.75 -> selected; k = 2 (eight): 144: 1.0 -> dense.
+    batch 100, k = 6: max(600, 128) + 16 = 616 against 8 * (100 + 2) = 816: 0.755 -> selected; k = 7: 716: 0.877
+    -> dense.
     """
-    assert ROW_OVERHEAD["cpu"] == 30 and plans.MARGIN["cpu"] == 0.85
+    assert (plans.ROW_FLOOR["cpu"], ROW_OVERHEAD["cpu"], plans.MARGIN["cpu"]) == (16, 2, 0.85)
     f = 1e9
     assert selected_plan_is_cheaper(1, 2, 8, 1, f, CPU)
+    assert selected_plan_is_cheaper(1, 6, 8, 1, f, CPU)
     assert not selected_plan_is_cheaper(1, 7, 8, 1, f, CPU)
+    assert selected_plan_is_cheaper(4, 2, 8, 1, f, CPU, kept=(8, 6))
+    assert not selected_plan_is_cheaper(4, 2, 8, 1, f, CPU, kept=(8, 8))
     assert not selected_plan_is_cheaper(4, 2, 8, 1, f, CPU)
-    assert selected_plan_is_cheaper(4, 2, 8, 1, f, CPU, kept=(8, 2))
+    assert selected_plan_is_cheaper(16, 1, 8, 1, f, CPU, kept=(16, 6))
+    assert not selected_plan_is_cheaper(16, 2, 8, 1, f, CPU, kept=(32, 8))
     assert selected_plan_is_cheaper(100, 6, 8, 1, f, CPU)
+    assert not selected_plan_is_cheaper(100, 7, 8, 1, f, CPU)
 
 
 def test_small_experts_run_dense_because_each_group_costs_a_call():

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from softmoe.activations import activation_fn
 from softmoe.backends import BackendChoice, ReferenceOnly, autocast_on, transforms_active, unsupported
 from softmoe.kernels.grouped_mm import grouped_mm
 from softmoe.kernels.modes import host_reads_are_free
@@ -41,21 +40,9 @@ from softmoe.kernels import (
     soft_moe_mixing,
 )
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
-    "relu": F.relu,
-}
 # CPU machine balance of the cost model choosing between the "slots" and "tokens" backends: one byte of memory
 # traffic costs about as much as 8 FLOPs (measured on CPU; the model is not used on other devices).
 CPU_BYTES_TO_FLOPS = 8
-
-
-def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The elementwise activation called ``name`` ("gelu", "gelu_tanh" or "relu")."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
-    return ACTIVATIONS[name]
 
 
 def autocast_device(x: torch.Tensor) -> str:
@@ -109,11 +96,6 @@ class Experts(Protocol):
         """C f(D^T X) with a backend other than "reference": x (batch, tokens, dim), dispatch and combine
         (batch, tokens, n * p) -> (batch, tokens, out_dim)."""
         ...
-
-
-def _with_zero_row(bias: torch.Tensor) -> torch.Tensor:
-    """A stacked bias (num_experts, size) with a zero row appended: the bias of a padding group (index num_experts)."""
-    return torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
 
 
 def token_counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -190,23 +172,20 @@ class MLPExperts(nn.Module):
 
         The groups are sorted by expert and both layers run as grouped products (:mod:`softmoe.kernels.grouped_mm`):
         an expert no group names costs nothing; no host synchronization where torch's grouped GEMM serves.
-        Padding groups (expert -1) sort last, past every expert's rows: no product reads them, the grouped products
-        give them zero rows and a zero bias row is added, so their output is zero and no gradient flows through them.
+        Padding groups (expert -1) sort last, past every expert's rows: no product reads them and the grouped
+        products give them zero rows (no bias), so their output is zero and no gradient flows through them. Without
+        a gradient to compute, the first product applies the activation itself (in the native kernel's registers).
         """
         check_selected_rows(rows, expert, self.dim)
         groups, per_group, _ = rows.shape
         key = torch.where(expert < 0, self.num_experts, expert)  # padding sorts last
         order = torch.argsort(key, stable=True)
-        sorted_key = key[order]
         ends = (token_counts(expert, self.num_experts).cumsum(0) * per_group).to(torch.int32)
         flat = rows[order].reshape(groups * per_group, self.dim)
-        h = grouped_mm(flat, self.weight1, ends).view(groups, per_group, self.hidden)
-        if self.bias1 is not None:
-            h = h + _with_zero_row(self.bias1)[sorted_key].unsqueeze(1)
-        flat_h = self.act(h).reshape(groups * per_group, self.hidden)
-        y = grouped_mm(flat_h, self.weight2, ends).view(groups, per_group, self.out_dim)
-        if self.bias2 is not None:
-            y = y + _with_zero_row(self.bias2)[sorted_key].unsqueeze(1)
+        fused = "none" if needs_grad(flat, self.weight1, self.bias1) else self.activation
+        h = grouped_mm(flat, self.weight1, ends, self.bias1, fused)
+        y = grouped_mm(h if fused != "none" else self.act(h), self.weight2, ends, self.bias2)
+        y = y.view(groups, per_group, self.out_dim)
         return torch.empty_like(y).index_copy(0, order, y)
 
     def token_space_is_cheaper(self, tokens: int, slots_per_expert: int) -> bool:

@@ -8,24 +8,27 @@ Both plans give the same output (Algorithm 1's: unselected experts contribute no
                 zero combine weight: no work saved, but the plain forward's kernels.
 
 Skipping work pays only when enough of it is skipped. An expert product of r rows costs about as much as
-r + ROW_OVERHEAD rows at full speed (r rows through a weight read once: few rows are bound by reading the weight,
-and a product's efficiency grows with its rows), plus a fixed CALL_FLOPS per expert for the bookkeeping of its
-group. With F = 2 * (parameters per expert) FLOPs per row, batch B, p slots per expert and k of n experts kept:
+max(r, ROW_FLOOR) + ROW_OVERHEAD rows at full speed: below ROW_FLOOR rows it is bound by reading the weight, which
+costs the same whatever the rows, and ROW_OVERHEAD covers what every product costs beyond its rows (the selected
+plan's grouping, one call per expert); plus a fixed CALL_FLOPS per expert for the bookkeeping of its group. With
+F = 2 * (parameters per expert) FLOPs per row, batch B, p slots per expert and k of n experts kept:
 
-    selected = F * (P * p + u * ROW_OVERHEAD) + u * CALL_FLOPS
-    dense    = F * n * (B * p + ROW_OVERHEAD)
+    selected = F * (max(P * p, u * ROW_FLOOR) + u * ROW_OVERHEAD) + u * CALL_FLOPS
+    dense    = F * n * (max(B * p, ROW_FLOOR) + ROW_OVERHEAD)
 
-with P the (input, expert) pairs kept and u the experts in use, and the selected plan runs when selected <=
-MARGIN * dense (the margin covers the gathers and sorting that only the selected plan does). P and u are counted
-where host reads are free (CPU, eager); elsewhere their bounds B * k and min(n, B * k) stand in, so the decision
-depends on shapes alone (no host synchronization; torch.compile makes it once per graph).
+with P the (input, expert) pairs kept and u the experts in use (max(P * p, u * ROW_FLOOR) is the sum over the
+experts in use of max(their rows, ROW_FLOOR) where the rows spread evenly), and the selected plan runs when
+selected <= MARGIN * dense (the margin covers the gathers and sorting that only the selected plan does). P and u
+are counted where host reads are free (CPU, eager); elsewhere their bounds B * k and min(n, B * k) stand in, so
+the decision depends on shapes alone (no host synchronization; torch.compile makes it once per graph).
 
-The constants were fitted on CPU (an Intel Xeon, 2 cores, AVX-512 and AVX2): one layer of Table 3's stack
-(768 -> 6144 -> 768, 8 experts) at batch 1, 4, 16 and 100, every k (``benchmarks/bench_latency.py --sweep``). With
-them the selected plan runs where it was measured at least as fast as all experts (1.0-4.2x) and the dense plan
-elsewhere, which costs all experts plus choosing them (0-5% more there; docs/performance.md). On CUDA, eager, the selected plan's launches and host work cost
-more than the skipped products at every size measured (H100, docs/performance.md), so eager CUDA runs the dense plan;
-under torch.compile (CUDA graphs, bf16 grouped GEMM) the selected plan is taken with a larger row overhead.
+The CPU constants were fitted on an Intel Xeon (2 cores, AVX-512 and AVX2 only): one layer of Table 3's stack
+(768 -> 6144 -> 768, 8 experts) at batch 1, 4, 16 and 100, every k, both plans timed against all experts
+(docs/performance.md). With them the selected plan runs where it was measured 1.06-4.0x faster than all experts
+and the dense plan elsewhere, which costs all experts plus choosing them (0-4% more there). On CUDA, eager, the
+selected plan's launches and host work cost more than the skipped products at every size measured (H100,
+docs/performance.md), so eager CUDA runs the dense plan; under torch.compile (CUDA graphs, bf16 grouped GEMM) the
+selected plan is taken with a row overhead of 256 (and no floor).
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from __future__ import annotations
 import torch
 
 SELECTION_PLANS = ("auto", "selected", "dense")
-# (rows a product is worth beyond its own, margin the selected plan must beat) per device type.
-ROW_OVERHEAD = {"cpu": 30, "cuda": 256}
+# Per device type: the rows below which a product costs the same (reading its weight), the rows every product is
+# worth beyond its own, the margin the selected plan must beat.
+ROW_FLOOR = {"cpu": 16, "cuda": 0}
+ROW_OVERHEAD = {"cpu": 2, "cuda": 256}
 MARGIN = {"cpu": 0.85, "cuda": 0.6}
 CALL_FLOPS = 1e7
 
@@ -61,9 +66,10 @@ def selected_plan_is_cheaper(
     if kind == "cuda" and not torch.compiler.is_compiling():
         return False
     pairs, used = kept if kept is not None else (batch * k, min(num_experts, batch * k))
+    floor, overhead = ROW_FLOOR[kind], ROW_OVERHEAD[kind]
     rows = pairs * slots_per_expert
-    selected = flops_per_row * (rows + used * ROW_OVERHEAD[kind]) + used * CALL_FLOPS
-    dense = flops_per_row * num_experts * (batch * slots_per_expert + ROW_OVERHEAD[kind])
+    selected = flops_per_row * (max(rows, used * floor) + used * overhead) + used * CALL_FLOPS
+    dense = flops_per_row * num_experts * (max(batch * slots_per_expert, floor) + overhead)
     return selected <= MARGIN[kind] * dense
 
 

@@ -39,6 +39,7 @@ typedef float vec __attribute__((vector_size(LANES * 4), aligned(4)));
 #define TILE_VECS 3                     /* output tile width in vectors */
 #define TILE_COLS (TILE_VECS * LANES)
 #define PANEL 32                        /* weight rows per panel */
+#define OUT_BLOCK_BYTES (256 << 10)     /* output kept in cache while the panels pass (nn_item) */
 #define LINE 64
 
 static inline vec splat(float s) { return vec{} + s; }
@@ -249,7 +250,9 @@ static void nn_tile_any(const float *x, long ldx, const float *w, long ldw, floa
 #undef NN_ONE
 }
 
-/* One expert, output column tiles [begin, end) (the last tile may be narrower). */
+/* One expert, output column tiles [begin, end) (the last tile may be narrower). The columns are walked in blocks
+   whose output (M rows) stays in L2 while every panel of the weight passes through it: a wide output (768 -> 30720
+   columns at 25 rows is 3 MB) would otherwise be read and written once per panel, as much traffic as the weight. */
 static void nn_item(const job_t *j, long e, long begin, long end)
 {
     const long M = j->M, K = j->K, N = j->N;
@@ -258,28 +261,38 @@ static void nn_item(const job_t *j, long e, long begin, long end)
     float *out = j->out + e * M * N;
     const long c0 = begin * TILE_COLS, c1 = end * TILE_COLS < N ? end * TILE_COLS : N;
     const long vec_end = c0 + (c1 - c0) / LANES * LANES;
+    long block = OUT_BLOCK_BYTES / (4 * (M > 0 ? M : 1)) / TILE_COLS * TILE_COLS;
+    if (block < TILE_COLS) block = TILE_COLS;
     for (long r = 0; r < M; r++)
         for (long c = c0; c < c1; c++) out[r * N + c] = bias ? bias[c] : 0.0f;
-    for (long k0 = 0; k0 < K; k0 += PANEL) {
-        const long kn = K - k0 < PANEL ? K - k0 : PANEL;
-        for (long c = c0; c < vec_end;) {
-            const int V = vec_end - c >= TILE_COLS ? TILE_VECS : 1;
-            /* While a tile runs over this panel, the same tile of the next panel is prefetched, row for row; after
-               the last panel that is the first panel of the next expert (a prefetch past the end is only a hint). */
-            const char *ahead = (const char *)(w + (k0 + kn) * N + c);
-            for (long r = 0; r < M; r += MAX_ROWS) {
-                const int R = M - r < MAX_ROWS ? (int)(M - r) : MAX_ROWS;
-                nn_tile_any(x + r * K + k0, K, w + k0 * N + c, N, out + r * N + c, N, kn, R, V,
-                            r == 0 ? ahead : NULL);
+    for (long b0 = c0, last = 0; !last; b0 += block) { /* once at least, for the tail columns */
+        const long b1 = vec_end - b0 > block ? b0 + block : vec_end;
+        last = b1 == vec_end;
+        for (long k0 = 0; k0 < K; k0 += PANEL) {
+            const long kn = K - k0 < PANEL ? K - k0 : PANEL;
+            for (long c = b0; c < b1;) {
+                const int V = b1 - c >= TILE_COLS ? TILE_VECS : 1;
+                /* While a tile runs over this panel, the tile that runs next is prefetched, row for row: the next
+                   tile of this panel, else the block's first tile in the next panel, else the next block's first
+                   (past the last, the next expert's weight: a prefetch past the end is only a hint). Each weight
+                   row is so streamed in order. */
+                const long next = c + V * LANES;
+                const float *ahead = next < b1 ? w + k0 * N + next : k0 + kn < K ? w + (k0 + kn) * N + b0 : w + b1;
+                for (long r = 0; r < M; r += MAX_ROWS) {
+                    const int R = M - r < MAX_ROWS ? (int)(M - r) : MAX_ROWS;
+                    nn_tile_any(x + r * K + k0, K, w + k0 * N + c, N, out + r * N + c, N, kn, R, V,
+                                r == 0 ? (const char *)ahead : NULL);
+                }
+                c = next;
             }
-            c += V * LANES;
+            if (last) /* the columns past the last whole vector, with the last block */
+                for (long r = 0; r < M; r++)
+                    for (long c = vec_end; c < c1; c++) {
+                        float s = out[r * N + c];
+                        for (long k = k0; k < k0 + kn; k++) s += x[r * K + k] * w[k * N + c];
+                        out[r * N + c] = s;
+                    }
         }
-        for (long r = 0; r < M; r++)
-            for (long c = vec_end; c < c1; c++) {
-                float s = out[r * N + c];
-                for (long k = k0; k < k0 + kn; k++) s += x[r * K + k] * w[k * N + c];
-                out[r * N + c] = s;
-            }
     }
     activate_rows(out, N, M, c0, c1, j->act);
 }

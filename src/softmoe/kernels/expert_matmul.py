@@ -171,16 +171,17 @@ expert_matmul_tn_op.register_autograd(_backward_tn, setup_context=_setup_tn)
 # ---- the Python entry point and where it applies ----------------------------------------------------------------
 
 
-def native_applies(x: Tensor, weight: Tensor, rows: int | None = None) -> bool:
+def native_applies(x: Tensor, weight: Tensor, rows: int | None = None, max_rows: int = NATIVE_MAX_ROWS) -> bool:
     """Whether :func:`expert_matmul` serves x (E, rows, K) @ weight (E, K, N): float32 CPU tensors,
-    NATIVE_MIN_ROWS to NATIVE_MAX_ROWS rows, at least NATIVE_MIN_WEIGHT weight elements per expert, no torch.func
+    NATIVE_MIN_ROWS to ``max_rows`` rows, at least NATIVE_MIN_WEIGHT weight elements per expert, no torch.func
     transform active (the ops have no vmap rule) and the kernels built. Eager, torch.compile and autocast all
-    qualify. ``rows`` overrides x.shape[1], for a caller asking before it has built x."""
+    qualify. ``rows`` overrides x.shape[1], for a caller asking before it has built x; ``max_rows`` is for callers
+    that run only the forward product (the default bound holds for forward and backward together)."""
     rows = x.shape[1] if rows is None else rows
     return (
         x.device.type == weight.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
-        and NATIVE_MIN_ROWS <= rows <= NATIVE_MAX_ROWS
+        and NATIVE_MIN_ROWS <= rows <= max_rows
         and weight.shape[1] * weight.shape[2] >= NATIVE_MIN_WEIGHT
         and not transforms_active()
         and native_available()

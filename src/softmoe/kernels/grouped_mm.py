@@ -1,8 +1,12 @@
 """``softmoe::grouped_mm``: rows sorted by expert, each expert's block times that expert's weight.
 
     x (rows, K) sorted by expert, weight (E, K, N), ends (E,) int32 (cumulative row counts: expert j owns rows
-    ends[j-1]:ends[j]) -> out (rows, N) with out[ends[j-1]:ends[j]] = x[ends[j-1]:ends[j]] @ weight[j]; rows past
-    ends[-1] belong to no expert: they are never read and their output (and gradient) is zero
+    ends[j-1]:ends[j]), optional bias (E, N) and activation -> out (rows, N) with
+    out[ends[j-1]:ends[j]] = act(x[ends[j-1]:ends[j]] @ weight[j] + bias[j]); rows past ends[-1] belong to no
+    expert: they are never read and their output (and gradient) is zero
+
+``activation`` ("none", "gelu", "gelu_tanh" or "relu") is for inference: the native kernel applies it to the
+product while it is still in registers; it has no backward (a ValueError where autograd would need one).
 
 An expert with no rows costs nothing. It is a registered custom op, so torch.compile keeps it as one node whatever
 the (data-dependent) group sizes, and it never recompiles for a new pattern of sizes. Where it runs:
@@ -11,52 +15,75 @@ the (data-dependent) group sizes, and it never recompiles for a new pattern of s
   for the weight's gradient too;
 - elsewhere one product per non-empty expert (the group sizes are read on the host: free on CPU, one
   synchronization on a GPU). On CPU a large weight (K * N >= LARGE_WEIGHT) read by 1-3 rows takes one contiguous
-  block of the weight per thread (1.2-1.5x MKL's rate); more rows take MKL on Intel CPUs and oneDNN on others
-  (float32 inference): MKL's fast code paths are Intel's. Measured at 8-100 rows through 768 x 6144 and 768 x
-  30720 weights: on an AMD EPYC oneDNN ran 1.5-2x MKL's rate, on an Intel Xeon (AVX-512) MKL ran 1.2-1.7x
-  oneDNN's.
+  block of the weight per thread (1.2-1.5x MKL's rate); 2 to GROUPED_NATIVE_MAX_ROWS rows through a contiguous
+  weight take softmoe's native expert matmul (float32); more rows take MKL on Intel CPUs and oneDNN on others
+  (float32 inference): MKL's fast code paths are Intel's. Measured on an Intel Xeon (AVX-512, 2 threads) through
+  768 x 30720, 30720 x 768, 768 x 6144 and 6144 x 768 weights, native / MKL: 1.4-2x at 16 rows, 1.3-1.8x at 25,
+  1.3-1.7x at 32, 0.9-1.2x at 50, 0.8-1.1x at 75 (the same with AVX2 only: 1.3-1.8x at 16-32 rows, 1.0-1.3x at
+  50); at 8-100 rows on an AMD EPYC oneDNN ran 1.5-2x MKL's rate, on the Intel Xeon MKL 1.2-1.7x oneDNN's.
 
-Differentiable in x and weight (``softmoe::grouped_mm_weight_grad`` gives the weight's gradient).
+Differentiable in x, weight and bias (``softmoe::grouped_mm_weight_grad`` gives the weight's gradient).
 """
 
 from __future__ import annotations
 
 import torch
 
+from softmoe.activations import ACTIVATIONS
 from softmoe.kernels.build import cpu_isa
 from softmoe.kernels.expert_matmul import native_applies
 from softmoe.kernels.onednn import onednn_applies, onednn_linear
 from softmoe.runtime import intel_cpu
 
-# A weight of at least LARGE_WEIGHT elements run by few CPU rows takes the faster kernels above; fewer than
-# BLAS_MIN_ROWS rows (where the native kernel does not serve them) take row blocks, more MKL or oneDNN.
+# A weight of at least LARGE_WEIGHT elements run by few CPU rows takes the faster kernels above: the native kernel
+# up to GROUPED_NATIVE_MAX_ROWS rows (a forward product only: the bound of the layer's native path, which must
+# also win backward, is lower), fewer than BLAS_MIN_ROWS rows where it does not serve them row blocks, more rows
+# MKL or oneDNN.
 LARGE_WEIGHT = 1 << 20
 BLAS_MIN_ROWS = 4
+GROUPED_NATIVE_MAX_ROWS = 48
 
 
-def row_block_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
+def row_block_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int, native: bool = False) -> torch.Tensor:
     """x (rows, K) @ w (K, N) -> (rows, N), w cut into ``blocks`` contiguous blocks of K/blocks rows.
 
-    The blocks (views of w, no copy) run as one batched matmul, which threaded BLAS spreads over its threads
-    one matrix each, and their partial products are summed. Plain matmul when ``blocks`` does not divide K.
+    The blocks (views of w, no copy) run as one batched product, which threaded BLAS (or, with ``native``, the
+    native expert matmul) spreads over its threads one block each, each streaming its own contiguous part of w, and
+    their partial products are summed. One plain product when ``blocks`` does not divide K.
     """
     rows, k = x.shape
     if blocks == 1 or k % blocks or not w.is_contiguous():
-        return x @ w
-    return torch.bmm(x.reshape(rows, blocks, k // blocks).transpose(0, 1), w.view(blocks, k // blocks, -1)).sum(0)
+        blocks = 1
+    xb, wb = x.reshape(rows, blocks, k // blocks).transpose(0, 1), w.view(blocks, k // blocks, -1)
+    if native:
+        return torch.ops.softmoe.expert_matmul(xb.contiguous(), wb, None, "none", cpu_isa()).sum(0)
+    return x @ w if blocks == 1 else torch.bmm(xb, wb).sum(0)
 
 
-def group_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (rows, K) @ w (K, N) with the fastest kernel for few rows through a large CPU weight (module doc)."""
-    if x.device.type != "cpu" or w.numel() < LARGE_WEIGHT:
-        return x @ w
-    if w.is_contiguous() and native_applies(x[None], w[None]):
-        return torch.ops.softmoe.expert_matmul(x[None], w[None], None, "none", cpu_isa())[0]
-    if x.shape[0] < BLAS_MIN_ROWS:
-        return row_block_matmul(x, w, torch.get_num_threads())
-    if not intel_cpu() and onednn_applies(x, w):
-        return onednn_linear(x, w)
-    return x @ w
+def group_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                  activation: str = "none") -> torch.Tensor:
+    """act(x (rows, K) @ w (K, N) + bias (N,)) with the fastest kernel for few rows through a large CPU weight
+    (module doc); the native kernel and oneDNN apply bias and activation themselves."""
+    if x.device.type == "cpu" and w.numel() >= LARGE_WEIGHT:
+        if w.is_contiguous() and native_applies(x[None], w[None], max_rows=GROUPED_NATIVE_MAX_ROWS):
+            # The native kernel splits the columns over the threads; a weight taller than wide is split by rows
+            # (K) instead, so that each thread streams one contiguous part of it (30720 x 768 at 25 rows: 1.27x).
+            if w.shape[0] <= w.shape[1]:
+                b = None if bias is None else bias[None]
+                return torch.ops.softmoe.expert_matmul(x[None], w[None], b, activation, cpu_isa())[0]
+            return _finish(row_block_matmul(x, w, torch.get_num_threads(), native=True), bias, activation)
+        if x.shape[0] < BLAS_MIN_ROWS:
+            return _finish(row_block_matmul(x, w, torch.get_num_threads()), bias, activation)
+        if not intel_cpu() and onednn_applies(x, w):
+            return onednn_linear(x, w, bias, None if activation == "none" else activation)
+    return _finish(x @ w, bias, activation)
+
+
+def _finish(out: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """act(out + bias), bias broadcast over out's rows (or per row where it has out's shape)."""
+    if bias is not None:
+        out = out + bias
+    return out if activation == "none" else ACTIVATIONS[activation](out)
 
 
 def uses_grouped_gemm(a: torch.Tensor, b: torch.Tensor, k: int, n: int) -> bool:
@@ -65,8 +92,14 @@ def uses_grouped_gemm(a: torch.Tensor, b: torch.Tensor, k: int, n: int) -> bool:
     return a.is_cuda and a.dtype == b.dtype == torch.bfloat16 and k % 8 == 0 and n % 8 == 0
 
 
-def check_grouped(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> None:
-    """Raise a ValueError unless x (rows, K), weight (E, K, N) and ends (E,) int32 fit together."""
+def check_grouped(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, bias: torch.Tensor | None = None,
+                  activation: str = "none") -> None:
+    """Raise a ValueError unless x (rows, K), weight (E, K, N), ends (E,) int32 and bias (E, N) fit together and
+    ``activation`` is "none" or one of ACTIVATIONS."""
+    if bias is not None and bias.shape != (weight.shape[0], weight.shape[2]):
+        raise ValueError(f"bias must have shape {(weight.shape[0], weight.shape[2])}, got {tuple(bias.shape)}")
+    if activation != "none" and activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be 'none' or one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"grouped_mm takes x (rows, K) and weight (E, K, N), got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -82,25 +115,35 @@ def _groups(ends: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 @torch.library.custom_op("softmoe::grouped_mm", mutates_args=())
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """x (rows, K) sorted by expert, weight (E, K, N), ends (E,) int32 -> (rows, N); see the module doc."""
-    check_grouped(x, weight, ends)
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, bias: torch.Tensor | None = None,
+               activation: str = "none") -> torch.Tensor:
+    """x (rows, K) sorted by expert, weight (E, K, N), ends (E,) int32, bias (E, N) -> (rows, N); see the module
+    doc. ``activation`` (inference only) is applied to each owned row."""
+    check_grouped(x, weight, ends, bias, activation)
     if uses_grouped_gemm(x, weight, weight.shape[1], weight.shape[2]):
         out = torch._grouped_mm(x.contiguous(), weight, offs=ends)
-        owned = torch.arange(x.shape[0], device=x.device) < ends[-1]  # no host read: rows past ends[-1] are zero
-        return torch.where(owned.unsqueeze(1), out, 0.0)
+        group = row_groups(ends, x.shape[0])  # no host read: rows past ends[-1] (group E) are zero
+        if bias is not None:
+            out = out + torch.cat([bias, bias.new_zeros(1, bias.shape[1])])[group]
+        return torch.where((group < weight.shape[0]).unsqueeze(1), _finish(out, None, activation), 0.0)
     out = x.new_empty(x.shape[0], weight.shape[2])
     groups = _groups(ends)
     for j, start, stop in groups:
-        out[start:stop] = group_product(x[start:stop], weight[j])
+        out[start:stop] = group_product(x[start:stop], weight[j], None if bias is None else bias[j], activation)
     out[groups[-1][2] if groups else 0 :] = 0.0
     return out
 
 
 @grouped_mm.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    check_grouped(x, weight, ends)
+def _(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, bias: torch.Tensor | None = None,
+      activation: str = "none") -> torch.Tensor:
+    check_grouped(x, weight, ends, bias, activation)
     return x.new_empty(x.shape[0], weight.shape[2])
+
+
+def row_groups(ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """The expert owning each of ``rows`` rows -> (rows,) int64, E for the rows past ends[-1]; no host read."""
+    return torch.searchsorted(ends, torch.arange(rows, device=ends.device, dtype=ends.dtype), right=True)
 
 
 @torch.library.custom_op("softmoe::grouped_mm_weight_grad", mutates_args=())
@@ -121,18 +164,26 @@ def _(x: torch.Tensor, grad: torch.Tensor, ends: torch.Tensor, experts: int) -> 
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, ends = inputs
+    x, weight, ends, bias, activation = inputs
+    if activation != "none":
+        raise ValueError(f"grouped_mm's activation ({activation!r}) has no backward: apply it after the product "
+                         "when a gradient is needed")
     ctx.save_for_backward(x, weight, ends)
+    ctx.bias_needs_grad = bias is not None and bias.requires_grad
 
 
 def _backward(ctx, grad: torch.Tensor):
     x, weight, ends = ctx.saved_tensors
-    grad_x = grad_weight = None
+    grad_x = grad_weight = grad_bias = None
     if ctx.needs_input_grad[0]:
         grad_x = grouped_mm(grad, weight.transpose(1, 2), ends)
     if ctx.needs_input_grad[1]:
         grad_weight = grouped_mm_weight_grad(x, grad, ends, weight.shape[0])
-    return grad_x, grad_weight, None
+    if ctx.bias_needs_grad:  # each expert's rows summed; the rows past ends[-1] (group E) dropped
+        experts = weight.shape[0]
+        grad_bias = grad.new_zeros(experts + 1, grad.shape[1]).index_add_(0, row_groups(ends, grad.shape[0]), grad)
+        grad_bias = grad_bias[:experts]
+    return grad_x, grad_weight, None, grad_bias, None
 
 
 grouped_mm.register_autograd(_backward, setup_context=_setup_context)
