@@ -17,10 +17,11 @@ the (data-dependent) group sizes, and it never recompiles for a new pattern of s
   synchronization on a GPU). On CPU a large weight (K * N >= LARGE_WEIGHT) read by 1-3 rows takes one contiguous
   block of the weight per thread (1.2-1.5x MKL's rate); 2 to GROUPED_NATIVE_MAX_ROWS rows through a contiguous
   weight take softmoe's native expert matmul (float32); more rows take MKL on Intel CPUs and oneDNN on others
-  (float32 inference): MKL's fast code paths are Intel's. Measured on an Intel Xeon (AVX-512, 2 threads) through
-  768 x 30720, 30720 x 768, 768 x 6144 and 6144 x 768 weights, native / MKL: 1.4-2x at 16 rows, 1.3-1.8x at 25,
-  1.3-1.7x at 32, 0.9-1.2x at 50, 0.8-1.1x at 75 (the same with AVX2 only: 1.3-1.8x at 16-32 rows, 1.0-1.3x at
-  50); at 8-100 rows on an AMD EPYC oneDNN ran 1.5-2x MKL's rate, on the Intel Xeon MKL 1.2-1.7x oneDNN's.
+  (float32 inference): MKL's fast code paths are Intel's. ``benchmarks/bench_products.py --isa avx512,avx2`` on an
+  Intel Xeon (2 threads), 768 x 30720, 30720 x 768, 768 x 6144 and 6144 x 768 weights, native / MKL: 1.2-1.5x
+  at 8-16 rows, 1.15-1.4x at 25, 1.05-1.3x at 32, 0.9-1.2x at 48, 0.8-1.06x at 64-100 (AVX2 only: 1.3-2.2x at
+  8-16 rows, 1.2-1.4x at 25-32, 1.03-1.2x at 48, 0.8-1.1x beyond); at 8-100 rows on an AMD EPYC oneDNN ran
+  1.5-2x MKL's rate, on the Intel Xeon MKL 1.2-1.7x oneDNN's (more with AVX2 only).
 
 Differentiable in x, weight and bias (``softmoe::grouped_mm_weight_grad`` gives the weight's gradient).
 """
