@@ -14,7 +14,8 @@ FLOP/s and bandwidth measured in this run.
     python benchmarks/bench_latency.py --device cuda --dtype bfloat16         # on a GPU (the paper timed one)
     python benchmarks/bench_latency.py --device cuda --dtype bfloat16 --compile   # with CUDA graphs
     python benchmarks/bench_latency.py --isa avx512,avx2     # one fresh process per instruction set
-    python benchmarks/bench_latency.py --sweep --preset small   # one layer, every k < n at batch 1, 4, 16, 100
+    python benchmarks/bench_latency.py --sweep --preset small   # one layer, every k < n at batch 1, 4, 16, 100,
+                                                                # each plan forced too (is the cost model right?)
 
 On a GPU the limits are a bf16 or fp32 8192^3 matmul and a 1 GiB copy, and the header names the GPU. On the CPU
 ``--isa`` (default: the host's best) and ``--allocator`` (default: tuned, as the training CLI runs) choose the
@@ -68,42 +69,58 @@ SLOWER_TOLERANCE = 0.03
 
 
 def sweep(preset: dict, repeats: int, warmup: int) -> dict:
-    """One layer of the stack: Algorithm 1 (plan "auto") at every k < n against every expert, at SWEEP_BATCHES."""
+    """One layer of the stack: Algorithm 1 (plan "auto") at every k < n against every expert, at SWEEP_BATCHES;
+    each plan forced ("selected", "dense") is timed in the same rounds, to check the cost model's choice."""
     torch.manual_seed(0)
     with torch.no_grad():
         layer = MoEStack(preset["hidden"]).layers[0].eval()
-    results, rows, slower = {}, [], []
+    results, rows, forced_rows, slower, mischosen = {}, [], [], [], []
+    ks = range(1, EXPERTS)
     for batch in SWEEP_BATCHES:
         x = torch.randn(batch, TOKENS, DIM)
 
-        def timed(k: int | None):
+        def timed(k: int | None, plan: str = "auto"):
             def run() -> None:
                 strategy = "all" if k is None else "combine"
-                with torch.no_grad(), softmoe.select_experts(layer, k=k, strategy=strategy):
+                with torch.no_grad(), softmoe.select_experts(layer, k=k, strategy=strategy, plan=plan):
                     layer(x)
 
             return run
 
-        configs = {"all": timed(None)} | {str(k): timed(k) for k in range(1, EXPERTS)}
+        configs = {"all": timed(None)} | {f"{k} {plan}": timed(k, plan) for k in ks
+                                          for plan in ("auto", "selected", "dense")}
         stats = measure_interleaved(configs, warmup=warmup, repeats=repeats)
         with torch.no_grad():
             combine = layer.route(x).combine
         plans = {}
-        for k in range(1, EXPERTS):
+        for k in ks:
             selected = softmoe.selection.top_k_by_combine(combine, k)
             plans[k] = "selected" if layer.selected_plan_is_cheaper(x, selected) else "dense"
         base = stats["all"]["median"]
-        speedups = {k: base / stats[str(k)]["median"] for k in range(1, EXPERTS)}
-        slower += [f"batch {batch} k = {k}" for k, v in speedups.items() if v < 1 / (1 + SLOWER_TOLERANCE)]
-        results[str(batch)] = {"all_ms": base * 1e3, "speedup": speedups, "plan": plans,
-                               "ms": {k: stats[str(k)]["median"] * 1e3 for k in range(1, EXPERTS)}}
-        rows.append([batch, f"{base * 1e3:.1f}"] + [f"{speedups[k]:.2f} {plans[k][0]}" for k in range(1, EXPERTS)])
-    print_table(["batch", "all experts ms"] + [f"k = {k}" for k in range(1, EXPERTS)], rows)
+        speedup = {f"{k} {plan}": base / stats[f"{k} {plan}"]["median"] for k in ks
+                   for plan in ("auto", "selected", "dense")}
+        slower += [f"batch {batch} k = {k}" for k in ks if speedup[f"{k} auto"] < 1 / (1 + SLOWER_TOLERANCE)]
+        mischosen += [f"batch {batch} k = {k}" for k in ks
+                      if max(speedup[f"{k} selected"], speedup[f"{k} dense"])
+                      > speedup[f"{k} {plans[k]}"] * (1 + SLOWER_TOLERANCE)]
+        results[str(batch)] = {"all_ms": base * 1e3, "plan": plans,
+                               "speedup": {k: speedup[f"{k} auto"] for k in ks},
+                               "ms": {k: stats[f"{k} auto"]["median"] * 1e3 for k in ks},
+                               "speedup_selected": {k: speedup[f"{k} selected"] for k in ks},
+                               "speedup_dense": {k: speedup[f"{k} dense"] for k in ks}}
+        rows.append([batch, f"{base * 1e3:.1f}"] + [f"{speedup[f'{k} auto']:.2f} {plans[k][0]}" for k in ks])
+        forced_rows.append([batch] + [f"{speedup[f'{k} selected']:.2f} / {speedup[f'{k} dense']:.2f}" for k in ks])
+    headers = [f"k = {k}" for k in ks]
+    print_table(["batch", "all experts ms", *headers], rows)
     print("speed-up over every expert (median of round-robin passes); s = only the selected experts ran, d = every "
           "expert ran with the unselected ones' combine weights zeroed (the cost model's choice)")
+    print_table(["batch", *headers], forced_rows)
+    print("each plan forced, same rounds: speed-up of the selected plan / of the dense plan over every expert")
     verdict = "none" if not slower else ", ".join(slower)
     print(f"Algorithm 1 slower than every expert (by more than {SLOWER_TOLERANCE:.0%}): {verdict}")
-    return {"batches": results, "slower": slower, "tolerance": SLOWER_TOLERANCE}
+    print(f"the other plan faster (by more than {SLOWER_TOLERANCE:.0%}) than the one the cost model chose: "
+          f"{'none' if not mischosen else ', '.join(mischosen)}")
+    return {"batches": results, "slower": slower, "mischosen": mischosen, "tolerance": SLOWER_TOLERANCE}
 
 
 def main() -> None:
