@@ -19,6 +19,7 @@ from torch import nn
 
 import softmoe.kernels.grouped_mm as grouped_mm_module
 import softmoe.layer as layer_module
+import softmoe.selection as selection_module
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.selection import (
     Selector,
@@ -1078,9 +1079,12 @@ def test_custom_experts_leave_unused_places_out_on_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_algorithm1_fast_top_k_equals_the_stable_rule(seed):
-    """top_k_by_combine takes torch.topk on CPU unless the k-th and (k+1)-th scores tie; with planted boundary ties
-    (values from a few levels), NaNs and distinct values it keeps the same experts as the stable sort's rule."""
+@pytest.mark.parametrize("fast", [True, False], ids=["topk", "sort"])
+def test_algorithm1_fast_top_k_equals_the_stable_rule(monkeypatch, seed, fast):
+    """top_k_by_combine takes torch.topk on CPU from TOPK_MIN_SCORES scores unless the k-th and (k+1)-th scores
+    tie; with planted boundary ties (values from a few levels), NaNs and distinct values both paths keep the same
+    experts as the stable sort's rule."""
+    monkeypatch.setattr(selection_module, "TOPK_MIN_SCORES", 1 if fast else 10**9)
     g = torch.Generator().manual_seed(seed)
     n = 8
     for levels in (3, 1000):  # few levels: many ties, also at the boundary

@@ -115,6 +115,16 @@ def test_auto_follows_the_cost_model(monkeypatch):
         assert layer.selected_plan_is_cheaper(x, selected) is cheaper
 
 
+def test_the_layer_counts_the_experts_in_use_on_cpu():
+    """8 experts of 64 -> 4096 -> 64 (F = 2 * 528,448 FLOPs per row, so CALL_FLOPS = 1e7 is 9.5 rows), batch 4,
+    k = 2: the 4 inputs agreeing on 2 experts cost max(8, 32) + 4 + 19 = 55 rows against 8 * 18 = 144 (selected);
+    spread over all 8: 128 + 16 + 76 = 220 (dense)."""
+    layer = SoftMoE(64, 8, expert_hidden=4096)
+    x = torch.randn(4, 3, 64)
+    assert layer.selected_plan_is_cheaper(x, torch.tensor([[2, 5]] * 4))
+    assert not layer.selected_plan_is_cheaper(x, torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]]))
+
+
 def test_a_bad_plan_is_a_value_error():
     layer = make_layer()
     x = torch.randn(2, 5, 12, dtype=F64)

@@ -482,7 +482,10 @@ class SoftMoE(nn.Module):
 
     def _selected_is_cheaper(self, x: torch.Tensor, selected: torch.Tensor, keep: torch.Tensor) -> bool:
         flops_per_row = 2 * self.parameters_per_expert()
-        kept = tuple(torch.stack((keep.sum(), keep.any(0).sum())).tolist()) if host_reads_are_free(selected) else None
+        kept = None
+        if host_reads_are_free(selected):  # one read: the inputs keeping each expert
+            per_expert = keep.sum(0).tolist()
+            kept = (sum(per_expert), sum(1 for count in per_expert if count))
         return selected_plan_is_cheaper(x.shape[0], selected.shape[1], self.num_experts, self.slots_per_expert,
                                         flops_per_row, x.device, kept)
 

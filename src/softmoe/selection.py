@@ -42,6 +42,9 @@ from softmoe.topk import top_k
 
 STRATEGIES = ("combine", "mass", "budget", "random", "all")
 ADAPTIVE = ("mass", "budget")
+# Scores (batch x experts) from which Algorithm 1's top-k tries torch.topk before the stable sort (see
+# top_k_by_combine): below, every op's fixed cost outweighs the sort's.
+TOPK_MIN_SCORES = 4096
 
 
 def resolve_k(k: int | float, num_experts: int) -> int:
@@ -70,10 +73,11 @@ def top_k_by_combine(combine: torch.Tensor, k: int) -> torch.Tensor:
 
     Ties are broken towards the lower expert index (:func:`softmoe.topk.top_k`, a stable sort). Only a tie between
     the k-th and the (k+1)-th largest can change which experts are kept, so where host reads are free (CPU, eager)
-    ``torch.topk`` (2.5x faster than the stable sort for 256 x 128 scores) gives the set when no row has such a tie.
+    and there are at least TOPK_MIN_SCORES scores, ``torch.topk`` (2.5x faster than the stable sort for 256 x 128
+    scores) gives the set when no row has such a tie. With fewer scores the sort's 2 ops beat that path's 10.
     """
     scores = combine_scores(combine)
-    if k < scores.shape[1] and host_reads_are_free(scores):
+    if k < scores.shape[1] and scores.numel() >= TOPK_MIN_SCORES and host_reads_are_free(scores):
         values, index = torch.topk(scores, k + 1, dim=1)
         last, next_ = values[:, k - 1], values[:, k]
         if not bool(((last == next_) | (last.isnan() & next_.isnan())).any()):

@@ -24,9 +24,9 @@ the decision depends on shapes alone (no host synchronization; torch.compile mak
 
 The CPU constants were fitted on an Intel Xeon (2 cores, AVX-512 and AVX2 only): one layer of Table 3's stack
 (768 -> 6144 -> 768, 8 experts) at batch 1, 4, 16 and 100, every k, both plans timed against all experts
-(docs/performance.md). With them the selected plan runs where it was measured 1.07-4.1x faster than all experts
-and the dense plan elsewhere, which costs all experts plus choosing them (0-6% more there); the selected plan would
-have been faster in 1 of 28 cells (AVX2 only: 4), by 2-17%. On CUDA, eager, the
+(docs/performance.md). With them the selected plan runs where it was measured 1.03-4.3x faster than all experts
+and the dense plan elsewhere, which costs all experts plus choosing them (0-4% more there); the selected plan would
+have been faster in 2 of 28 cells (AVX2 only: 3), by 8-20%. On CUDA, eager, the
 selected plan's launches and host work cost more than the skipped products at every size measured (H100,
 docs/performance.md), so eager CUDA runs the dense plan; under torch.compile (CUDA graphs, bf16 grouped GEMM) the
 selected plan is taken with a row overhead of 256 (and no floor).

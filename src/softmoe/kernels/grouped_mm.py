@@ -81,7 +81,7 @@ def group_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 
 
 def _finish(out: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
-    """act(out + bias), bias broadcast over out's rows (or per row where it has out's shape)."""
+    """act(out + bias): out (rows, N), bias (N,) or None, activation "none" or a name of ACTIVATIONS."""
     if bias is not None:
         out = out + bias
     return out if activation == "none" else ACTIVATIONS[activation](out)
