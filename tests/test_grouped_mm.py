@@ -241,6 +241,34 @@ def test_large_weights_take_the_native_expert_matmul_for_few_rows(large_weights_
         assert (g.double() - e).abs().max().item() < 1e-3
 
 
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+def test_the_grouped_gemm_branch_with_bias_activation_and_padding_rows(monkeypatch, activation):
+    """The branch CUDA bf16 takes (torch._grouped_mm, bias gathered by row group, no host read), run on the CPU,
+    where torch 2.13 has _grouped_mm too: bias per expert, activation, zero rows past the last end, the bias gradient
+    summed per expert."""
+    monkeypatch.setattr(op_module, "uses_grouped_gemm", lambda a, b, k, n: True)
+    torch.manual_seed(9)
+    counts = [5, 0, 3, 9]
+    x64, w64, b64 = torch.randn(sum(counts) + 2, 16, dtype=F64), torch.randn(4, 16, 24, dtype=F64), torch.randn(4, 24, dtype=F64)
+    x, weight, bias = (t.to(torch.bfloat16).requires_grad_(activation == "none") for t in (x64, w64, b64))
+    assert "aten::_grouped_mm" in kernels_called(lambda: grouped_mm(x.detach(), weight.detach(), ends_of(counts)))
+    out = grouped_mm(x, weight, ends_of(counts), bias, activation)
+    owner = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
+    for t in (x64, w64, b64):
+        t.requires_grad_()
+    plain = loop_reference(x64, w64, counts) + b64[owner]
+    want = torch.cat([plain if activation == "none" else ACTIVATIONS[activation](plain), torch.zeros(2, 24, dtype=F64)])
+    scale = want.abs().max()
+    assert ((out.double() - want).abs().max() / scale).item() < 2e-2
+    assert torch.equal(out[-2:], torch.zeros(2, 24, dtype=torch.bfloat16))
+    if activation == "none":
+        g64 = torch.randn(out.shape, dtype=F64)
+        out.backward(g64.to(torch.bfloat16))
+        want.backward(g64)
+        for got, expected in ((x.grad, x64.grad), (weight.grad, w64.grad), (bias.grad, b64.grad)):
+            assert ((got.double() - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item() < 2e-2
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
