@@ -35,7 +35,7 @@ from common import (  # noqa: E402
 
 from softmoe.checkpoint import write_json  # noqa: E402
 from softmoe.kernels import native_available, native_status  # noqa: E402
-from softmoe.kernels.grouped_mm import GROUPED_NATIVE_MAX_ROWS, row_block_matmul  # noqa: E402
+from softmoe.kernels.grouped_mm import GROUPED_NATIVE_MAX_ROWS, native_product  # noqa: E402
 from softmoe.kernels.onednn import onednn_linear  # noqa: E402
 
 
@@ -44,11 +44,6 @@ def shape(text: str) -> tuple[int, int]:
     if not sep or not k.isdigit() or not n.isdigit() or int(k) < 1 or int(n) < 1:
         raise argparse.ArgumentTypeError(f"expected KxN with positive integers (e.g. 768x30720), got {text!r}")
     return int(k), int(n)
-
-
-def native_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The native kernel as grouped_mm runs it (a weight taller than wide split by rows over the threads)."""
-    return row_block_matmul(x, w, torch.get_num_threads() if w.shape[0] > w.shape[1] else 1, native=True)
 
 
 def main() -> None:

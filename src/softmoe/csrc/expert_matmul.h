@@ -40,6 +40,7 @@ typedef float vec __attribute__((vector_size(LANES * 4), aligned(4)));
 #define TILE_COLS (TILE_VECS * LANES)
 #define PANEL 32                        /* weight rows per panel */
 #define OUT_BLOCK_BYTES (256 << 10)     /* output kept in cache while the panels pass (nn_item) */
+#define NEAR_PANEL_BYTES (128 << 10)    /* panels up to this size prefetch one panel ahead (nn_item) */
 #define LINE 64
 
 static inline vec splat(float s) { return vec{} + s; }
@@ -267,17 +268,22 @@ static void nn_item(const job_t *j, long e, long begin, long end)
         for (long c = c0; c < c1; c++) out[r * N + c] = bias ? bias[c] : 0.0f;
     for (long b0 = c0, last = 0; !last; b0 += block) { /* once at least, for the tail columns */
         const long b1 = vec_end - b0 > block ? b0 + block : vec_end;
+        const int near = PANEL * (b1 - b0) * 4 <= NEAR_PANEL_BYTES;
         last = b1 == vec_end;
         for (long k0 = 0; k0 < K; k0 += PANEL) {
             const long kn = K - k0 < PANEL ? K - k0 : PANEL;
             for (long c = b0; c < b1;) {
                 const int V = b1 - c >= TILE_COLS ? TILE_VECS : 1;
-                /* While a tile runs over this panel, the tile that runs next is prefetched, row for row: the next
-                   tile of this panel, else the block's first tile in the next panel, else the next block's first
-                   (past the last, the next expert's weight: a prefetch past the end is only a hint). Each weight
-                   row is so streamed in order. */
+                /* While a tile runs over this panel, a later tile is prefetched, row for row. Through a narrow
+                   block (a panel of at most NEAR_PANEL_BYTES) the same tile of the next panel, one panel ahead
+                   (past the last panel, the next expert's weight: a prefetch past the end is only a hint). Through a
+                   wide one that tile would come megabytes later, evicted before use: there the tile that runs
+                   next, i.e. the next tile of this panel, else the block's first in the next panel, else the next
+                   block's first, so that each weight row is streamed in order. */
                 const long next = c + V * LANES;
-                const float *ahead = next < b1 ? w + k0 * N + next : k0 + kn < K ? w + (k0 + kn) * N + b0 : w + b1;
+                const float *ahead = near ? w + (k0 + kn) * N + c
+                                   : next < b1 ? w + k0 * N + next
+                                   : k0 + kn < K ? w + (k0 + kn) * N + b0 : w + b1;
                 for (long r = 0; r < M; r += MAX_ROWS) {
                     const int R = M - r < MAX_ROWS ? (int)(M - r) : MAX_ROWS;
                     nn_tile_any(x + r * K + k0, K, w + k0 * N + c, N, out + r * N + c, N, kn, R, V,

@@ -67,17 +67,25 @@ def group_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     (module doc); the native kernel and oneDNN apply bias and activation themselves."""
     if x.device.type == "cpu" and w.numel() >= LARGE_WEIGHT:
         if w.is_contiguous() and native_applies(x[None], w[None], max_rows=GROUPED_NATIVE_MAX_ROWS):
-            # The native kernel splits the columns over the threads; a weight taller than wide is split by rows
-            # (K) instead, so that each thread streams one contiguous part of it (30720 x 768 at 25 rows: 1.27x).
-            if w.shape[0] <= w.shape[1]:
-                b = None if bias is None else bias[None]
-                return torch.ops.softmoe.expert_matmul(x[None], w[None], b, activation, cpu_isa())[0]
-            return _finish(row_block_matmul(x, w, torch.get_num_threads(), native=True), bias, activation)
+            return native_product(x, w, bias, activation)
         if x.shape[0] < BLAS_MIN_ROWS:
             return _finish(row_block_matmul(x, w, torch.get_num_threads()), bias, activation)
         if not intel_cpu() and onednn_applies(x, w):
             return onednn_linear(x, w, bias, None if activation == "none" else activation)
     return _finish(x @ w, bias, activation)
+
+
+def native_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                   activation: str = "none") -> torch.Tensor:
+    """act(x (rows, K) @ w (K, N) + bias (N,)) in the native expert matmul (float32 CPU, w contiguous).
+
+    The kernel splits the columns over the threads; a weight taller than wide is split by rows (K) instead, so that
+    each thread streams one contiguous part of it (30720 x 768 at 25 rows: 1.27x), bias and activation then applied
+    to the summed product."""
+    if w.shape[0] <= w.shape[1]:
+        b = None if bias is None else bias[None]
+        return torch.ops.softmoe.expert_matmul(x[None], w[None], b, activation, cpu_isa())[0]
+    return _finish(row_block_matmul(x, w, torch.get_num_threads(), native=True), bias, activation)
 
 
 def _finish(out: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
