@@ -248,7 +248,9 @@ def test_native_layer_takes_the_op_and_matches_float64(library, activation, bias
     ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
     want = output_and_gradients(ref, x.double(), g.double())
     for got_t, want_t in zip(got, want, strict=True):
-        assert relative_error(got_t, want_t) < 1e-5
+        # The scale's gradient (0-dim) sums every logit's with much cancellation: float32 rounding leaves 1e-5 of
+        # it (torch's routing 9.9e-6, the native one 1.9e-5, at relu with biases).
+        assert relative_error(got_t, want_t) < (5e-5 if got_t.dim() == 0 else 1e-5)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])

@@ -39,6 +39,8 @@ from softmoe.backends import BackendChoice, check_backend
 from softmoe.experts import Experts, MLPExperts, StackedExperts, autocast_device
 from softmoe.kernels import needs_grad, onednn_applies, onednn_linear
 from softmoe.kernels.modes import host_reads_are_free
+from softmoe.kernels.soft_moe_routing import native_routing_applies
+from softmoe.kernels.soft_moe_routing import soft_moe_routing as native_routing
 from softmoe.selection_plan import check_plan, mask_from_subsets, selected_plan_is_cheaper
 
 NORM_EPS = 1e-6
@@ -234,8 +236,13 @@ def soft_moe_routing(
     ``softmoe.routing.SoftMoERouter``.
 
     ``noise_std * N(0, 1)`` is added to the logits when ``noise_std`` > 0 (the callers pass it in training only).
-    Padded tokens (``mask`` False) get zero dispatch and zero combine weight.
+    Padded tokens (``mask`` False) get zero dispatch and zero combine weight. Without noise or mask, float32 CPU
+    tensors take the native routing (:mod:`softmoe.kernels.soft_moe_routing`: one call forward, one backward),
+    except large inference inputs, whose product oneDNN runs faster (:func:`token_product`).
     """
+    large_inference = tokens.numel() >= ONEDNN_MIN_TOKEN_ELEMENTS and onednn_applies(tokens, phi)
+    if mask is None and noise_std == 0 and not large_inference and native_routing_applies(tokens, phi, scale):
+        return native_routing(tokens, phi, scale, normalize)
     logits = add_logit_noise(soft_moe_logits(tokens, phi, scale, normalize), noise_std)
     if mask is None:
         return logits, logits.softmax(dim=1), logits.softmax(dim=-1)

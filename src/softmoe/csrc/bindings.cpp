@@ -8,10 +8,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/addcmul.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <cmath>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -31,6 +34,8 @@ struct Variant {
     decltype(&softmoe_portable::soft_moe_small_forward) mixing_forward;
     decltype(&softmoe_portable::soft_moe_small_backward) mixing_backward;
     decltype(&softmoe_portable::soft_moe_small_lanes) mixing_lanes;
+    decltype(&softmoe_portable::soft_moe_routing_forward) routing_forward;
+    decltype(&softmoe_portable::soft_moe_routing_backward) routing_backward;
 };
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -55,7 +60,8 @@ bool always() { return true; }
     Variant                                                                                                           \
     {                                                                                                                 \
         label, lanes, supported, ns::expert_matmul, ns::expert_matmul_nt, ns::expert_matmul_tn,                      \
-            ns::soft_moe_small_forward, ns::soft_moe_small_backward, ns::soft_moe_small_lanes                         \
+            ns::soft_moe_small_forward, ns::soft_moe_small_backward, ns::soft_moe_small_lanes,                        \
+            ns::soft_moe_routing_forward, ns::soft_moe_routing_backward                                               \
     }
 
 /* Best first: the variant chosen by default is the first this CPU supports. */
@@ -323,6 +329,146 @@ std::vector<at::Tensor> soft_moe_mixing_backward(const at::Tensor &grad_in, cons
     return {grad_x[0], grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2};
 }
 
+
+/* ---- the routing: logits, dispatch and combine (soft_moe_routing.h) ------------------------------------------ */
+
+enum { ROUTING_NONE = 0, ROUTING_ROUTER = 1, ROUTING_INPUTS = 2 }; /* the layer's normalize: "none", "router", "inputs" */
+constexpr double ROUTING_NORM_EPS = 1e-6;
+
+/* The normalized slot parameters the logits take, transposed (S, D) (the faster operand layout for torch's CPU
+ * matmul, as in F.linear): phi_n[d, s] = scale phi[d, s] q[s], and q (S,): "router" q = rsqrt(sum_d phi^2 +
+ * 1e-6), "inputs" q = 1 / (sqrt(sum_d phi^2) + 1e-6), "none" q = 1 and no scale. */
+std::tuple<at::Tensor, std::vector<float>> normalized_phi(const at::Tensor &phi, float scale, int64_t mode)
+{
+    const int64_t D = phi.size(0), S = phi.size(1);
+    const float *p = phi.data_ptr<float>();
+    std::vector<float> q(S, 1.0f);
+    if (mode != ROUTING_NONE)
+        for (int64_t s = 0; s < S; s++) {
+            double sum = 0.0;
+            for (int64_t d = 0; d < D; d++) sum += double(p[d * S + s]) * p[d * S + s];
+            q[s] = mode == ROUTING_ROUTER ? float(1.0 / std::sqrt(sum + ROUTING_NORM_EPS))
+                                          : float(1.0 / (std::sqrt(sum) + ROUTING_NORM_EPS));
+        }
+    at::Tensor out = at::empty({S, D}, phi.options());
+    float *o = out.data_ptr<float>();
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t s = 0; s < S; s++) o[s * D + d] = p[d * S + s] * (q[s] * scale);
+    return {out, q};
+}
+
+float scale_value(const c10::optional<at::Tensor> &scale, int64_t mode)
+{
+    if (mode == ROUTING_NONE) return 1.0f;
+    TORCH_CHECK(scale && scale->numel() == 1, "softmoe: the normalized routing needs a scalar scale");
+    check_float_cpu(*scale, "scale", scale->dim());
+    return scale->item<float>();
+}
+
+void check_routing(const at::Tensor &x, const at::Tensor &phi, int64_t mode)
+{
+    check_float_cpu(x, "x", 3);
+    check_float_cpu(phi, "phi", 2);
+    TORCH_CHECK(phi.size(0) == x.size(2), "softmoe: phi must have ", x.size(2), " rows (the tokens' dim), got ",
+                phi.sizes());
+    TORCH_CHECK(mode >= ROUTING_NONE && mode <= ROUTING_INPUTS, "softmoe: unknown routing normalization ", mode);
+}
+
+/* x (B, M, D), phi (D, S), scale () -> logits, dispatch, combine (B, M, S) and r (B, M), the tokens' inverse norms
+ * ("router"; else ones), which the backward reads. mode: ROUTING_*. */
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> soft_moe_routing(const at::Tensor &x_in,
+                                                                            const at::Tensor &phi_in,
+                                                                            const c10::optional<at::Tensor> &scale,
+                                                                            int64_t mode, const std::string &isa)
+{
+    const Variant &v = variant(isa);
+    check_routing(x_in, phi_in, mode);
+    const at::Tensor x = x_in.contiguous(), phi = phi_in.contiguous();
+    const int64_t B = x.size(0), M = x.size(1), D = x.size(2), S = phi.size(1);
+    const at::Tensor phi_t = std::get<0>(normalized_phi(phi, scale_value(scale, mode), mode));
+    at::Tensor logits = at::mm(x.view({B * M, D}), phi_t.t()).view({B, M, S});
+    at::Tensor dispatch = at::empty_like(logits), combine = at::empty_like(logits);
+    at::Tensor r = at::empty({B, M}, x.options());
+    {
+        pybind11::gil_scoped_release no_gil;
+        v.routing_forward(logits.data_ptr<float>(), x.data_ptr<float>(), dispatch.data_ptr<float>(),
+                          combine.data_ptr<float>(), r.data_ptr<float>(), B, M, S, D, mode == ROUTING_ROUTER,
+                          threads());
+    }
+    return {logits, dispatch, combine, r};
+}
+
+/* The gradients of soft_moe_routing's x, phi and scale (0 without normalization) from those of logits, dispatch and
+ * combine (each may be absent) and its outputs. */
+std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
+    const c10::optional<at::Tensor> &grad_logits, const c10::optional<at::Tensor> &grad_dispatch,
+    const c10::optional<at::Tensor> &grad_combine, const at::Tensor &x_in, const at::Tensor &phi_in,
+    const c10::optional<at::Tensor> &scale, const at::Tensor &logits_in, const at::Tensor &dispatch_in,
+    const at::Tensor &combine_in, const at::Tensor &r_in, int64_t mode, const std::string &isa)
+{
+    const Variant &v = variant(isa);
+    check_routing(x_in, phi_in, mode);
+    const at::Tensor x = x_in.contiguous(), phi = phi_in.contiguous();
+    const int64_t B = x.size(0), M = x.size(1), D = x.size(2), S = phi.size(1);
+    const at::Tensor logits = logits_in.contiguous(), dispatch = dispatch_in.contiguous();
+    const at::Tensor combine = combine_in.contiguous(), r = r_in.contiguous();
+    for (const at::Tensor *t : {&logits, &dispatch, &combine}) {
+        check_float_cpu(*t, "a routing tensor", 3);
+        check_shape(*t, "a routing tensor", {B, M, S});
+    }
+    check_float_cpu(r, "r", 2);
+    check_shape(r, "r", {B, M});
+    c10::optional<at::Tensor> grads[3] = {grad_logits, grad_dispatch, grad_combine};
+    for (auto &g : grads)
+        if (g) {
+            check_float_cpu(*g, "a routing gradient", 3);
+            check_shape(*g, "a routing gradient", {B, M, S});
+            g = g->contiguous();
+        }
+    const float scale_v = scale_value(scale, mode);
+    auto [phi_t, q] = normalized_phi(phi, scale_v, mode);
+    at::Tensor gp = at::empty({B, M, S}, x.options()), dot = at::empty({B, M}, x.options());
+    {
+        pybind11::gil_scoped_release no_gil;
+        v.routing_backward(pointer(grads[0]), pointer(grads[1]), pointer(grads[2]), logits.data_ptr<float>(),
+                           dispatch.data_ptr<float>(), combine.data_ptr<float>(), r.data_ptr<float>(),
+                           gp.data_ptr<float>(), dot.data_ptr<float>(), B, M, S, mode == ROUTING_ROUTER, threads());
+    }
+    const at::Tensor x_flat = x.view({B * M, D}), gp_flat = gp.view({B * M, S});
+    at::Tensor grad_x = at::mm(gp_flat, phi_t);
+    /* the logits are proportional to scale: its gradient is sum(g logits) / scale, summed here in double (through
+       grad_phi_n below, a sum with much cancellation, it came out 10x less accurate than torch's) */
+    const float *dots = dot.data_ptr<float>(), *rs = r.data_ptr<float>();
+    double dot_sum = 0.0;
+    for (int64_t i = 0; i < B * M; i++) dot_sum += dots[i];
+    if (mode == ROUTING_ROUTER) {
+        at::Tensor coef = at::empty({B * M, 1}, x.options());
+        float *c = coef.data_ptr<float>();
+        for (int64_t i = 0; i < B * M; i++) c[i] = dots[i] * rs[i] * rs[i];
+        grad_x.addcmul_(x_flat, coef, -1.0);
+    }
+    const at::Tensor grad_phi_n = at::mm(x_flat.t(), gp_flat); /* (D, S) */
+    /* through phi_n = scale phi q: with t[s] = sum_d grad_phi_n phi, "router" (dq/dphi = -q^3 phi) gives
+       scale q (grad_phi_n - q^2 t phi), "inputs" (dq/dphi = -q^2 phi / |phi|, 0 at |phi| = 0) scale q (grad_phi_n
+       - q t phi / |phi|); the scale's gradient is sum_s q t. */
+    at::Tensor grad_phi = at::empty({D, S}, x.options()), grad_scale = at::empty({}, x.options());
+    const float *g = grad_phi_n.data_ptr<float>(), *p = phi.data_ptr<float>();
+    float *out = grad_phi.data_ptr<float>();
+    double scale_grad = 0.0;
+    for (int64_t s = 0; s < S; s++) {
+        double t = 0.0, sq = 0.0;
+        for (int64_t d = 0; d < D; d++) t += double(g[d * S + s]) * p[d * S + s], sq += double(p[d * S + s]) * p[d * S + s];
+        scale_grad += q[s] * t;
+        const double norm = std::sqrt(sq);
+        const double k = mode == ROUTING_ROUTER ? double(q[s]) * q[s] * t
+                       : mode == ROUTING_INPUTS && norm > 0.0 ? q[s] * t / norm : 0.0;
+        const double f = mode == ROUTING_NONE ? 1.0 : double(scale_v) * q[s];
+        for (int64_t d = 0; d < D; d++) out[d * S + s] = float(f * (g[d * S + s] - k * p[d * S + s]));
+    }
+    *grad_scale.data_ptr<float>() = mode == ROUTING_NONE ? 0.0f : float(scale_v != 0.0f ? dot_sum / scale_v : scale_grad);
+    return {grad_x.view({B, M, D}), grad_phi, grad_scale};
+}
+
 } // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
@@ -337,4 +483,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("expert_matmul_tn", &expert_matmul_tn, pybind11::arg("x"), pybind11::arg("grad"), pybind11::arg("isa"));
     m.def("soft_moe_mixing", &soft_moe_mixing);
     m.def("soft_moe_mixing_backward", &soft_moe_mixing_backward);
+    m.def("soft_moe_routing", &soft_moe_routing);
+    m.def("soft_moe_routing_backward", &soft_moe_routing_backward);
 }

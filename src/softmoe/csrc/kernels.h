@@ -1,6 +1,6 @@
 /* The entry points of every kernel variant (one namespace per instruction set; see variant.h), as bindings.cpp
  * calls them. All tensors are contiguous row-major float32 buffers; shapes are in the comments of
- * expert_matmul.h and soft_moe_small.h. */
+ * expert_matmul.h, soft_moe_small.h and soft_moe_routing.h. */
 #pragma once
 
 #define SOFTMOE_DECLARE_KERNELS(ns)                                                                                  \
@@ -18,6 +18,11 @@
                                 float *grad_x_partial, float *grad_dispatch, float *grad_combine, float *grad_w1,    \
                                 float *grad_b1, float *grad_w2, float *grad_b2, long B, long M, long S, long P,      \
                                 long Hd, long Dm, int threads);                                                       \
+    void soft_moe_routing_forward(float *logits, const float *x, float *dispatch, float *combine, float *r, long B,  \
+                                  long M, long S, long D, int router, int threads);                                   \
+    void soft_moe_routing_backward(const float *gl, const float *gd, const float *gc, const float *logits,           \
+                                   const float *dispatch, const float *combine, const float *r, float *gp,           \
+                                   float *dot, long B, long M, long S, int router, int threads);                     \
     }
 
 SOFTMOE_DECLARE_KERNELS(softmoe_portable)

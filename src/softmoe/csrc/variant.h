@@ -1,6 +1,7 @@
-/* Shared by the variant translation units (expert_matmul_<isa>.cpp, soft_moe_small_<isa>.cpp).
+/* Shared by the variant translation units (expert_matmul_<isa>.cpp, soft_moe_small_<isa>.cpp,
+ * soft_moe_routing_<isa>.cpp).
  *
- * Each kernel source (expert_matmul.h, soft_moe_small.h) is compiled three times, once per instruction set:
+ * Each kernel source (expert_matmul.h, soft_moe_small.h, soft_moe_routing.h) is compiled three times, once per instruction set:
  * "avx512" (AVX-512 F/BW/DQ/VL and FMA, 16 float lanes), "avx2" (AVX2 and FMA, 8 lanes) and "portable" (the
  * compiler's baseline, e.g. SSE2 on x86-64, 4 lanes). A variant unit includes this header first, then raises the
  * instruction set with `#pragma GCC target` (push/pop), defines SOFTMOE_LANES and SOFTMOE_NS (its own namespace,

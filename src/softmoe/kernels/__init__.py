@@ -11,7 +11,9 @@ Two kinds, each taken only where it applies (float32 CPU tensors), with torch's 
   - ``torch.ops.softmoe.expert_matmul`` (and its backward ops ``expert_matmul_nt``, ``expert_matmul_tn``): batched
     expert matmuls for experts that see few rows each (:mod:`softmoe.kernels.expert_matmul`);
   - ``torch.ops.softmoe.soft_moe_mixing`` (and ``soft_moe_mixing_backward``): the whole Soft MoE mixing of many
-    small relu experts in one pass (:mod:`softmoe.kernels.soft_moe_mixing`).
+    small relu experts in one pass (:mod:`softmoe.kernels.soft_moe_mixing`);
+  - ``torch.ops.softmoe.soft_moe_routing`` (and ``soft_moe_routing_backward``): a layer's logits, dispatch and
+    combine weights in one call (:mod:`softmoe.kernels.soft_moe_routing`).
 
   One build serves every x86-64 CPU: each kernel is compiled for AVX-512, AVX2 and the baseline, and the best
   variant this CPU runs is picked at run time (``SOFTMOE_ISA`` to ask for one, :func:`use_isa` in tests,

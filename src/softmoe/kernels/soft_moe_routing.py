@@ -1,0 +1,150 @@
+"""``softmoe::soft_moe_routing``: a Soft MoE layer's logits, dispatch and combine weights in one native call
+(``csrc/soft_moe_routing.h``), forward and backward.
+
+In torch's ops the routing is some fifteen small ops forward (the norms of phi's columns and of the tokens, the
+product, two softmaxes) and twice as many, with as many autograd nodes, backward; with small layers (the paper's
+MNIST layer: 256 x 4 tokens of dim 196, 2-512 slots) each op's fixed cost is most of the routing's time. Here the
+product x phi_n and, backward, the products giving the gradients of x and phi are torch's matmuls; everything else
+is one pass over each input's logits.
+
+    softmoe::soft_moe_routing(Tensor x, Tensor phi, Tensor? scale, str normalize, str isa)
+            -> (Tensor logits, Tensor dispatch, Tensor combine, Tensor r)
+        x (batch, tokens, dim), phi (dim, slots), scale () (None for "none") -> logits, dispatch, combine
+        (batch, tokens, slots) and r (batch, tokens), the tokens' inverse norms the backward reads (ones unless
+        "router"; not differentiable)
+    softmoe::soft_moe_routing_backward(Tensor? grad_logits, Tensor? grad_dispatch, Tensor? grad_combine, Tensor x,
+                                       Tensor phi, Tensor? scale, Tensor logits, Tensor dispatch, Tensor combine,
+                                       Tensor r, str normalize, str isa) -> (Tensor, Tensor, Tensor)
+        the gradients of x, phi and scale (zero for "none")
+
+The normalizations are the layer's (``softmoe.layer``): "router" (vmoe's: tokens and phi's columns normalized,
+epsilon inside the rsqrt), "inputs" (phi's columns divided by their norm plus 1e-6; the tokens arrive normalized)
+and "none". A double backward (``create_graph=True``) recomputes the routing with torch's ops and differentiates
+those, so gradient penalties work as with torch's path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from softmoe.kernels.build import cpu_isa, extension, native_available, native_status
+from softmoe.kernels.modes import transforms_active
+
+# The layer's normalize argument -> the kernel's mode (ROUTING_* in bindings.cpp).
+ROUTING_MODES = {"none": 0, "router": 1, "inputs": 2}
+
+
+def _module():
+    module = extension()
+    if module is None:
+        raise RuntimeError(f"softmoe's native kernels are unavailable: {native_status()}")
+    return module
+
+
+@torch.library.custom_op("softmoe::soft_moe_routing", mutates_args=(), device_types="cpu")
+def soft_moe_routing_op(
+    x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str, isa: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The routing with the ``isa`` variant of the native kernel: (logits, dispatch, combine, r)."""
+    logits, dispatch, combine, r = _module().soft_moe_routing(x, phi, scale, ROUTING_MODES[normalize], isa)
+    return logits, dispatch, combine, r
+
+
+@soft_moe_routing_op.register_fake
+def _(x, phi, scale, normalize, isa):
+    shape = (*x.shape[:2], phi.shape[1])
+    return x.new_empty(shape), x.new_empty(shape), x.new_empty(shape), x.new_empty(x.shape[:2])
+
+
+def _setup_routing(ctx, inputs, output) -> None:
+    x, phi, scale, normalize, isa = inputs
+    logits, dispatch, combine, r = output
+    ctx.save_for_backward(x, phi, scale, logits, dispatch, combine, r)
+    ctx.mark_non_differentiable(r)
+    ctx.normalize, ctx.isa = normalize, isa
+
+
+def _backward_routing(ctx, grad_logits, grad_dispatch, grad_combine, _grad_r):
+    x, phi, scale, logits, dispatch, combine, r = ctx.saved_tensors
+    if torch.is_grad_enabled():  # a double backward: differentiate torch's ops
+        grads = _torch_routing_grads(x, phi, scale, ctx.normalize, (grad_logits, grad_dispatch, grad_combine))
+    else:
+        grads = torch.ops.softmoe.soft_moe_routing_backward(
+            grad_logits, grad_dispatch, grad_combine, x, phi, scale, logits, dispatch, combine, r, ctx.normalize,
+            ctx.isa,
+        )
+    grad_x, grad_phi, grad_scale = grads
+    needed = ctx.needs_input_grad
+    return (grad_x if needed[0] else None, grad_phi if needed[1] else None,
+            grad_scale.reshape(scale.shape) if scale is not None and needed[2] else None, None, None)
+
+
+def _torch_routing_grads(x, phi, scale, normalize, grads):
+    """The gradients of x, phi, scale through the routing recomputed in torch's ops, themselves differentiable."""
+    from softmoe.layer import soft_moe_logits  # the layer module imports this one
+
+    inputs = (x, phi, scale)
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    with torch.enable_grad():
+        logits = soft_moe_logits(x, phi, scale, normalize)
+        outputs = (logits, logits.softmax(dim=1), logits.softmax(dim=-1))
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+        found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,
+                                         allow_unused=True))
+    result = [next(found) if t is not None and t.requires_grad else None for t in inputs]
+    return [torch.zeros_like(t) if g is None and t is not None else g for t, g in zip(inputs, result)]
+
+
+soft_moe_routing_op.register_autograd(_backward_routing, setup_context=_setup_routing)
+
+
+@torch.library.custom_op("softmoe::soft_moe_routing_backward", mutates_args=(), device_types="cpu")
+def soft_moe_routing_backward_op(
+    grad_logits: Tensor | None, grad_dispatch: Tensor | None, grad_combine: Tensor | None, x: Tensor, phi: Tensor,
+    scale: Tensor | None, logits: Tensor, dispatch: Tensor, combine: Tensor, r: Tensor, normalize: str, isa: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of softmoe::soft_moe_routing's x, phi and scale (see the module docstring)."""
+    grad_x, grad_phi, grad_scale = _module().soft_moe_routing_backward(
+        grad_logits, grad_dispatch, grad_combine, x, phi, scale, logits, dispatch, combine, r,
+        ROUTING_MODES[normalize], isa,
+    )
+    return grad_x, grad_phi, grad_scale
+
+
+@soft_moe_routing_backward_op.register_fake
+def _(grad_logits, grad_dispatch, grad_combine, x, phi, scale, logits, dispatch, combine, r, normalize, isa):
+    return x.new_empty(x.shape), phi.new_empty(phi.shape), x.new_empty(())
+
+
+def native_routing_applies(x: Tensor, phi: Tensor, scale: Tensor | None) -> bool:
+    """Whether :func:`soft_moe_routing` serves tokens x (batch, tokens, dim) with phi (dim, slots): float32 CPU
+    tensors (scale too), no torch.func transform active (the ops have no vmap rule) and the kernels built."""
+    return (
+        x.device.type == phi.device.type == "cpu"
+        and x.dtype == phi.dtype == torch.float32
+        and (scale is None or scale.dtype == torch.float32)
+        and not transforms_active()
+        and native_available()
+    )
+
+
+def soft_moe_routing(x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Logits, dispatch and combine (each (batch, tokens, slots)) of tokens x (batch, tokens, dim) with phi (dim,
+    slots) and ``scale`` (a 0-dim tensor; None for "none"), normalized as ``normalize`` says ("router", "inputs"
+    or "none", as :func:`softmoe.layer.soft_moe_logits`), in one native call; differentiable in x, phi and scale.
+    Only where :func:`native_routing_applies`."""
+    if normalize not in ROUTING_MODES:
+        raise ValueError(f"normalize must be one of {tuple(ROUTING_MODES)}, got {normalize!r}")
+    if normalize != "none" and (scale is None or scale.numel() != 1):
+        raise ValueError(f'normalize="{normalize}" needs a scalar scale, got {scale!r}')
+    if x.dim() != 3 or phi.dim() != 2 or x.shape[2] != phi.shape[0]:
+        raise ValueError(f"x must be (batch, tokens, dim) and phi (dim, slots), got {tuple(x.shape)} and "
+                         f"{tuple(phi.shape)}")
+    isa = cpu_isa()
+    if isa is None:
+        raise RuntimeError(f"softmoe's native kernels are unavailable: {native_status()}")
+    logits, dispatch, combine, _ = torch.ops.softmoe.soft_moe_routing(
+        x, phi, scale if normalize != "none" else None, normalize, isa
+    )
+    return logits, dispatch, combine

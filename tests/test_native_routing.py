@@ -1,0 +1,196 @@
+"""softmoe.kernels.soft_moe_routing (softmoe::soft_moe_routing, csrc/soft_moe_routing.h): a Soft MoE layer's
+logits, dispatch and combine weights in one native call, forward and backward, every kernel variant the CPU runs
+against the routing written in torch's ops in float64, and where the layer takes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import output_and_gradients, relative_error
+
+import softmoe.layer as layer_module
+from softmoe import SoftMoE
+from softmoe.kernels import cpu_isa
+from softmoe.kernels.soft_moe_routing import native_routing_applies, soft_moe_routing
+from softmoe.layer import soft_moe_logits
+
+NORMALIZATIONS = ["router", "inputs", "none"]
+# (batch, tokens, dim, slots): slots below every vector width, a whole AVX-512 vector plus a tail, one token, one
+# slot, many tokens and slots (a ViT layer's routing, smaller), dims with a tail past the last vector.
+SHAPES = [(5, 4, 20, 6), (3, 17, 33, 37), (2, 1, 7, 1), (4, 30, 48, 16), (2, 64, 40, 128)]
+
+
+def tolerance(t: torch.Tensor) -> float:
+    """1e-5 relative, but 5e-5 for a scale's gradient (0-dim) in a layer: it sums every logit's gradient times the
+    logit, with much cancellation, and float32 rounding leaves about 1e-5 of it in torch's routing too."""
+    return 5e-5 if t.dim() == 0 else 1e-5
+
+
+def assert_scale_gradient_close(got, x, phi, scale, normalize, upstream):
+    """The scale's gradient is sum(G * logits) / scale (G the logits' gradient): within 1e-5 of sum(|G * logits|) /
+    |scale|, the size of its terms, of the float64 value (a relative bound would fail wherever they cancel)."""
+    xl, phil, scalel = leaves(x, phi, scale, dtype=torch.float64)
+    logits = soft_moe_logits(xl, phil, scalel, normalize)
+    outputs = (logits, logits.softmax(dim=1), logits.softmax(dim=-1))
+    pairs = [(o, u.double()) for o, u in zip(outputs, upstream) if u is not None]
+    grad_logits, grad_scale = torch.autograd.grad([o for o, _ in pairs], [logits, scalel], [u for _, u in pairs])
+    terms = float((grad_logits * logits).abs().sum().detach() / scale.abs())
+    assert abs(float(got) - float(grad_scale)) <= 1e-5 * terms
+
+
+def torch_routing(x, phi, scale, normalize):
+    """The layer's routing in torch's ops: (logits, dispatch over tokens, combine over slots)."""
+    logits = soft_moe_logits(x, phi, scale, normalize)
+    return logits, logits.softmax(dim=1), logits.softmax(dim=-1)
+
+
+def routing_inputs(shape, normalize, seed):
+    gen = torch.Generator().manual_seed(seed)
+    batch, tokens, dim, slots = shape
+    x = torch.randn(batch, tokens, dim, generator=gen)
+    if normalize == "inputs":  # the layer hands this normalization normalized tokens
+        x = x / (x.norm(dim=-1, keepdim=True) + 1e-6)
+    phi = torch.randn(dim, slots, generator=gen) / dim**0.5
+    scale = torch.tensor(1.7) if normalize != "none" else None
+    return x, phi, scale
+
+
+def leaves(*tensors, dtype=None):
+    return [None if t is None else t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("normalize", NORMALIZATIONS)
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_routing_and_its_gradients_match_float64(isa, shape, normalize, threads):
+    x, phi, scale = routing_inputs(shape, normalize, seed=sum(shape))
+    upstream = [torch.randn(shape[0], shape[1], shape[3]) for _ in range(3)]
+    got_in = leaves(x, phi, scale)
+    got = soft_moe_routing(*got_in, normalize)
+    torch.autograd.backward(got, upstream)
+    want_in = leaves(x, phi, scale, dtype=torch.float64)
+    want = torch_routing(*want_in, normalize)
+    torch.autograd.backward(want, [u.double() for u in upstream])
+    for g, w in zip(got, want, strict=True):
+        assert relative_error(g, w) < 1e-5
+    assert relative_error(got_in[0].grad, want_in[0].grad) < 1e-5
+    assert relative_error(got_in[1].grad, want_in[1].grad) < 1e-5
+    if scale is not None:
+        assert_scale_gradient_close(got_in[2].grad, x, phi, scale, normalize, upstream)
+    for row_sums, dim in ((got[1].sum(dim=1), 1), (got[2].sum(dim=-1), -1)):  # weights sum to one on their axis
+        assert torch.allclose(row_sums, torch.ones_like(row_sums), atol=1e-6), dim
+
+
+@pytest.mark.parametrize("used", [(0,), (1,), (2,), (1, 2)])
+def test_outputs_left_unused_give_no_gradient(library, used):
+    x, phi, scale = routing_inputs((3, 5, 12, 9), "router", seed=1)
+    got_in, want_in = leaves(x, phi, scale), leaves(x, phi, scale, dtype=torch.float64)
+    got, want = soft_moe_routing(*got_in, "router"), torch_routing(*want_in, "router")
+    upstream = [torch.randn(3, 5, 9) for _ in used]
+    torch.autograd.backward([got[i] for i in used], upstream)
+    torch.autograd.backward([want[i] for i in used], [u.double() for u in upstream])
+    assert relative_error(got_in[0].grad, want_in[0].grad) < 1e-5
+    assert relative_error(got_in[1].grad, want_in[1].grad) < 1e-5
+    upstream_all = [None, None, None]
+    for i, u in zip(used, upstream):
+        upstream_all[i] = u
+    assert_scale_gradient_close(got_in[2].grad, x, phi, scale, "router", upstream_all)
+
+
+def test_a_zero_column_of_phi_takes_the_subgradient_of_the_norm(library):
+    x, phi, scale = routing_inputs((2, 3, 8, 4), "inputs", seed=2)
+    phi[:, 1] = 0.0
+    got_in, want_in = leaves(x, phi, scale), leaves(x, phi, scale, dtype=torch.float64)
+    upstream = torch.randn(2, 3, 4)
+    torch.autograd.backward(soft_moe_routing(*got_in, "inputs")[2], upstream)
+    torch.autograd.backward(torch_routing(*want_in, "inputs")[2], upstream.double())
+    assert torch.isfinite(got_in[1].grad).all()
+    assert relative_error(got_in[1].grad, want_in[1].grad) < 1e-5
+
+
+def test_double_backward_differentiates_torch_ops(library):
+    """A gradient penalty: the second derivative through the op equals torch's routing's (float64 reference)."""
+    x, phi, scale = routing_inputs((2, 4, 6, 5), "router", seed=3)
+
+    def penalty(routing, dtype):
+        xl, phil, scalel = leaves(x, phi, scale, dtype=dtype)
+        _, dispatch, combine = routing(xl, phil, scalel, "router")
+        loss = (dispatch * torch.arange(5, dtype=dtype)).sum() + combine.square().sum()
+        (grad_x,) = torch.autograd.grad(loss, xl, create_graph=True)
+        return torch.autograd.grad(grad_x.square().sum(), [xl, phil, scalel])
+
+    for got, want in zip(penalty(soft_moe_routing, torch.float32), penalty(torch_routing, torch.float64), strict=True):
+        assert relative_error(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("normalize", NORMALIZATIONS)
+def test_opcheck(library, normalize):
+    x, phi, scale = routing_inputs((2, 3, 10, 7), normalize, seed=4)
+    x, phi = x.requires_grad_(), phi.requires_grad_()
+    torch.library.opcheck(torch.ops.softmoe.soft_moe_routing.default, (x, phi, scale, normalize, cpu_isa()))
+    logits, dispatch, combine, r = torch.ops.softmoe.soft_moe_routing(x, phi, scale, normalize, cpu_isa())
+    grads = [torch.randn_like(logits), None, torch.randn_like(combine)]
+    torch.library.opcheck(
+        torch.ops.softmoe.soft_moe_routing_backward.default,
+        (*grads, x.detach(), phi.detach(), scale, logits.detach(), dispatch.detach(), combine.detach(), r,
+         normalize, cpu_isa()),
+    )
+
+
+def test_bad_arguments_are_refused(library):
+    x, phi, scale = routing_inputs((2, 3, 10, 7), "router", seed=5)
+    with pytest.raises(ValueError, match="normalize must be one of"):
+        soft_moe_routing(x, phi, scale, "layer")
+    with pytest.raises(ValueError, match="needs a scalar scale"):
+        soft_moe_routing(x, phi, None, "router")
+    with pytest.raises(ValueError, match=r"phi \(dim, slots\), got \(2, 3, 10\) and \(9, 7\)"):
+        soft_moe_routing(x, phi[:9], scale, "router")
+
+
+class RoutingSpy:
+    """Counts the layer's calls of the native routing."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        native = layer_module.native_routing
+
+        def counted(*args):
+            self.calls += 1
+            return native(*args)
+
+        monkeypatch.setattr(layer_module, "native_routing", counted)
+
+
+@pytest.mark.parametrize("normalize", NORMALIZATIONS)
+def test_the_layer_takes_it_and_matches_its_float64_twin(library, normalize, monkeypatch):
+    torch.manual_seed(6)
+    layer = SoftMoE(12, 5, slots_per_expert=2, expert_hidden=7, normalize=normalize)
+    twin = SoftMoE(12, 5, slots_per_expert=2, expert_hidden=7, normalize=normalize, dtype=torch.float64)
+    twin.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+    x, g = torch.randn(3, 6, 12), torch.randn(3, 6, 12)
+    spy = RoutingSpy(monkeypatch)
+    got = output_and_gradients(layer, x, g)
+    assert spy.calls == 1
+    want = output_and_gradients(twin, x.double(), g.double())
+    assert spy.calls == 1  # float64 keeps torch's ops
+    for got_t, want_t in zip(got, want, strict=True):
+        assert relative_error(got_t, want_t) < tolerance(got_t)
+
+
+def test_masks_noise_and_large_inference_keep_torch_ops(library, monkeypatch):
+    torch.manual_seed(7)
+    layer = SoftMoE(12, 4, noise_std=0.5)
+    x = torch.randn(2, 5, 12)
+    spy = RoutingSpy(monkeypatch)
+    layer.train()
+    layer(x)  # noisy logits
+    layer.eval()
+    layer(x, torch.tensor([[True] * 5, [True, True, False, False, False]]))  # a mask
+    assert spy.calls == 0
+    layer(x)
+    assert spy.calls == 1
+    monkeypatch.setattr(layer_module, "ONEDNN_MIN_TOKEN_ELEMENTS", 1)
+    with torch.no_grad():
+        layer(x)  # oneDNN's product for large inference inputs
+    assert spy.calls == 1
+    assert not native_routing_applies(x.double(), layer.phi.reshape(12, 4).double(), None)
