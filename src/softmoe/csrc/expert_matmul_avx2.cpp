@@ -1,10 +1,4 @@
 /* expert_matmul.h compiled for AVX2 and FMA: 8 float lanes (see variant.h). */
+#define SOFTMOE_KERNEL "expert_matmul.h"
+#define SOFTMOE_VARIANT SOFTMOE_AVX2
 #include "variant.h"
-#if SOFTMOE_X86
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#define SOFTMOE_LANES 8
-#define SOFTMOE_NS softmoe_avx2
-#include "expert_matmul.h"
-#pragma GCC pop_options
-#endif
