@@ -113,7 +113,7 @@ def test_every_torch_backend_compiles_with_fullgraph(backend):
 )
 def test_compiled_layer_keeps_the_native_op_in_its_graph(kwargs, tokens, op):
     """Under torch.compile the "auto" backend still picks the native ops, which stay in the graph as custom ops
-    (they were dropped before they were registered with torch.library), forward and backward."""
+    (they were dropped before they were registered with torch.library), forward and backward; the routing's too."""
     if not native_available():
         pytest.skip(native_status())
     torch.manual_seed(4)
@@ -125,6 +125,7 @@ def test_compiled_layer_keeps_the_native_op_in_its_graph(kwargs, tokens, op):
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), layer(x), atol=1e-5, rtol=1e-5)
     assert op in recorder.ops(), sorted(recorder.ops())
+    assert "softmoe.soft_moe_routing" in recorder.ops(), sorted(recorder.ops())
     x.requires_grad_()
     (got,) = torch.autograd.grad(compiled(x).square().sum(), x)
     (want,) = torch.autograd.grad(layer(x).square().sum(), x)

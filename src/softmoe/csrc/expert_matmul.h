@@ -43,8 +43,6 @@ namespace SOFTMOE_NS {
 #define NEAR_PANEL_BYTES (128 << 10)    /* panels up to this size prefetch one panel ahead (nn_item) */
 #define LINE 64
 
-static inline vec load(const float *p) { return *(const vec *)p; }
-static inline void store(float *p, vec v) { *(vec *)p = v; }
 
 static inline void store_stream(float *p, vec v)
 {

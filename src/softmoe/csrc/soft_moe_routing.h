@@ -27,8 +27,6 @@ namespace SOFTMOE_NS {
 
 #define ROUTING_EPS 1e-6f
 
-static inline vec load(const float *p) { return *(const vec *)p; }
-static inline void store(float *p, vec v) { *(vec *)p = v; }
 static inline vec vmax(vec a, vec b) { return choose((ivec)(a > b), a, b); }
 
 /* The lanes below n set (all ones). */

@@ -5,6 +5,8 @@ typedef float vec __attribute__((vector_size(LANES * 4), aligned(4))); /* loads 
 typedef int32_t ivec __attribute__((vector_size(LANES * 4), aligned(4)));
 
 static inline vec splat(float s) { return vec{} + s; }
+static inline vec load(const float *p) { return *(const vec *)p; }
+static inline void store(float *p, vec v) { *(vec *)p = v; }
 
 /* lanes of a where mask is set (all ones), of b elsewhere */
 static inline vec choose(ivec mask, vec a, vec b) { return (vec)((mask & (ivec)a) | (~mask & (ivec)b)); }
