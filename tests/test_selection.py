@@ -1079,12 +1079,14 @@ def test_custom_experts_leave_unused_places_out_on_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("fast", [True, False], ids=["topk", "sort"])
-def test_algorithm1_fast_top_k_equals_the_stable_rule(monkeypatch, seed, fast):
-    """top_k_by_combine takes torch.topk on CPU from TOPK_MIN_SCORES scores unless the k-th and (k+1)-th scores
-    tie; with planted boundary ties (values from a few levels), NaNs and distinct values both paths keep the same
-    experts as the stable sort's rule."""
-    monkeypatch.setattr(selection_module, "TOPK_MIN_SCORES", 1 if fast else 10**9)
+@pytest.mark.parametrize("path", ["topk", "sort", "host"])
+def test_algorithm1_fast_top_k_equals_the_stable_rule(monkeypatch, seed, path):
+    """top_k_by_combine sorts on the host up to HOST_TOPK_MAX_SCORES scores on CPU, takes torch.topk from
+    TOPK_MIN_SCORES unless the k-th and (k+1)-th scores tie, and sorts with torch between; with planted boundary ties
+    (values from a few levels), NaNs and distinct values every path keeps the same experts as the stable sort's
+    rule."""
+    monkeypatch.setattr(selection_module, "HOST_TOPK_MAX_SCORES", 10**9 if path == "host" else 0)
+    monkeypatch.setattr(selection_module, "TOPK_MIN_SCORES", 1 if path == "topk" else 10**9)
     g = torch.Generator().manual_seed(seed)
     n = 8
     for levels in (3, 1000):  # few levels: many ties, also at the boundary

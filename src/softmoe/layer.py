@@ -41,7 +41,7 @@ from softmoe.kernels import needs_grad, onednn_applies, onednn_linear
 from softmoe.kernels.modes import host_reads_are_free
 from softmoe.kernels.soft_moe_routing import native_routing_applies
 from softmoe.kernels.soft_moe_routing import soft_moe_routing as native_routing
-from softmoe.selection_plan import check_plan, mask_from_subsets, selected_plan_is_cheaper
+from softmoe.selection_plan import check_plan, mask_and_counts, selected_plan_is_cheaper
 
 NORM_EPS = 1e-6
 NORMALIZATIONS = ("router", "inputs", "none")
@@ -481,18 +481,14 @@ class SoftMoE(nn.Module):
         """Whether running only the ``selected`` (batch, k) experts (plan "selected") beats running them all (plan
         "dense") for x (batch, tokens, dim): :func:`softmoe.selection_plan.selected_plan_is_cheaper` with this
         layer's shape, and the pairs and experts in use counted where host reads are free."""
-        return self._selected_is_cheaper(x, selected, mask_from_subsets(selected, self.num_experts))
+        return self._selected_is_cheaper(x, selected, mask_and_counts(selected, self.num_experts)[1])
 
     def parameters_per_expert(self) -> float:
         """The experts' parameter count over n (a multiply-add per parameter per row: the cost of one row)."""
         return sum(t.numel() for t in self.experts.parameters()) / self.num_experts
 
-    def _selected_is_cheaper(self, x: torch.Tensor, selected: torch.Tensor, keep: torch.Tensor) -> bool:
+    def _selected_is_cheaper(self, x: torch.Tensor, selected: torch.Tensor, kept: tuple[int, int] | None) -> bool:
         flops_per_row = 2 * self.parameters_per_expert()
-        kept = None
-        if host_reads_are_free(selected):  # one read: the inputs keeping each expert
-            per_expert = keep.sum(0).tolist()
-            kept = (sum(per_expert), sum(1 for count in per_expert if count))
         return selected_plan_is_cheaper(x.shape[0], selected.shape[1], self.num_experts, self.slots_per_expert,
                                         flops_per_row, x.device, kept)
 
@@ -509,8 +505,8 @@ class SoftMoE(nn.Module):
         p = self.slots_per_expert
         k = selected.shape[1]
         if plan != "selected":
-            keep = mask_from_subsets(selected, self.num_experts)
-            if plan == "dense" or not self._selected_is_cheaper(x, selected, keep):
+            keep, kept = mask_and_counts(selected, self.num_experts)
+            if plan == "dense" or not self._selected_is_cheaper(x, selected, kept):
                 keep = (keep if p == 1 else keep.repeat_interleave(p, dim=1)).unsqueeze(1)  # (batch, 1, n * p)
                 kept_combine = torch.where(keep, combine, 0.0)
                 return self._mix(x, dispatch, renormalized(kept_combine) if renormalize else kept_combine)

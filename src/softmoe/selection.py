@@ -38,13 +38,16 @@ from torch import nn
 from softmoe.kernels.modes import host_reads_are_free
 from softmoe.layer import SoftMoE
 from softmoe.selection_plan import check_plan, mask_from_subsets
-from softmoe.topk import top_k
+from softmoe.topk import top_k, top_k_list
 
 STRATEGIES = ("combine", "mass", "budget", "random", "all")
 ADAPTIVE = ("mass", "budget")
 # Scores (batch x experts) from which Algorithm 1's top-k tries torch.topk before the stable sort (see
 # top_k_by_combine): below, every op's fixed cost outweighs the sort's.
 TOPK_MIN_SCORES = 4096
+# Scores up to which the top-k runs on the host where reads are free: one read and a Python sort per input cost less
+# than the sort's ops, whose code comes back from memory after the expert products (docs/performance.md).
+HOST_TOPK_MAX_SCORES = 256
 
 
 def resolve_k(k: int | float, num_experts: int) -> int:
@@ -74,9 +77,12 @@ def top_k_by_combine(combine: torch.Tensor, k: int) -> torch.Tensor:
     Ties are broken towards the lower expert index (:func:`softmoe.topk.top_k`, a stable sort). Only a tie between
     the k-th and the (k+1)-th largest can change which experts are kept, so where host reads are free (CPU, eager)
     and there are at least TOPK_MIN_SCORES scores, ``torch.topk`` (2.5x faster than the stable sort for 256 x 128
-    scores) gives the set when no row has such a tie. With fewer scores the sort's 2 ops beat that path's 10.
+    scores) gives the set when no row has such a tie. With fewer scores the sort's 2 ops beat that path's 10, and up
+    to HOST_TOPK_MAX_SCORES (where reads are free) a sort on the host (:func:`softmoe.topk.top_k_list`) beats both.
     """
     scores = combine_scores(combine)
+    if scores.numel() <= HOST_TOPK_MAX_SCORES and host_reads_are_free(scores):
+        return torch.tensor([top_k_list(row, k) for row in scores.tolist()], dtype=torch.int64).view(-1, k)
     if k < scores.shape[1] and scores.numel() >= TOPK_MIN_SCORES and host_reads_are_free(scores):
         values, index = torch.topk(scores, k + 1, dim=1)
         last, next_ = values[:, k - 1], values[:, k]

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from softmoe.kernels.modes import host_reads_are_free
+
 SELECTION_PLANS = ("auto", "selected", "dense")
 # Per device type: the rows below which a product costs the same (reading its weight), the rows every product is
 # worth beyond its own, the margin the selected plan must beat.
@@ -43,6 +45,9 @@ ROW_FLOOR = {"cpu": 16, "cuda": 0}
 ROW_OVERHEAD = {"cpu": 2, "cuda": 256}
 MARGIN = {"cpu": 0.85, "cuda": 0.6}
 CALL_FLOPS = 1e7
+# Selections of at most this many places become masks on the host where reads are free: one read, a few lists and
+# one tensor cost less than the mask's and the count's six ops right after the expert products (docs/performance.md).
+HOST_MASK_MAX_PLACES = 256
 
 
 def check_plan(plan: str) -> None:
@@ -78,3 +83,24 @@ def mask_from_subsets(selected: torch.Tensor, num_experts: int) -> torch.Tensor:
     """selected (batch, k) int64, -1 for an unused place -> bool mask (batch, n)."""
     keep = torch.zeros(selected.shape[0], num_experts + 1, dtype=torch.bool, device=selected.device)
     return keep.scatter_(1, torch.where(selected < 0, num_experts, selected), True)[:, :num_experts]
+
+
+def mask_and_counts(selected: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """selected (batch, k) int64, -1 for an unused place -> (the bool mask (batch, n) of :func:`mask_from_subsets`,
+    (pairs kept, experts in use)), the counts None where host reads are not free (CPU, eager)."""
+    if not host_reads_are_free(selected):
+        return mask_from_subsets(selected, num_experts), None
+    if selected.numel() > HOST_MASK_MAX_PLACES:
+        keep = mask_from_subsets(selected, num_experts)
+        per_expert = keep.sum(0).tolist()
+    else:
+        rows = selected.tolist()
+        flags = [[False] * num_experts for _ in rows]
+        per_expert = [0] * num_experts
+        for row, kept in zip(rows, flags):
+            for j in row:
+                if j >= 0:
+                    kept[j] = True
+                    per_expert[j] += 1
+        keep = torch.tensor(flags, dtype=torch.bool).view(len(rows), num_experts)
+    return keep, (sum(per_expert), sum(1 for count in per_expert if count))

@@ -37,3 +37,14 @@ def first_argmax(values: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Te
     positions = torch.arange(values.shape[dim], device=values.device).view(shape)
     index = torch.where(hit, positions, values.shape[dim]).amin(dim=dim)
     return best.squeeze(dim), index
+
+
+def top_k_list(values: list[float], k: int) -> list[int]:
+    """The indices of the k largest of ``values``, ascending, by :func:`top_k`'s rule (NaN largest, ties to the
+    lowest index): the same choice on the host, for a few values already read there."""
+    def descending(j: int) -> tuple[bool, float]:  # NaN (v != v) first, then the largest; sorted() is stable
+        v = values[j]
+        return (v == v, -v if v == v else 0.0)
+
+    order = sorted(range(len(values)), key=descending)
+    return sorted(order[:k])
