@@ -37,10 +37,9 @@ from torch import nn
 
 from softmoe.backends import BackendChoice, check_backend
 from softmoe.experts import Experts, MLPExperts, StackedExperts, autocast_device
-from softmoe.kernels import needs_grad, onednn_applies, onednn_linear
+from softmoe.kernels import native_routing_applies, needs_grad, onednn_applies, onednn_linear
+from softmoe.kernels import soft_moe_routing as native_routing
 from softmoe.kernels.modes import host_reads_are_free
-from softmoe.kernels.soft_moe_routing import native_routing_applies
-from softmoe.kernels.soft_moe_routing import soft_moe_routing as native_routing
 from softmoe.selection_plan import check_plan, mask_and_counts, selected_plan_is_cheaper
 
 NORM_EPS = 1e-6

@@ -47,6 +47,7 @@ from softmoe.kernels.soft_moe_mixing import (
     native_mixing_applies,
     soft_moe_mixing,
 )
+from softmoe.kernels.soft_moe_routing import native_routing_applies, soft_moe_routing
 
 __all__ = [
     "ISAS",
@@ -64,12 +65,14 @@ __all__ = [
     "native_available",
     "native_cache_dir",
     "native_mixing_applies",
+    "native_routing_applies",
     "native_status",
     "needs_grad",
     "onednn_applies",
     "onednn_linear",
     "plain_eager_mode",
     "soft_moe_mixing",
+    "soft_moe_routing",
     "supported_isas",
     "transforms_active",
     "use_isa",
