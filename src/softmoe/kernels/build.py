@@ -123,6 +123,15 @@ def extension() -> ModuleType | None:
     return _state.module
 
 
+def native_module() -> ModuleType:
+    """The extension module, for the custom ops to call; a RuntimeError saying why when the native kernels are
+    unavailable."""
+    module = extension()
+    if module is None:
+        raise RuntimeError(f"softmoe's native kernels are unavailable: {native_status()}")
+    return module
+
+
 def compiled_in_this_process() -> bool:
     """Whether this process built the extension (False when it was imported from the cache)."""
     extension()
@@ -310,6 +319,14 @@ def cpu_isa() -> str | None:
     """The kernel variant the native ops run ("avx512", "avx2" or "portable"): the one :func:`use_isa` asks for,
     else $SOFTMOE_ISA, else the best this CPU supports; None when the native kernels are unavailable."""
     return _isa_override if _isa_override is not None else _default_isa()
+
+
+def required_isa() -> str:
+    """:func:`cpu_isa` for the native ops' entry points: a RuntimeError saying why when the kernels are unavailable."""
+    isa = cpu_isa()
+    if isa is None:
+        raise RuntimeError(f"softmoe's native kernels are unavailable: {native_status()}")
+    return isa
 
 
 @contextlib.contextmanager

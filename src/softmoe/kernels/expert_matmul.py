@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from softmoe.kernels.build import cpu_isa, extension, native_available, native_status
+from softmoe.kernels.build import native_available, native_module, required_isa
 from softmoe.kernels.modes import needs_grad, transforms_active
 
 # The native expert matmul serves NATIVE_MIN_ROWS..NATIVE_MAX_ROWS rows per expert through weights of at least
@@ -40,13 +40,6 @@ NATIVE_MIN_WEIGHT = 1 << 18
 # The activations expert_matmul can apply to its output, by their codes in csrc/expert_matmul.h.
 NATIVE_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3}
 _ACTIVATION_CODES = {"none": 0, **NATIVE_ACTIVATIONS}
-
-
-def _module():
-    module = extension()
-    if module is None:
-        raise RuntimeError(f"softmoe's native kernels are unavailable: {native_status()}")
-    return module
 
 
 def _check_fake(x: Tensor, weight: Tensor, rows_of: str) -> None:
@@ -63,7 +56,7 @@ def expert_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, activation:
     """activation(x @ weight + bias) with the ``isa`` variant of the native kernel (see the module docstring)."""
     if activation not in _ACTIVATION_CODES:
         raise ValueError(f"activation must be one of {sorted(_ACTIVATION_CODES)}, got {activation!r}")
-    return _module().expert_matmul(x, weight, bias, _ACTIVATION_CODES[activation], isa)
+    return native_module().expert_matmul(x, weight, bias, _ACTIVATION_CODES[activation], isa)
 
 
 @expert_matmul_op.register_fake
@@ -104,7 +97,7 @@ expert_matmul_op.register_autograd(_backward_expert_matmul, setup_context=_setup
 @torch.library.custom_op("softmoe::expert_matmul_nt", mutates_args=(), device_types="cpu")
 def expert_matmul_nt_op(grad: Tensor, weight: Tensor, isa: str) -> Tensor:
     """grad (E, rows, N) @ weight (E, K, N)^T -> (E, rows, K) with the ``isa`` variant of the native kernel."""
-    return _module().expert_matmul_nt(grad, weight, isa)
+    return native_module().expert_matmul_nt(grad, weight, isa)
 
 
 @expert_matmul_nt_op.register_fake
@@ -139,7 +132,7 @@ expert_matmul_nt_op.register_autograd(_backward_nt, setup_context=_setup_nt)
 @torch.library.custom_op("softmoe::expert_matmul_tn", mutates_args=(), device_types="cpu")
 def expert_matmul_tn_op(x: Tensor, grad: Tensor, isa: str) -> Tensor:
     """x (E, rows, K)^T @ grad (E, rows, N) -> (E, K, N) with the ``isa`` variant of the native kernel."""
-    return _module().expert_matmul_tn(x, grad, isa)
+    return native_module().expert_matmul_tn(x, grad, isa)
 
 
 @expert_matmul_tn_op.register_fake
@@ -206,7 +199,5 @@ def expert_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, activat
             raise ValueError(f"activation must be one of {sorted(NATIVE_ACTIVATIONS)} or None, got {activation!r}")
         if needs_grad(x, weight, bias):
             raise ValueError("a fused activation has no backward: call expert_matmul without it when training")
-    isa = cpu_isa()
-    if isa is None:
-        raise RuntimeError(f"softmoe's native kernels are unavailable: {native_status()}")
+    isa = required_isa()
     return torch.ops.softmoe.expert_matmul(x, weight, bias, activation or "none", isa)

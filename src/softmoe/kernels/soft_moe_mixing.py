@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from softmoe.kernels.build import LANES, cpu_isa, extension, native_available, native_status
+from softmoe.kernels.build import LANES, native_available, native_module, required_isa
 from softmoe.kernels.modes import transforms_active
 
 # The fused kernel serves inputs of at most MIXING_MAX_TOKENS tokens (their routing weights stay in registers) and
@@ -36,13 +36,6 @@ from softmoe.kernels.modes import transforms_active
 # 0.86-1.01; hidden 196 (n = 4) 0.99-1.09 and 392 (n = 2) 1.07-1.15: larger experts keep torch's batched matmuls.
 MIXING_MAX_TOKENS = 8
 MIXING_MAX_HIDDEN = 128
-
-
-def _module():
-    module = extension()
-    if module is None:
-        raise RuntimeError(f"softmoe's native kernels are unavailable: {native_status()}")
-    return module
 
 
 def _pre_shape(x: Tensor, dispatch: Tensor, weight1: Tensor, isa: str) -> tuple:
@@ -58,7 +51,7 @@ def soft_moe_mixing_op(
     bias2: Tensor | None, isa: str,
 ) -> tuple[Tensor, Tensor]:
     """The fused mixing with the ``isa`` variant of the native kernel: (out, pre) (see the module docstring)."""
-    out, pre = _module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, isa)
+    out, pre = native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, isa)
     return out, pre
 
 
@@ -96,7 +89,7 @@ def soft_moe_mixing_backward_op(
     bias2: Tensor | None, pre: Tensor, isa: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradients of softmoe::soft_moe_mixing (see the module docstring)."""
-    return tuple(_module().soft_moe_mixing_backward(grad, x, dispatch, combine, weight1, weight2, bias2, pre, isa))
+    return tuple(native_module().soft_moe_mixing_backward(grad, x, dispatch, combine, weight1, weight2, bias2, pre, isa))
 
 
 @soft_moe_mixing_backward_op.register_fake
@@ -147,9 +140,7 @@ def soft_moe_mixing(
     ``softmoe::soft_moe_mixing`` with the variant :func:`~softmoe.kernels.cpu_isa` names.
     """
     _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2)
-    isa = cpu_isa()
-    if isa is None:
-        raise RuntimeError(f"softmoe's native kernels are unavailable: {native_status()}")
+    isa = required_isa()
     out, _ = torch.ops.softmoe.soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, isa)
     return out
 

@@ -2,8 +2,9 @@
 (``csrc/soft_moe_routing.h``), forward and backward.
 
 In torch's ops the routing is some fifteen small ops forward (the norms of phi's columns and of the tokens, the
-product, two softmaxes) and twice as many, with as many autograd nodes, backward; with small layers (the paper's
-MNIST layer: 256 x 4 tokens of dim 196, 2-512 slots) each op's fixed cost is most of the routing's time. Here the
+product, two softmaxes) and twice as many, with as many autograd nodes, backward. Inside a layer call, right after
+the expert products, each op's code and data come back from memory, and with small layers (the paper's MNIST layer:
+256 x 4 tokens of dim 196, 2-512 slots) those fixed costs are most of the routing's time. Here the
 product x phi_n and, backward, the products giving the gradients of x and phi are torch's matmuls; everything else
 is one pass over each input's logits.
 
@@ -28,18 +29,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from softmoe.kernels.build import cpu_isa, extension, native_available, native_status
+from softmoe.kernels.build import native_available, native_module, required_isa
 from softmoe.kernels.modes import transforms_active
 
 # The layer's normalize argument -> the kernel's mode (ROUTING_* in bindings.cpp).
 ROUTING_MODES = {"none": 0, "router": 1, "inputs": 2}
-
-
-def _module():
-    module = extension()
-    if module is None:
-        raise RuntimeError(f"softmoe's native kernels are unavailable: {native_status()}")
-    return module
 
 
 @torch.library.custom_op("softmoe::soft_moe_routing", mutates_args=(), device_types="cpu")
@@ -47,7 +41,7 @@ def soft_moe_routing_op(
     x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str, isa: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The routing with the ``isa`` variant of the native kernel: (logits, dispatch, combine, r)."""
-    logits, dispatch, combine, r = _module().soft_moe_routing(x, phi, scale, ROUTING_MODES[normalize], isa)
+    logits, dispatch, combine, r = native_module().soft_moe_routing(x, phi, scale, ROUTING_MODES[normalize], isa)
     return logits, dispatch, combine, r
 
 
@@ -105,7 +99,7 @@ def soft_moe_routing_backward_op(
     scale: Tensor | None, logits: Tensor, dispatch: Tensor, combine: Tensor, r: Tensor, normalize: str, isa: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of softmoe::soft_moe_routing's x, phi and scale (see the module docstring)."""
-    grad_x, grad_phi, grad_scale = _module().soft_moe_routing_backward(
+    grad_x, grad_phi, grad_scale = native_module().soft_moe_routing_backward(
         grad_logits, grad_dispatch, grad_combine, x, phi, scale, logits, dispatch, combine, r,
         ROUTING_MODES[normalize], isa,
     )
@@ -141,9 +135,7 @@ def soft_moe_routing(x: Tensor, phi: Tensor, scale: Tensor | None, normalize: st
     if x.dim() != 3 or phi.dim() != 2 or x.shape[2] != phi.shape[0]:
         raise ValueError(f"x must be (batch, tokens, dim) and phi (dim, slots), got {tuple(x.shape)} and "
                          f"{tuple(phi.shape)}")
-    isa = cpu_isa()
-    if isa is None:
-        raise RuntimeError(f"softmoe's native kernels are unavailable: {native_status()}")
+    isa = required_isa()
     logits, dispatch, combine, _ = torch.ops.softmoe.soft_moe_routing(
         x, phi, scale if normalize != "none" else None, normalize, isa
     )
