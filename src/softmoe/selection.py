@@ -81,9 +81,10 @@ def top_k_by_combine(combine: torch.Tensor, k: int) -> torch.Tensor:
     to HOST_TOPK_MAX_SCORES (where reads are free) a sort on the host (:func:`softmoe.topk.top_k_list`) beats both.
     """
     scores = combine_scores(combine)
-    if scores.numel() <= HOST_TOPK_MAX_SCORES and host_reads_are_free(scores):
+    on_host = host_reads_are_free(scores)
+    if on_host and scores.numel() <= HOST_TOPK_MAX_SCORES:
         return torch.tensor([top_k_list(row, k) for row in scores.tolist()], dtype=torch.int64).view(-1, k)
-    if k < scores.shape[1] and scores.numel() >= TOPK_MIN_SCORES and host_reads_are_free(scores):
+    if on_host and k < scores.shape[1] and scores.numel() >= TOPK_MIN_SCORES:
         values, index = torch.topk(scores, k + 1, dim=1)
         last, next_ = values[:, k - 1], values[:, k]
         if not bool(((last == next_) | (last.isnan() & next_.isnan())).any()):

@@ -332,29 +332,34 @@ std::vector<at::Tensor> soft_moe_mixing_backward(const at::Tensor &grad_in, cons
 
 /* ---- the routing: logits, dispatch and combine (soft_moe_routing.h) ------------------------------------------ */
 
-enum { ROUTING_NONE = 0, ROUTING_ROUTER = 1, ROUTING_INPUTS = 2 }; /* the layer's normalize: "none", "router", "inputs" */
+enum { ROUTING_NONE = 0, ROUTING_ROUTER = 1, ROUTING_INPUTS = 2 }; /* normalize "none", "router", "inputs" */
 constexpr double ROUTING_NORM_EPS = 1e-6;
 
 /* The normalized slot parameters the logits take, transposed (S, D) (the faster operand layout for torch's CPU
- * matmul, as in F.linear): phi_n[d, s] = scale phi[d, s] q[s], and q (S,): "router" q = rsqrt(sum_d phi^2 +
- * 1e-6), "inputs" q = 1 / (sqrt(sum_d phi^2) + 1e-6), "none" q = 1 and no scale. */
-std::tuple<at::Tensor, std::vector<float>> normalized_phi(const at::Tensor &phi, float scale, int64_t mode)
+ * matmul, as in F.linear): phi_n[d, s] = scale phi[d, s] q[s] with q (S,): "router" q = rsqrt(|phi_s|^2 + 1e-6),
+ * "inputs" q = 1 / (|phi_s| + 1e-6), "none" q = 1 and no scale; and the columns' norms |phi_s| (S,). */
+struct NormalizedPhi {
+    at::Tensor phi_t;
+    std::vector<double> q, norms;
+};
+
+NormalizedPhi normalized_phi(const at::Tensor &phi, float scale, int64_t mode)
 {
     const int64_t D = phi.size(0), S = phi.size(1);
     const float *p = phi.data_ptr<float>();
-    std::vector<float> q(S, 1.0f);
-    if (mode != ROUTING_NONE)
-        for (int64_t s = 0; s < S; s++) {
-            double sum = 0.0;
-            for (int64_t d = 0; d < D; d++) sum += double(p[d * S + s]) * p[d * S + s];
-            q[s] = mode == ROUTING_ROUTER ? float(1.0 / std::sqrt(sum + ROUTING_NORM_EPS))
-                                          : float(1.0 / (std::sqrt(sum) + ROUTING_NORM_EPS));
-        }
-    at::Tensor out = at::empty({S, D}, phi.options());
-    float *o = out.data_ptr<float>();
+    NormalizedPhi n{at::empty({S, D}, phi.options()), std::vector<double>(S, 1.0), std::vector<double>(S, 0.0)};
+    for (int64_t s = 0; s < S; s++) {
+        double sum = 0.0;
+        for (int64_t d = 0; d < D; d++) sum += double(p[d * S + s]) * p[d * S + s];
+        n.norms[s] = std::sqrt(sum);
+        if (mode != ROUTING_NONE)
+            n.q[s] = float(mode == ROUTING_ROUTER ? 1.0 / std::sqrt(sum + ROUTING_NORM_EPS)
+                                                  : 1.0 / (n.norms[s] + ROUTING_NORM_EPS));
+    }
+    float *o = n.phi_t.data_ptr<float>();
     for (int64_t d = 0; d < D; d++)
-        for (int64_t s = 0; s < S; s++) o[s * D + d] = p[d * S + s] * (q[s] * scale);
-    return {out, q};
+        for (int64_t s = 0; s < S; s++) o[s * D + d] = p[d * S + s] * (float(n.q[s]) * scale);
+    return n;
 }
 
 float scale_value(const c10::optional<at::Tensor> &scale, int64_t mode)
@@ -385,7 +390,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> soft_moe_routing(cons
     check_routing(x_in, phi_in, mode);
     const at::Tensor x = x_in.contiguous(), phi = phi_in.contiguous();
     const int64_t B = x.size(0), M = x.size(1), D = x.size(2), S = phi.size(1);
-    const at::Tensor phi_t = std::get<0>(normalized_phi(phi, scale_value(scale, mode), mode));
+    const at::Tensor phi_t = normalized_phi(phi, scale_value(scale, mode), mode).phi_t;
     at::Tensor logits = at::mm(x.view({B * M, D}), phi_t.t()).view({B, M, S});
     at::Tensor dispatch = at::empty_like(logits), combine = at::empty_like(logits);
     at::Tensor r = at::empty({B, M}, x.options());
@@ -426,7 +431,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
             g = g->contiguous();
         }
     const float scale_v = scale_value(scale, mode);
-    auto [phi_t, q] = normalized_phi(phi, scale_v, mode);
+    const NormalizedPhi n = normalized_phi(phi, scale_v, mode);
+    const at::Tensor &phi_t = n.phi_t;
+    const std::vector<double> &q = n.q;
     at::Tensor gp = at::empty({B, M, S}, x.options()), dot = at::empty({B, M}, x.options());
     {
         pybind11::gil_scoped_release no_gil;
@@ -456,16 +463,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
     float *out = grad_phi.data_ptr<float>();
     double scale_grad = 0.0;
     for (int64_t s = 0; s < S; s++) {
-        double t = 0.0, sq = 0.0;
-        for (int64_t d = 0; d < D; d++) t += double(g[d * S + s]) * p[d * S + s], sq += double(p[d * S + s]) * p[d * S + s];
+        double t = 0.0;
+        for (int64_t d = 0; d < D; d++) t += double(g[d * S + s]) * p[d * S + s];
         scale_grad += q[s] * t;
-        const double norm = std::sqrt(sq);
-        const double k = mode == ROUTING_ROUTER ? double(q[s]) * q[s] * t
-                       : mode == ROUTING_INPUTS && norm > 0.0 ? q[s] * t / norm : 0.0;
+        const double k = mode == ROUTING_ROUTER                          ? q[s] * q[s] * t
+                       : mode == ROUTING_INPUTS && n.norms[s] > 0.0 ? q[s] * t / n.norms[s]
+                                                                     : 0.0;
         const double f = mode == ROUTING_NONE ? 1.0 : double(scale_v) * q[s];
         for (int64_t d = 0; d < D; d++) out[d * S + s] = float(f * (g[d * S + s] - k * p[d * S + s]));
     }
-    *grad_scale.data_ptr<float>() = mode == ROUTING_NONE ? 0.0f : float(scale_v != 0.0f ? dot_sum / scale_v : scale_grad);
+    const double scale_gradient = scale_v != 0.0f ? dot_sum / scale_v : scale_grad;
+    *grad_scale.data_ptr<float>() = mode == ROUTING_NONE ? 0.0f : float(scale_gradient);
     return {grad_x.view({B, M, D}), grad_phi, grad_scale};
 }
 
