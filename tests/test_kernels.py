@@ -1,15 +1,18 @@
-"""softmoe.kernels: oneDNN's linear for CPU inference (softmoe.kernels.onednn), where the layer takes it, and the
-package's exports."""
+"""softmoe.kernels: oneDNN's linear for CPU inference and its batched products (softmoe.kernels.onednn), where the
+layer takes them, and the package's exports."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from reference import kernels_called, ref_activation
+from reference import kernels_called, output_and_gradients, ref_activation, relative_error
 
+import softmoe.kernels.onednn as onednn_module
 import softmoe.layer as layer_module
 from softmoe import SoftMoE
-from softmoe.kernels import onednn_applies, onednn_linear
+from softmoe.kernels import batched_matmul, native_available, onednn_applies, onednn_linear
 
 ONEDNN = "mkldnn::_linear_pointwise"
 
@@ -74,3 +77,81 @@ def test_the_package_exports_what_the_layer_and_experts_import():
     assert set(kernels.__all__) >= set(names)
     assert not hasattr(kernels, "native_library")  # replaced by native_available / native_status
     assert kernels.onednn_linear is kernels.onednn.onednn_linear
+
+
+@pytest.fixture
+def onednn_products(monkeypatch):
+    """batched_matmul takes oneDNN for every product that may run there, on any CPU (the rule of
+    onednn_outruns_mkl is tested on its own)."""
+    monkeypatch.setattr(onednn_module, "onednn_outruns_mkl", lambda: True)
+    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_PRODUCT_FLOPS", 1)
+
+
+def test_batched_matmul_runs_onednn_and_equals_float64(onednn_products):
+    torch.manual_seed(0)
+    a, w, bias = torch.randn(3, 5, 12), torch.randn(3, 12, 9), torch.randn(3, 9)
+    wt = torch.randn(3, 9, 12).transpose(1, 2)  # entries are transposed dense matrices (w.transpose(1, 2))
+    cases = [(a, w, None), (a, w, bias), (a, wt, None), (a[:, ::2], w, bias), (a.transpose(0, 1).contiguous()
+                                                                               .transpose(0, 1), w, None)]
+    for x, b, c in cases:
+        assert ONEDNN in kernels_called(lambda x=x, b=b, c=c: batched_matmul(x, b, c))
+        got = batched_matmul(x, b, c)
+        want = torch.bmm(x.double(), b.double()) + (0 if c is None else c.double().unsqueeze(1))
+        assert got.shape == want.shape and got.dtype == torch.float32 and got.is_contiguous()
+        assert (got.double() - want).abs().max().item() < 1e-5
+
+
+def test_batched_matmul_keeps_torch_where_onednn_may_not_run(onednn_products, monkeypatch):
+    torch.manual_seed(0)
+    a, w = torch.randn(3, 5, 12), torch.randn(3, 12, 9)
+
+    def torch_only(fn) -> None:
+        called = kernels_called(fn)
+        assert ONEDNN not in called and called & {"aten::bmm", "aten::baddbmm"}
+
+    torch_only(lambda: batched_matmul(a.double(), w.double()))
+    torch_only(lambda: batched_matmul(a, w.requires_grad_(True)))  # a gradient to record
+    w.requires_grad_(False)
+    torch_only(lambda: batched_matmul(a, w, torch.randn(3, 9, requires_grad=True)))
+    torch_only(lambda: batched_matmul(a.transpose(1, 2).contiguous().transpose(1, 2), w))  # rows not in unit stride
+    torch_only(lambda: batched_matmul(a, torch.randn(12, 3, 9).transpose(0, 1)))  # entries not dense matrices
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch_only(lambda: batched_matmul(a, w))
+    out = torch.func.vmap(lambda x: batched_matmul(x, w))(a.unsqueeze(0).expand(2, -1, -1, -1))
+    assert (out - torch.bmm(a, w)).abs().max().item() < 1e-5
+    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_PRODUCT_FLOPS", 2 * 5 * 12 * 9 + 1)
+    torch_only(lambda: batched_matmul(a, w))  # too small a product to pay for a oneDNN call
+    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_PRODUCT_FLOPS", 1)
+    monkeypatch.setattr(onednn_module, "onednn_outruns_mkl", lambda: False)
+    torch_only(lambda: batched_matmul(a, w))
+
+
+@pytest.mark.parametrize(("vendor_is_intel", "capability", "expected"),
+                         [(False, "AVX512", True), (True, "AVX512", False), (False, "AVX2", False),
+                          (False, "DEFAULT", False)])
+def test_onednn_outruns_mkl_off_intel_with_avx512(vendor_is_intel, capability, expected, monkeypatch):
+    monkeypatch.setattr(onednn_module, "intel_cpu", lambda: vendor_is_intel)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    onednn_module.onednn_outruns_mkl.cache_clear()
+    try:
+        assert onednn_module.onednn_outruns_mkl() is (expected and torch.backends.mkldnn.is_available())
+    finally:
+        onednn_module.onednn_outruns_mkl.cache_clear()
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("slots_per_expert", [1, 2])
+def test_slot_backend_with_onednn_products_matches_float64(activation, slots_per_expert, onednn_products):
+    """The slot backend's expert products, forward and backward, in oneDNN: output and every gradient against the
+    same layer in float64 (torch's products)."""
+    torch.manual_seed(3)
+    layer = SoftMoE(12, 4, slots_per_expert, expert_hidden=10, activation=activation, backend="slots")
+    x, grad = torch.randn(3, 7, 12), torch.randn(3, 7, 12)
+    assert ONEDNN in kernels_called(lambda: output_and_gradients(layer, x, grad))
+    got = output_and_gradients(layer, x, grad)
+    want = output_and_gradients(copy.deepcopy(layer).double(), x.double(), grad.double())
+    for g, w in zip(got, want, strict=True):
+        assert relative_error(g, w) < 1e-5
+    with torch.no_grad():  # inference, and the native backend's combine product
+        layer.backend = "native" if native_available() else "slots"
+        assert (layer(x).double() - want[0]).abs().max().item() < 1e-5

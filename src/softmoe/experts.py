@@ -31,6 +31,7 @@ from softmoe.backends import BackendChoice, ReferenceOnly, autocast_on, transfor
 from softmoe.kernels.grouped_mm import grouped_mm
 from softmoe.kernels.modes import host_reads_are_free
 from softmoe.kernels import (
+    batched_matmul,
     expert_matmul,
     native_applies,
     native_available,
@@ -163,9 +164,10 @@ class MLPExperts(nn.Module):
                     param.copy_(param[:1].expand_as(param))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (num_experts, rows, dim) -> (num_experts, rows, out_dim), in torch's batched matmuls."""
+        """x: (num_experts, rows, dim) -> (num_experts, rows, out_dim), in batched matmuls (torch's, or oneDNN's
+        where :func:`softmoe.kernels.batched_matmul` finds them faster)."""
         check_expert_input(x, self.num_experts, self.dim)
-        return _linear(self.act(_linear(x, self.weight1, self.bias1)), self.weight2, self.bias2)
+        return batched_matmul(self.act(batched_matmul(x, self.weight1, self.bias1)), self.weight2, self.bias2)
 
     def forward_selected(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """rows (groups, rows, dim), expert (groups,) int64 -> (groups, rows, out_dim).
@@ -263,7 +265,7 @@ class MLPExperts(nn.Module):
         else:  # inference: the activation applied inside the kernel
             h = expert_matmul(rows, self.weight1, self.bias1, self.activation)
         y = _slot_rows(expert_matmul(h, self.weight2, self.bias2), x.shape[0], slots_per_expert)
-        return torch.bmm(combine, y)
+        return batched_matmul(combine, y)
 
     def forward_through_tokens(self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
         """The whole Soft MoE mixing C f(D^T X) computed in token space, without materializing any slot.
@@ -302,11 +304,6 @@ class MLPExperts(nn.Module):
         )
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (E, rows, K) @ weight (E, K, N) (+ bias (E, N)) with torch's batched matmul."""
-    return torch.bmm(x, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, weight)
-
-
 def _expert_rows(slots: torch.Tensor, experts: int, slots_per_expert: int) -> torch.Tensor:
     """(batch, experts * p, dim) -> (experts, batch * p, dim): a view for p = 1, else a copy."""
     batch, _, dim = slots.shape
@@ -335,10 +332,10 @@ def _activation_backward(grad: torch.Tensor, pre: torch.Tensor, activation: str)
 def _slot_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, slots_per_expert, activation):
     """C act(rows(D^T X) W1 + b1) W2 + b2 -> (out, rows, hidden, activated, y): :class:`_SlotMixing`'s forward."""
     rows = _expert_rows(torch.bmm(dispatch.transpose(1, 2), x), weight1.shape[0], slots_per_expert)
-    hidden = _linear(rows, weight1, bias1)
+    hidden = batched_matmul(rows, weight1, bias1)
     activated = activation_fn(activation)(hidden)
-    y = _slot_rows(_linear(activated, weight2, bias2), x.shape[0], slots_per_expert)
-    return torch.bmm(combine, y), rows, hidden, activated, y
+    y = _slot_rows(batched_matmul(activated, weight2, bias2), x.shape[0], slots_per_expert)
+    return batched_matmul(combine, y), rows, hidden, activated, y
 
 
 class _SlotMixing(torch.autograd.Function):
@@ -370,12 +367,12 @@ class _SlotMixing(torch.autograd.Function):
         grad_y = _expert_rows(torch.bmm(combine.transpose(1, 2), grad), weight1.shape[0], p)
         grad_w2 = torch.bmm(activated.transpose(1, 2), grad_y) if need[5] else None
         grad_b2 = grad_y.sum(1) if need[6] else None
-        grad_hidden = _activation_backward(torch.bmm(grad_y, weight2.transpose(1, 2)), hidden, ctx.activation)
+        grad_hidden = _activation_backward(batched_matmul(grad_y, weight2.transpose(1, 2)), hidden, ctx.activation)
         grad_w1 = torch.bmm(rows.transpose(1, 2), grad_hidden) if need[3] else None
         grad_b1 = grad_hidden.sum(1) if need[4] else None
         grad_x = grad_dispatch = None
         if need[0] or need[1]:
-            grad_slots = _slot_rows(torch.bmm(grad_hidden, weight1.transpose(1, 2)), x.shape[0], p)
+            grad_slots = _slot_rows(batched_matmul(grad_hidden, weight1.transpose(1, 2)), x.shape[0], p)
             grad_x = torch.bmm(dispatch, grad_slots) if need[0] else None
             grad_dispatch = torch.bmm(x, grad_slots.transpose(1, 2)) if need[1] else None
         return grad_x, grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, None, None

@@ -3,7 +3,9 @@
 Two kinds, each taken only where it applies (float32 CPU tensors), with torch's own ops everywhere else:
 
 - oneDNN's linear for inference (:mod:`softmoe.kernels.onednn`): bias and activation fused, 1.5-2.5x faster than
-  MKL for the few-row products of a Soft MoE layer; no backward, so only where no gradient is needed.
+  MKL for the few-row products of a Soft MoE layer; no backward, so only where no gradient is recorded.
+  :func:`batched_matmul` runs batched products there too where oneDNN outruns MKL (CPUs other than Intel's, with
+  AVX-512), the slot backend's forward and backward products among them.
 - softmoe's native kernels (``softmoe/csrc``), one PyTorch C++ extension built on first use
   (:mod:`softmoe.kernels.build`) and registered as custom ops that torch.compile, autograd and
   ``torch.library.opcheck`` see like torch's own:
@@ -40,7 +42,14 @@ from softmoe.kernels.expert_matmul import (
     native_applies,
 )
 from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
-from softmoe.kernels.onednn import ONEDNN_ACTIVATIONS, onednn_applies, onednn_linear
+from softmoe.kernels.onednn import (
+    ONEDNN_ACTIVATIONS,
+    ONEDNN_MIN_PRODUCT_FLOPS,
+    batched_matmul,
+    onednn_applies,
+    onednn_linear,
+    onednn_outruns_mkl,
+)
 from softmoe.kernels.soft_moe_mixing import (
     MIXING_MAX_HIDDEN,
     MIXING_MAX_TOKENS,
@@ -58,6 +67,8 @@ __all__ = [
     "NATIVE_MIN_ROWS",
     "NATIVE_MIN_WEIGHT",
     "ONEDNN_ACTIVATIONS",
+    "ONEDNN_MIN_PRODUCT_FLOPS",
+    "batched_matmul",
     "compiled_in_this_process",
     "cpu_isa",
     "expert_matmul",
@@ -70,6 +81,7 @@ __all__ = [
     "needs_grad",
     "onednn_applies",
     "onednn_linear",
+    "onednn_outruns_mkl",
     "plain_eager_mode",
     "soft_moe_mixing",
     "soft_moe_routing",

@@ -4,13 +4,21 @@ inference uses), bias and activation fused.
 On the reference machine (AMD EPYC, 2 cores) MKL reaches about 40% of its matmul peak for 25 rows through a 768 x
 30720 weight and about 35% of the bandwidth for logits against 8 slots; oneDNN runs the same products 1.5-2.5x
 faster. It has no backward, so it is only taken when no gradient is needed.
+
+Batched products (:func:`batched_matmul`, one oneDNN product per batch entry) are taken where oneDNN outruns MKL
+for large products too: on CPUs other than Intel's that torch runs with AVX-512, where MKL keeps to its AVX2 code
+(:func:`onednn_outruns_mkl`). Inside an autograd.Function (the slot backend) no gradient is recorded, so its
+forward and backward products take them in training as well.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from softmoe.kernels.modes import needs_grad
+from softmoe.kernels.modes import needs_grad, transforms_active
+from softmoe.runtime import intel_cpu
 
 # The activations oneDNN can fuse, as (attribute, algorithm) of _linear_pointwise.
 ONEDNN_ACTIVATIONS = {None: ("none", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
@@ -24,6 +32,52 @@ def onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.dtype == weight.dtype == torch.float32
         and torch.backends.mkldnn.is_available()
     )
+
+
+@functools.cache
+def onednn_outruns_mkl() -> bool:
+    """Whether oneDNN's float32 products beat MKL's (torch's matmul) on this CPU: a CPU not made by Intel that torch
+    runs with AVX-512. MKL takes its AVX-512 code on Intel CPUs only; on an AMD EPYC (Zen 5, 2 cores) MKL's
+    2048^3 product ran at 215 GFLOP/s and oneDNN's at 442-454, while with AVX2 only both ran at 217-243."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and not intel_cpu()
+        and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    )
+
+
+# A product of fewer FLOPs pays more for oneDNN's call (about 13 us) than it gains over MKL. On the AMD EPYC above,
+# time of torch.bmm / time of one oneDNN product per entry (stacked): 0.94-1.16 at 8-9.4 MFLOP per product,
+# 1.10-1.62 at 16-19 MFLOP, 1.46-1.77 from 38 MFLOP up (256-1600 rows through 196 x 392 to 768 x 6144 weights).
+ONEDNN_MIN_PRODUCT_FLOPS = 1 << 24
+
+
+def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a (E, M, K) @ b (E, K, N) (+ bias (E, N)) -> (E, M, N), as ``torch.bmm`` / ``torch.baddbmm`` compute it.
+
+    Where oneDNN outruns MKL (:func:`onednn_outruns_mkl`), may run (:func:`onednn_applies`: float32 CPU tensors,
+    no gradient recorded; no torch.func transform, autocast or torch.compile tracing) and each product has at least
+    ``ONEDNN_MIN_PRODUCT_FLOPS``, one oneDNN product per entry, stacked; else torch's. oneDNN is taken only for rows
+    of ``a`` in unit stride and entries of ``b`` that are dense matrices, row-major or transposed (``w.transpose(1,
+    2)``): other strides made oneDNN reorder the matrix on every call (a combine product through slots in expert
+    order, 196 x 128 @ 128 x 384 per input: 0.11 s per input against 0.1 ms).
+    """
+    experts, rows, inner = a.shape
+    cols = b.shape[2]
+    if (
+        not torch.compiler.is_compiling()
+        and onednn_outruns_mkl()
+        and 2 * rows * inner * cols >= ONEDNN_MIN_PRODUCT_FLOPS
+        and a.stride(2) == 1
+        and (b.stride(1), b.stride(2)) in ((cols, 1), (1, inner))
+        and onednn_applies(a, b)
+        and (bias is None or bias.dtype == torch.float32)
+        and not needs_grad(bias)
+        and not transforms_active()
+        and not torch.is_autocast_enabled("cpu")
+    ):
+        return torch.stack([onednn_linear(a[e], b[e], None if bias is None else bias[e]) for e in range(experts)])
+    return torch.bmm(a, b) if bias is None else torch.baddbmm(bias.unsqueeze(1), a, b)
 
 
 def onednn_linear(
