@@ -85,6 +85,7 @@ def onednn_products(monkeypatch):
     onednn_outruns_mkl is tested on its own)."""
     monkeypatch.setattr(onednn_module, "onednn_outruns_mkl", lambda: True)
     monkeypatch.setattr(onednn_module, "ONEDNN_MIN_PRODUCT_FLOPS", 1)
+    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_BATCH_FLOPS", 1)
 
 
 def test_batched_matmul_runs_onednn_and_equals_float64(onednn_products):
@@ -122,6 +123,9 @@ def test_batched_matmul_keeps_torch_where_onednn_may_not_run(onednn_products, mo
     monkeypatch.setattr(onednn_module, "ONEDNN_MIN_PRODUCT_FLOPS", 2 * 5 * 12 * 9 + 1)
     torch_only(lambda: batched_matmul(a, w))  # too small a product to pay for a oneDNN call
     monkeypatch.setattr(onednn_module, "ONEDNN_MIN_PRODUCT_FLOPS", 1)
+    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_BATCH_FLOPS", 3 * 2 * 5 * 12 * 9 + 1)
+    torch_only(lambda: batched_matmul(a, w))  # too little work in all
+    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_BATCH_FLOPS", 1)
     monkeypatch.setattr(onednn_module, "onednn_outruns_mkl", lambda: False)
     torch_only(lambda: batched_matmul(a, w))
 

@@ -44,6 +44,7 @@ from softmoe.kernels.expert_matmul import (
 from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
 from softmoe.kernels.onednn import (
     ONEDNN_ACTIVATIONS,
+    ONEDNN_MIN_BATCH_FLOPS,
     ONEDNN_MIN_PRODUCT_FLOPS,
     batched_matmul,
     onednn_applies,
@@ -67,6 +68,7 @@ __all__ = [
     "NATIVE_MIN_ROWS",
     "NATIVE_MIN_WEIGHT",
     "ONEDNN_ACTIVATIONS",
+    "ONEDNN_MIN_BATCH_FLOPS",
     "ONEDNN_MIN_PRODUCT_FLOPS",
     "batched_matmul",
     "compiled_in_this_process",

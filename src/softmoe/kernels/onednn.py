@@ -50,14 +50,21 @@ def onednn_outruns_mkl() -> bool:
 # time of torch.bmm / time of one oneDNN product per entry (stacked): 0.94-1.16 at 8-9.4 MFLOP per product,
 # 1.10-1.62 at 16-19 MFLOP, 1.46-1.77 from 38 MFLOP up (256-1600 rows through 196 x 392 to 768 x 6144 weights).
 ONEDNN_MIN_PRODUCT_FLOPS = 1 << 24
+# And a batch of less work in all gains nothing inside a layer in a default process: each entry's output and their
+# stack are fresh memory that glibc may have returned to the system (page faults). The slot backend of the MNIST
+# layer (256 x 4 tokens, n = 2 or 4, 78 MFLOP per product batch) ran 0.6-1.1x as fast with oneDNN as with MKL;
+# ViT-S/16's (32 x 196 tokens, 4.8 GFLOP) 1.37x forward and 1.12x forward+backward, one layer of Table 3's small
+# preset at batch 100 1.52x (same process, interleaved).
+ONEDNN_MIN_BATCH_FLOPS = 1 << 28
 
 
 def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """a (E, M, K) @ b (E, K, N) (+ bias (E, N)) -> (E, M, N), as ``torch.bmm`` / ``torch.baddbmm`` compute it.
 
     Where oneDNN outruns MKL (:func:`onednn_outruns_mkl`), may run (:func:`onednn_applies`: float32 CPU tensors,
-    no gradient recorded; no torch.func transform, autocast or torch.compile tracing) and each product has at least
-    ``ONEDNN_MIN_PRODUCT_FLOPS``, one oneDNN product per entry, stacked; else torch's. oneDNN is taken only for rows
+    no gradient recorded; no torch.func transform, autocast or torch.compile tracing) and the work is large enough
+    (``ONEDNN_MIN_PRODUCT_FLOPS`` per entry, ``ONEDNN_MIN_BATCH_FLOPS`` in all), one oneDNN product per entry,
+    stacked; else torch's. oneDNN is taken only for rows
     of ``a`` in unit stride and entries of ``b`` that are dense matrices, row-major or transposed (``w.transpose(1,
     2)``): other strides made oneDNN reorder the matrix on every call (a combine product through slots in expert
     order, 196 x 128 @ 128 x 384 per input: 0.11 s per input against 0.1 ms).
@@ -68,6 +75,7 @@ def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None =
         not torch.compiler.is_compiling()
         and onednn_outruns_mkl()
         and 2 * rows * inner * cols >= ONEDNN_MIN_PRODUCT_FLOPS
+        and 2 * experts * rows * inner * cols >= ONEDNN_MIN_BATCH_FLOPS
         and a.stride(2) == 1
         and (b.stride(1), b.stride(2)) in ((cols, 1), (1, inner))
         and onednn_applies(a, b)
