@@ -196,17 +196,17 @@ def test_large_weights_take_row_blocks_exactly_with_gradients(large_weights_on_t
         assert (got - expected).abs().max().item() < 1e-10
 
 
-@pytest.mark.parametrize("intel", [True, False])
-def test_large_float32_weights_take_mkl_on_intel_and_onednn_elsewhere(large_weights_on_two_threads, monkeypatch,
-                                                                       intel):
-    monkeypatch.setattr(op_module, "intel_cpu", lambda: intel)
+@pytest.mark.parametrize("onednn_faster", [True, False])
+def test_large_float32_weights_take_onednn_where_it_outruns_mkl(large_weights_on_two_threads, monkeypatch,
+                                                                onednn_faster):
+    monkeypatch.setattr(op_module, "onednn_outruns_mkl", lambda: onednn_faster)
     torch.manual_seed(0)
     weight = torch.randn(2, 12, 40)
     x = torch.randn(op_module.BLAS_MIN_ROWS + 2, 12)
     counts = [2, op_module.BLAS_MIN_ROWS]
     called = kernels_called(lambda: grouped_mm(x, weight, ends_of(counts)))
-    assert ("mkldnn::_linear_pointwise" in called) == (not intel)
-    assert ("aten::mm" in called) == intel
+    assert ("mkldnn::_linear_pointwise" in called) == onednn_faster
+    assert ("aten::mm" in called) == (not onednn_faster)
     want = loop_reference(x.double(), weight.double(), counts)
     assert (grouped_mm(x, weight, ends_of(counts)).double() - want).abs().max().item() < 1e-5
     few = [2, op_module.BLAS_MIN_ROWS - 1]

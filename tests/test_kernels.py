@@ -130,17 +130,34 @@ def test_batched_matmul_keeps_torch_where_onednn_may_not_run(onednn_products, mo
     torch_only(lambda: batched_matmul(a, w))
 
 
-@pytest.mark.parametrize(("vendor_is_intel", "capability", "expected"),
-                         [(False, "AVX512", True), (True, "AVX512", False), (False, "AVX2", False),
-                          (False, "DEFAULT", False)])
-def test_onednn_outruns_mkl_off_intel_with_avx512(vendor_is_intel, capability, expected, monkeypatch):
-    monkeypatch.setattr(onednn_module, "intel_cpu", lambda: vendor_is_intel)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+@pytest.mark.parametrize(("mkl_seconds", "onednn_seconds", "expected"),
+                         [(1.0, 0.5, True), (1.0, 0.8, True), (1.0, 0.81, False), (1.0, 1.2, False)])
+def test_onednn_outruns_mkl_where_measured_clearly_faster(mkl_seconds, onednn_seconds, expected, monkeypatch):
+    timed = []
+
+    def fastest(fn):
+        timed.append(fn)
+        return (mkl_seconds, onednn_seconds)[len(timed) - 1]
+
+    monkeypatch.setattr(onednn_module, "_fastest", fastest)
     onednn_module.onednn_outruns_mkl.cache_clear()
     try:
         assert onednn_module.onednn_outruns_mkl() is (expected and torch.backends.mkldnn.is_available())
+        assert onednn_module.onednn_outruns_mkl() is (expected and torch.backends.mkldnn.is_available())
+        assert len(timed) == (2 if torch.backends.mkldnn.is_available() else 0)  # measured once per process
     finally:
         onednn_module.onednn_outruns_mkl.cache_clear()
+
+
+def test_onednn_outruns_mkl_times_both_libraries_on_the_probe():
+    onednn_module.onednn_outruns_mkl.cache_clear()
+    try:
+        called = kernels_called(onednn_module.onednn_outruns_mkl)
+        assert isinstance(onednn_module.onednn_outruns_mkl(), bool)
+    finally:
+        onednn_module.onednn_outruns_mkl.cache_clear()
+    if torch.backends.mkldnn.is_available():
+        assert {"aten::mm", ONEDNN} <= called
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])

@@ -6,19 +6,19 @@ On the reference machine (AMD EPYC, 2 cores) MKL reaches about 40% of its matmul
 faster. It has no backward, so it is only taken when no gradient is needed.
 
 Batched products (:func:`batched_matmul`, one oneDNN product per batch entry) are taken where oneDNN outruns MKL
-for large products too: on CPUs other than Intel's that torch runs with AVX-512, where MKL keeps to its AVX2 code
-(:func:`onednn_outruns_mkl`). Inside an autograd.Function (the slot backend) no gradient is recorded, so its
+for large products too (:func:`onednn_outruns_mkl`, measured once per process: on CPUs other than Intel's that
+torch runs with AVX-512, where MKL keeps to its AVX2 code, by 2x). Inside an autograd.Function (the slot backend) no gradient is recorded, so its
 forward and backward products take them in training as well.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
 from softmoe.kernels.modes import needs_grad, transforms_active
-from softmoe.runtime import intel_cpu
 
 # The activations oneDNN can fuse, as (attribute, algorithm) of _linear_pointwise.
 ONEDNN_ACTIVATIONS = {None: ("none", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
@@ -34,19 +34,47 @@ def onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+# The product timed once per process to decide between oneDNN and MKL: (rows, K) @ (K, N), 0.6 GFLOP (about 3 ms),
+# in the regime of the products that take it (tens to hundreds of rows through a weight of megabytes). With AVX2
+# only, the AMD EPYC Zen 5 ran 64 x 768 @ 768 x 2048 (a 6 MB weight) in oneDNN at 0.68x MKL's time, but every
+# larger shape at 1.2-1.5x; with AVX-512 all at 0.43-0.49x.
+PROBE_SHAPE = (128, 768, 3072)
+# oneDNN is taken where it takes at most this fraction of MKL's time on the probe: a clear win, not noise.
+ONEDNN_MARGIN = 0.8
+
+
 @functools.cache
 def onednn_outruns_mkl() -> bool:
-    """Whether oneDNN's float32 products beat MKL's (torch's matmul) on this CPU: a CPU not made by Intel that torch
-    runs with AVX-512. MKL takes its AVX-512 code on Intel CPUs only; on an AMD EPYC (Zen 5, 2 cores) MKL's
-    2048^3 product ran at 215 GFLOP/s and oneDNN's at 442-454, while with AVX2 only both ran at 217-243."""
-    return (
-        torch.backends.mkldnn.is_available()
-        and not intel_cpu()
-        and torch.backends.cpu.get_cpu_capability() == "AVX512"
-    )
+    """Whether oneDNN's float32 products are clearly faster than MKL's (torch's matmul) on this CPU, with torch's
+    thread count: measured once per process on a ``PROBE_SHAPE`` product (fastest of 3 each, ``ONEDNN_MARGIN``).
+
+    Neither library wins everywhere, and no rule by vendor or instruction set says which one does: MKL takes its
+    AVX-512 code on Intel CPUs only (on an AMD EPYC Zen 5, 2 cores: MKL's 2048^3 product 215 GFLOP/s, oneDNN's
+    442-454; 64-100 rows through 768 x 6144 oneDNN 2.2-2.6x faster), but with AVX2 only the same CPU ran oneDNN's
+    64-100-row products at 0.7-1.0x MKL's speed, while an AMD EPYC Zen 3 (AVX2) ran them 1.5-2x faster in oneDNN,
+    and on an Intel Xeon MKL ran 1.2-1.7x faster.
+    """
+    if not torch.backends.mkldnn.is_available():
+        return False
+    rows, inner, cols = PROBE_SHAPE
+    x, w = torch.randn(rows, inner), torch.randn(inner, cols)
+    with torch.no_grad():
+        mkl = _fastest(lambda: x @ w)
+        onednn = _fastest(lambda: onednn_linear(x, w))
+    return onednn <= ONEDNN_MARGIN * mkl
 
 
-# A product of fewer FLOPs pays more for oneDNN's call (about 13 us) than it gains over MKL. On the AMD EPYC above,
+def _fastest(fn, repeats: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+# A product of fewer FLOPs pays more for oneDNN's call (about 13 us) than it gains over MKL. On the AMD EPYC Zen 5,
 # time of torch.bmm / time of one oneDNN product per entry (stacked): 0.94-1.16 at 8-9.4 MFLOP per product,
 # 1.10-1.62 at 16-19 MFLOP, 1.46-1.77 from 38 MFLOP up (256-1600 rows through 196 x 392 to 768 x 6144 weights).
 ONEDNN_MIN_PRODUCT_FLOPS = 1 << 24
