@@ -4,8 +4,8 @@ Two kinds, each taken only where it applies (float32 CPU tensors), with torch's 
 
 - oneDNN's linear for inference (:mod:`softmoe.kernels.onednn`): bias and activation fused, 1.5-2.5x faster than
   MKL for the few-row products of a Soft MoE layer; no backward, so only where no gradient is recorded.
-  :func:`batched_matmul` runs batched products there too where oneDNN outruns MKL (CPUs other than Intel's, with
-  AVX-512), the slot backend's forward and backward products among them.
+  :func:`batched_matmul` runs batched products there too where oneDNN outruns MKL on this CPU (timed once per
+  process, :func:`onednn_outruns_mkl`), the slot backend's forward and backward products among them.
 - softmoe's native kernels (``softmoe/csrc``), one PyTorch C++ extension built on first use
   (:mod:`softmoe.kernels.build`) and registered as custom ops that torch.compile, autograd and
   ``torch.library.opcheck`` see like torch's own:
