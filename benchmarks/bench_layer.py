@@ -28,10 +28,10 @@ step) of:
 the three round-robin (one call of each per round, in a new random order each round). Right before and right after
 each shape it measures the machine's limits (fp32 2048^3 GFLOP/s of ``torch.matmul`` or oneDNN's, whichever is
 faster; ``copy_`` bandwidth of 256 MB, read+write bytes, and the read bandwidth of a ``sum``), so that a row and its
-limits see the same load (on a shared host the measured limits drift by up to 1.5x from minute to minute). All of this is done in two sweeps over the
-shapes (``--sweeps``), a minute or more apart, so that one slow stretch of the host cannot spoil a whole row: a row
-reports each function's minimum over the rounds of all its sweeps and is held to the best limits read in any of
-them (four readings of each).
+limits see the same load (on a shared host the measured limits drift by up to 1.5x from minute to minute). All of
+this is done in two sweeps over the shapes (``--sweeps``), a minute or more apart, so that one slow stretch of the
+host cannot spoil a whole row: a row reports each function's minimum over the rounds of all its sweeps and is held
+to the best limits read in any of them (four readings of each).
 
 Definitions (B batch, M tokens, D dim, N experts, P slots per expert, H expert hidden size, fp32 = 4 bytes):
 

@@ -92,14 +92,18 @@ def test_batched_matmul_runs_onednn_and_equals_float64(onednn_products):
     torch.manual_seed(0)
     a, w, bias = torch.randn(3, 5, 12), torch.randn(3, 12, 9), torch.randn(3, 9)
     wt = torch.randn(3, 9, 12).transpose(1, 2)  # entries are transposed dense matrices (w.transpose(1, 2))
-    cases = [(a, w, None), (a, w, bias), (a, wt, None), (a[:, ::2], w, bias), (a.transpose(0, 1).contiguous()
-                                                                               .transpose(0, 1), w, None)]
+    strided_rows = a.transpose(0, 1).contiguous().transpose(0, 1)
+    cases = [(a, w, None), (a, w, bias), (a, wt, None), (a[:, ::2], w, bias), (strided_rows, w, None),
+             (a, w, torch.randn(9, 3).t()), (a, w, torch.randn(3, 1).expand(3, 9))]  # biases not contiguous
     for x, b, c in cases:
         assert ONEDNN in kernels_called(lambda x=x, b=b, c=c: batched_matmul(x, b, c))
         got = batched_matmul(x, b, c)
         want = torch.bmm(x.double(), b.double()) + (0 if c is None else c.double().unsqueeze(1))
         assert got.shape == want.shape and got.dtype == torch.float32 and got.is_contiguous()
         assert (got.double() - want).abs().max().item() < 1e-5
+    for c in (torch.randn(1, 9), torch.randn(3, 1)):  # biases that broadcast: torch's baddbmm
+        got = batched_matmul(a, w, c)
+        assert (got.double() - (torch.bmm(a.double(), w.double()) + c.double().unsqueeze(1))).abs().max() < 1e-5
 
 
 def test_batched_matmul_keeps_torch_where_onednn_may_not_run(onednn_products, monkeypatch):
@@ -130,9 +134,22 @@ def test_batched_matmul_keeps_torch_where_onednn_may_not_run(onednn_products, mo
     torch_only(lambda: batched_matmul(a, w))
 
 
+@pytest.fixture
+def fresh_probe(monkeypatch):
+    """onednn_outruns_mkl as in a new process: nothing cached, no SOFTMOE_ONEDNN."""
+    monkeypatch.delenv(onednn_module.ONEDNN_ENVIRONMENT, raising=False)
+    onednn_module.onednn_outruns_mkl.cache_clear()
+    yield
+    onednn_module.onednn_outruns_mkl.cache_clear()
+
+
+MKLDNN = torch.backends.mkldnn.is_available()
+
+
 @pytest.mark.parametrize(("mkl_seconds", "onednn_seconds", "expected"),
                          [(1.0, 0.5, True), (1.0, 0.8, True), (1.0, 0.81, False), (1.0, 1.2, False)])
-def test_onednn_outruns_mkl_where_measured_clearly_faster(mkl_seconds, onednn_seconds, expected, monkeypatch):
+def test_onednn_outruns_mkl_where_timed_clearly_faster(mkl_seconds, onednn_seconds, expected, fresh_probe,
+                                                       monkeypatch):
     timed = []
 
     def fastest(fn):
@@ -140,24 +157,58 @@ def test_onednn_outruns_mkl_where_measured_clearly_faster(mkl_seconds, onednn_se
         return (mkl_seconds, onednn_seconds)[len(timed) - 1]
 
     monkeypatch.setattr(onednn_module, "_fastest", fastest)
-    onednn_module.onednn_outruns_mkl.cache_clear()
-    try:
-        assert onednn_module.onednn_outruns_mkl() is (expected and torch.backends.mkldnn.is_available())
-        assert onednn_module.onednn_outruns_mkl() is (expected and torch.backends.mkldnn.is_available())
-        assert len(timed) == (2 if torch.backends.mkldnn.is_available() else 0)  # measured once per process
-    finally:
-        onednn_module.onednn_outruns_mkl.cache_clear()
+    assert onednn_module.onednn_outruns_mkl() is (expected and MKLDNN)
+    assert onednn_module.onednn_outruns_mkl() is (expected and MKLDNN)
+    assert len(timed) == (2 if MKLDNN else 0)  # timed once per process
 
 
-def test_onednn_outruns_mkl_times_both_libraries_on_the_probe():
-    onednn_module.onednn_outruns_mkl.cache_clear()
+def test_the_probe_times_both_libraries_on_its_own_float32_cpu_tensors(fresh_probe):
+    """Whatever the caller's default dtype, autocast and generator: float32 products in both libraries, nothing
+    cast, no random draw."""
+    rng = torch.get_rng_state()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
     try:
-        called = kernels_called(onednn_module.onednn_outruns_mkl)
-        assert isinstance(onednn_module.onednn_outruns_mkl(), bool)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            called = kernels_called(onednn_module.onednn_outruns_mkl)
     finally:
-        onednn_module.onednn_outruns_mkl.cache_clear()
-    if torch.backends.mkldnn.is_available():
-        assert {"aten::mm", ONEDNN} <= called
+        torch.set_default_dtype(previous)
+    assert isinstance(onednn_module.onednn_outruns_mkl(), bool)
+    assert torch.equal(torch.get_rng_state(), rng)
+    if MKLDNN:
+        assert {"aten::mm", ONEDNN} <= called and "aten::_to_copy" not in called
+
+
+@pytest.mark.parametrize(("value", "expected"), [("0", False), ("1", True)])
+def test_softmoe_onednn_overrides_the_timing(value, expected, fresh_probe, monkeypatch):
+    monkeypatch.setenv(onednn_module.ONEDNN_ENVIRONMENT, value)
+    monkeypatch.setattr(onednn_module, "_time_probe", lambda: pytest.fail("timed despite the override"))
+    assert onednn_module.onednn_outruns_mkl() is (expected and MKLDNN)
+
+
+def test_a_bad_softmoe_onednn_warns_and_times(fresh_probe, monkeypatch):
+    monkeypatch.setenv(onednn_module.ONEDNN_ENVIRONMENT, "yes")
+    monkeypatch.setattr(onednn_module, "_time_probe", lambda: True)
+    if MKLDNN:
+        with pytest.warns(UserWarning, match="SOFTMOE_ONEDNN must be '0' or '1', got 'yes'"):
+            assert onednn_module.onednn_outruns_mkl() is True
+
+
+def test_products_that_cannot_take_onednn_never_time_it(fresh_probe, monkeypatch):
+    """A vmapped layer, a float64 layer, products too small: torch's products, and no probe (it would time two
+    products for nothing, and draw nothing under vmap's randomness rules)."""
+    monkeypatch.setattr(onednn_module, "_time_probe", lambda: pytest.fail("timed for a product oneDNN cannot run"))
+    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_PRODUCT_FLOPS", 1)
+    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_BATCH_FLOPS", 1)
+    torch.manual_seed(0)
+    layer = SoftMoE(12, 4, 2, expert_hidden=10)  # under vmap: the reference backend, MLPExperts.forward
+    x = torch.randn(3, 7, 12)
+    per_input = torch.func.vmap(layer)(x.unsqueeze(1)).squeeze(1)
+    with torch.no_grad():
+        want = copy.deepcopy(layer).double()(x.double())  # float64: torch's products
+        assert (per_input.double() - want).abs().max().item() < 1e-5
+        monkeypatch.setattr(onednn_module, "ONEDNN_MIN_BATCH_FLOPS", 1 << 40)
+        assert (layer(x).double() - want).abs().max().item() < 1e-5  # too little work
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
@@ -167,12 +218,15 @@ def test_slot_backend_with_onednn_products_matches_float64(activation, slots_per
     same layer in float64 (torch's products)."""
     torch.manual_seed(3)
     layer = SoftMoE(12, 4, slots_per_expert, expert_hidden=10, activation=activation, backend="slots")
-    x, grad = torch.randn(3, 7, 12), torch.randn(3, 7, 12)
-    assert ONEDNN in kernels_called(lambda: output_and_gradients(layer, x, grad))
+    x, grad = torch.randn(3, 9, 12), torch.randn(3, 9, 12)
+    out = layer(x.requires_grad_(True))
+    assert ONEDNN in kernels_called(lambda: out.backward(grad))  # the backward's products too
     got = output_and_gradients(layer, x, grad)
     want = output_and_gradients(copy.deepcopy(layer).double(), x.double(), grad.double())
     for g, w in zip(got, want, strict=True):
         assert relative_error(g, w) < 1e-5
-    with torch.no_grad():  # inference, and the native backend's combine product
+    with torch.no_grad():  # inference, on the slot backend and on the native one (9 tokens: not the fused kernel)
+        assert ONEDNN in kernels_called(lambda: layer(x))
+        assert (layer(x).double() - want[0]).abs().max().item() < 1e-5
         layer.backend = "native" if native_available() else "slots"
         assert (layer(x).double() - want[0]).abs().max().item() < 1e-5

@@ -42,6 +42,10 @@ namespace SOFTMOE_NS {
 #define OUT_BLOCK_BYTES (256 << 10)     /* output kept in cache while the panels pass (nn_item) */
 #define NEAR_PANEL_BYTES (128 << 10)    /* panels up to this size prefetch one panel ahead (nn_item) */
 #define WIDE_AHEAD_COLS 96              /* wider panels prefetch this many columns ahead of the tile (nn_item) */
+/* A wide block is wider than WIDE_AHEAD_COLS (the prefetch wraps into the next panel's first columns), and whole
+   tiles fit in the distance (no prefetched tile straddles the block's end). */
+static_assert(WIDE_AHEAD_COLS % TILE_COLS == 0 && WIDE_AHEAD_COLS * PANEL * 4 < NEAR_PANEL_BYTES,
+              "WIDE_AHEAD_COLS: whole tiles, and less than a wide block");
 #define LINE 64
 
 
@@ -250,14 +254,14 @@ static void nn_item(const job_t *j, long e, long begin, long end)
                    (past the last panel, the next expert's weight: a prefetch past the end is only a hint). Through a
                    wide one that tile would come megabytes later, evicted before use: there the columns
                    WIDE_AHEAD_COLS further on in the order the tiles run (this panel, else the next panel's first
-                   columns, else the next block's), so that each weight row is streamed in order. One tile ahead
+                   columns, else the next block's first panel), so that each weight row is streamed in order. One tile ahead
                    (48 columns with AVX-512, 24 with AVX2) left the loads too little time on an AMD EPYC Zen 5:
                    8 rows through 128 weights of 384 x 1536 ran at 32 GB/s (AVX2: 23), 96 columns ahead at 48 (34),
                    as fast as the narrow 1536 x 384 weights. */
                 const long next = c + V * LANES, far = c + WIDE_AHEAD_COLS;
                 const float *ahead = near ? w + (k0 + kn) * N + c
                                    : far < b1 ? w + k0 * N + far
-                                   : k0 + kn < K ? w + (k0 + kn) * N + b0 + (far - b1) : w + b1;
+                                   : k0 + kn < K ? w + (k0 + kn) * N + b0 + (far - b1) : w + far;
                 for (long r = 0; r < M; r += MAX_ROWS) {
                     const int R = M - r < MAX_ROWS ? (int)(M - r) : MAX_ROWS;
                     nn_tile_any(x + r * K + k0, K, w + k0 * N + c, N, out + r * N + c, N, kn, R, V,

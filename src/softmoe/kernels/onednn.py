@@ -6,15 +6,20 @@ On the reference machine (AMD EPYC, 2 cores) MKL reaches about 40% of its matmul
 faster. It has no backward, so it is only taken when no gradient is needed.
 
 Batched products (:func:`batched_matmul`, one oneDNN product per batch entry) are taken where oneDNN outruns MKL
-for large products too (:func:`onednn_outruns_mkl`, measured once per process: on CPUs other than Intel's that
-torch runs with AVX-512, where MKL keeps to its AVX2 code, by 2x). Inside an autograd.Function (the slot backend) no gradient is recorded, so its
-forward and backward products take them in training as well.
+for large products too (:func:`onednn_outruns_mkl`, timed once per process; on CPUs other than Intel's that torch
+runs with AVX-512, where MKL keeps to its AVX2 code, oneDNN is 2x faster). Inside an autograd.Function (the slot
+backend) no gradient is recorded, so its forward and backward products take them in training as well.
+``SOFTMOE_ONEDNN=0`` keeps every product in MKL (e.g. for its numerics), ``SOFTMOE_ONEDNN=1`` takes oneDNN wherever
+it may run, without timing.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import threading
 import time
+import warnings
 
 import torch
 
@@ -43,10 +48,16 @@ PROBE_SHAPE = (128, 768, 3072)
 ONEDNN_MARGIN = 0.8
 
 
+# Overrides the timed choice: "1" oneDNN wherever it may run, "0" never.
+ONEDNN_ENVIRONMENT = "SOFTMOE_ONEDNN"
+_probe_lock = threading.Lock()
+
+
 @functools.cache
 def onednn_outruns_mkl() -> bool:
     """Whether oneDNN's float32 products are clearly faster than MKL's (torch's matmul) on this CPU, with torch's
-    thread count: measured once per process on a ``PROBE_SHAPE`` product (fastest of 3 each, ``ONEDNN_MARGIN``).
+    thread count: timed once per process on a ``PROBE_SHAPE`` product (fastest of 3 each, ``ONEDNN_MARGIN``), unless
+    ``SOFTMOE_ONEDNN`` is "0" or "1".
 
     Neither library wins everywhere, and no rule by vendor or instruction set says which one does: MKL takes its
     AVX-512 code on Intel CPUs only (on an AMD EPYC Zen 5, 2 cores: MKL's 2048^3 product 215 GFLOP/s, oneDNN's
@@ -56,10 +67,24 @@ def onednn_outruns_mkl() -> bool:
     """
     if not torch.backends.mkldnn.is_available():
         return False
+    choice = os.environ.get(ONEDNN_ENVIRONMENT, "")
+    if choice in ("0", "1"):
+        return choice == "1"
+    if choice:
+        warnings.warn(f"{ONEDNN_ENVIRONMENT} must be '0' or '1', got {choice!r}; timing oneDNN against MKL instead",
+                      stacklevel=2)
+    with _probe_lock:
+        return _time_probe()
+
+
+def _time_probe() -> bool:
+    """oneDNN's time <= ONEDNN_MARGIN x MKL's on the probe. Its own float32 CPU tensors, filled without a random
+    draw (the caller's generator is left as it was), outside autocast and autograd, whatever the caller's defaults."""
     rows, inner, cols = PROBE_SHAPE
-    x, w = torch.randn(rows, inner), torch.randn(inner, cols)
-    with torch.no_grad():
-        mkl = _fastest(lambda: x @ w)
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        x = torch.linspace(-1.0, 1.0, rows * inner, dtype=torch.float32, device="cpu").view(rows, inner)
+        w = torch.linspace(-1.0, 1.0, inner * cols, dtype=torch.float32, device="cpu").view(inner, cols)
+        mkl = _fastest(lambda: torch.mm(x, w))
         onednn = _fastest(lambda: onednn_linear(x, w))
     return onednn <= ONEDNN_MARGIN * mkl
 
@@ -89,28 +114,28 @@ ONEDNN_MIN_BATCH_FLOPS = 1 << 28
 def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """a (E, M, K) @ b (E, K, N) (+ bias (E, N)) -> (E, M, N), as ``torch.bmm`` / ``torch.baddbmm`` compute it.
 
-    Where oneDNN outruns MKL (:func:`onednn_outruns_mkl`), may run (:func:`onednn_applies`: float32 CPU tensors,
-    no gradient recorded; no torch.func transform, autocast or torch.compile tracing) and the work is large enough
-    (``ONEDNN_MIN_PRODUCT_FLOPS`` per entry, ``ONEDNN_MIN_BATCH_FLOPS`` in all), one oneDNN product per entry,
-    stacked; else torch's. oneDNN is taken only for rows
-    of ``a`` in unit stride and entries of ``b`` that are dense matrices, row-major or transposed (``w.transpose(1,
-    2)``): other strides made oneDNN reorder the matrix on every call (a combine product through slots in expert
-    order, 196 x 128 @ 128 x 384 per input: 0.11 s per input against 0.1 ms).
+    Where oneDNN may run (:func:`onednn_applies`: float32 CPU tensors, no gradient recorded; no torch.func transform,
+    autocast or torch.compile tracing), the work is large enough (``ONEDNN_MIN_PRODUCT_FLOPS`` per entry,
+    ``ONEDNN_MIN_BATCH_FLOPS`` in all) and oneDNN outruns MKL (:func:`onednn_outruns_mkl`), one oneDNN product per
+    entry, stacked; else torch's. oneDNN is taken only for rows of ``a`` in unit stride, entries of ``b`` that are
+    dense matrices, row-major or transposed (``w.transpose(1, 2)``), and a bias of shape (E, N) (others broadcast in
+    ``baddbmm``): other strides made oneDNN reorder the matrix on every call (a combine product through slots in
+    expert order, 196 x 128 @ 128 x 384 per input: 0.11 s per input against 0.1 ms).
     """
     experts, rows, inner = a.shape
     cols = b.shape[2]
     if (
         not torch.compiler.is_compiling()
-        and onednn_outruns_mkl()
         and 2 * rows * inner * cols >= ONEDNN_MIN_PRODUCT_FLOPS
         and 2 * experts * rows * inner * cols >= ONEDNN_MIN_BATCH_FLOPS
         and a.stride(2) == 1
         and (b.stride(1), b.stride(2)) in ((cols, 1), (1, inner))
+        and (bias is None or (bias.shape == (experts, cols) and bias.dtype == torch.float32))
         and onednn_applies(a, b)
-        and (bias is None or bias.dtype == torch.float32)
         and not needs_grad(bias)
         and not transforms_active()
         and not torch.is_autocast_enabled("cpu")
+        and onednn_outruns_mkl()
     ):
         return torch.stack([onednn_linear(a[e], b[e], None if bias is None else bias[e]) for e in range(experts)])
     return torch.bmm(a, b) if bias is None else torch.baddbmm(bias.unsqueeze(1), a, b)
@@ -124,4 +149,5 @@ def onednn_linear(
     ``activation`` is None, "gelu", "gelu_tanh" or "relu". Only where :func:`onednn_applies`.
     """
     attr, algorithm = ONEDNN_ACTIVATIONS[activation]
+    bias = None if bias is None else bias.contiguous()  # oneDNN reads the bias as a dense vector
     return torch.ops.mkldnn._linear_pointwise(x, weight.t(), bias, attr, [], algorithm)
