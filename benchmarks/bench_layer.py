@@ -11,10 +11,10 @@ Every (``--isa``, ``--allocator``) pair runs in a fresh process of its own, one 
 softmoe's kernels and torch's MKL, oneDNN and ATen kernels to AVX2, so an AVX-512 host times what an AVX2 host
 runs; ``tuned`` calls ``softmoe.runtime.tune_cpu_allocator()`` first, ``default`` leaves glibc as it comes); a
 summary puts them side by side and holds the ViT-S forward+backward of the default allocator to within 1.1x of the
-tuned one, each as a multiple of its own process's roofline (on a shared host the memory bandwidth can differ by 1.5x
-between two processes a minute apart; the time ratio is printed too). In each process, for every shape, it times the forward pass (under ``torch.no_grad``) and
-forward+backward (``out.backward(grad)`` with ``x`` requiring grad and all gradients reset to None before each
-step) of:
+tuned one, each as a multiple of its own process's roofline (on a shared host the memory bandwidth can differ by
+1.5x between two processes a minute apart; the time ratio is printed too). In each process, for every shape, it
+times the forward pass (under ``torch.no_grad``) and forward+backward (``out.backward(grad)`` with ``x`` requiring
+grad and all gradients reset to None before each step) of:
 
 - ``softmoe.SoftMoE`` itself;
 - the published peers installed (``make peers``; ``benchmarks/peers.py``) at the same shape: soft-moe-pytorch and

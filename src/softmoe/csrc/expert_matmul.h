@@ -254,10 +254,10 @@ static void nn_item(const job_t *j, long e, long begin, long end)
                    (past the last panel, the next expert's weight: a prefetch past the end is only a hint). Through a
                    wide one that tile would come megabytes later, evicted before use: there the columns
                    WIDE_AHEAD_COLS further on in the order the tiles run (this panel, else the next panel's first
-                   columns, else the next block's first panel), so that each weight row is streamed in order. One tile ahead
-                   (48 columns with AVX-512, 24 with AVX2) left the loads too little time on an AMD EPYC Zen 5:
-                   8 rows through 128 weights of 384 x 1536 ran at 32 GB/s (AVX2: 23), 96 columns ahead at 48 (34),
-                   as fast as the narrow 1536 x 384 weights. */
+                   columns, else the next block's first panel), so that each weight row is streamed in order. One
+                   tile ahead (48 columns with AVX-512, 24 with AVX2) left the loads too little time on an AMD EPYC
+                   Zen 5: 8 rows through 128 weights of 384 x 1536 ran at 32 GB/s (AVX2: 23), 96 columns ahead at
+                   48 (34), as fast as the narrow 1536 x 384 weights. */
                 const long next = c + V * LANES, far = c + WIDE_AHEAD_COLS;
                 const float *ahead = near ? w + (k0 + kn) * N + c
                                    : far < b1 ? w + k0 * N + far
