@@ -14,12 +14,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import ref_activation
+from reference import kernels_called, ref_activation
 from torch import nn
 
 from softmoe import MLPExperts, Routing, SoftMoE, StackedExperts
 from softmoe.kernels import native_available
-from softmoe.layer import soft_moe_logits, soft_moe_reference
+from softmoe.layer import l2_normalize, rms_norm_logits, soft_moe_logits, soft_moe_reference
 
 F64 = torch.float64
 EPS = 1e-6
@@ -507,6 +507,54 @@ def test_gradcheck(path, normalize):
         return fn(x, *full)
 
     assert torch.autograd.gradcheck(fn_router, tuple(params[i] for i in router), eps=1e-6, atol=1e-6)
+
+
+def test_rms_norm_logits_equal_the_router_logits_with_their_gradients():
+    """CUDA's form of the "router" logits (two RMS norms, eps 1e-6 / dim) against (x / |x|) (scale * phi / |phi|)
+    written out, in float64: a zero token, and a token and a column so small that the epsilon weighs (a wrong
+    epsilon moves them by 1e-3 or more); first and second derivatives."""
+    torch.manual_seed(4)
+    x = torch.randn(2, 3, 6, dtype=F64)
+    x[0, 1] = 0.0
+    x[1, 0] *= 1e-3
+    phi = torch.randn(6, 5, dtype=F64)
+    phi[:, 2] *= 1e-3
+    scale = torch.tensor(1.3, dtype=F64)
+    want = l2_normalize(x, dim=-1) @ (l2_normalize(phi, dim=0) * scale)
+    got = rms_norm_logits(x, phi, scale)
+    assert (got - want).abs().max().item() < 1e-13
+    args = tuple(t.clone().requires_grad_() for t in (x, phi, scale))
+    assert torch.autograd.gradcheck(rms_norm_logits, args, eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradgradcheck(rms_norm_logits, args, eps=1e-6, atol=1e-6)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_router_logits_on_cuda_take_the_fused_rms_norm(dtype):
+    """On CUDA the "router" logits run as torch's fused RMS norm (one kernel per normalization) and equal the
+    float64 logits of the same (rounded) inputs, gradients included; a float64 CUDA second derivative checks out
+    too. (The scale's gradient sums terms of both signs: rounding the inputs to bf16 alone moves it by 15%.)"""
+    torch.manual_seed(5)
+    x64, phi64 = torch.randn(4, 7, 16, dtype=F64), torch.randn(16, 6, dtype=F64)
+    scale64 = torch.tensor(0.8, dtype=F64)
+    x64, phi64, scale64 = (t.to(dtype).double() for t in (x64, phi64, scale64))
+    leaves64 = [t.clone().requires_grad_() for t in (x64, phi64, scale64)]
+    want = soft_moe_logits(*leaves64)
+    grad = torch.randn(want.shape, dtype=F64)
+    want_grads = torch.autograd.grad(want, leaves64, grad)
+    leaves = [t.to("cuda", dtype).requires_grad_() for t in (x64, phi64, scale64)]
+    assert "aten::_fused_rms_norm" in kernels_called(lambda: soft_moe_logits(*leaves))
+    got = soft_moe_logits(*leaves)
+    assert got.dtype == torch.float32
+    got_grads = torch.autograd.grad(got, leaves, grad.to("cuda", torch.float32))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for g, w in zip((got, *got_grads), (want, *want_grads), strict=True):
+        assert ((g.double().cpu() - w).abs().max() / w.abs().max()).item() < tolerance
+    cuda64 = tuple(t.detach().to("cuda").requires_grad_() for t in leaves64)
+    assert torch.autograd.gradgradcheck(soft_moe_logits, cuda64, eps=1e-6, atol=1e-6)
 
 
 def test_normalized_logits_backward_with_a_zero_token_and_under_torch_func():
