@@ -6,6 +6,7 @@ Usage (on a machine with a CUDA device)::
     python benchmarks/bench_gpu.py                  # every table (a few minutes)
     python benchmarks/bench_gpu.py --quick          # fewer shapes and repeats
     python benchmarks/bench_gpu.py --json gpu.json  # also write the results as JSON
+    python benchmarks/bench_gpu.py --compile        # also the layer and the dense MLP compiled with CUDA graphs
 
 Layer table: for every shape and dtype, the forward (under ``torch.no_grad``) and forward+backward (``x`` requiring
 grad, gradients reset to None before each step) of ``softmoe.SoftMoE`` (backend "auto", which is "slots" on CUDA),
@@ -16,6 +17,11 @@ the layer's rate and its multiple of the roofline max(FLOPs / matmul peak, bytes
 (8192^3 matmul in the row's dtype) and bandwidth (1 GiB copy, read+write bytes) measured in this run, and the time
 ratios layer / dense and layer / best MLP peer.
 
+With ``--compile`` the layer and the dense MLP are also timed compiled (``torch.compile(fullgraph=True,
+mode="reduce-overhead")``: CUDA graphs, so a call is one graph launch instead of one launch per kernel) in the
+same rounds, and the table adds their times and the compiled layer / compiled dense ratio. A contender that fails
+to compile is reported, not timed.
+
 Selection table: a forward of the same layer under ``softmoe.select_experts(k)`` (Algorithm 1, ``strategy=
 "combine"``) for k = n, n/2, n/4, n/8 against the plain forward (every expert in one batched matmul); k = n also
 runs through the selection path. Both eager and compiled (``torch.compile(fullgraph=True)``, in bf16 with
@@ -24,8 +30,9 @@ multiples of 8 the kept experts run through torch's grouped GEMM with no host sy
 (``softmoe.kernels.grouped_mm``); elsewhere one product per expert.
 
 Shapes: the paper's MNIST layer (batch 256, 4 tokens, dim 196, n = 2 ... 512, hidden round(784 / n), relu) and a
-ViT-S/16 Soft MoE layer (196 tokens, dim 384, 128 experts, hidden 1536, gelu) at batch 8 (as on the CPU) and 128.
-Table 3 on a GPU is ``benchmarks/bench_latency.py --device cuda --dtype bfloat16``.
+ViT-S/16 Soft MoE layer (196 tokens, dim 384, 128 experts, hidden 1536, gelu) at batch 8 (as on the CPU) and 128;
+``--experts`` and ``--vit-batches`` pick others. Table 3 on a GPU is
+``benchmarks/bench_latency.py --device cuda --dtype bfloat16``.
 """
 
 from __future__ import annotations
@@ -50,9 +57,10 @@ from softmoe.kernels.grouped_mm import uses_grouped_gemm  # noqa: E402
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def timed_modules(shape: Shape, dtype: torch.dtype, device: torch.device) -> tuple[dict, dict, softmoe.SoftMoE]:
-    """({name: (forward, forward+backward)} for the layer, the dense MLP and the peers; {peer: why missing};
-    the layer)."""
+def timed_modules(shape: Shape, dtype: torch.dtype, device: torch.device, compile_graphs: bool
+                  ) -> tuple[dict, dict, softmoe.SoftMoE]:
+    """({name: (forward, forward+backward)} for the layer, the dense MLP, the peers and, with ``compile_graphs``,
+    the layer and the dense MLP compiled with CUDA graphs; {contender: why it is not timed}; the layer)."""
     torch.manual_seed(0)
     layer = softmoe.SoftMoE(shape.dim, shape.experts, shape.slots, expert_hidden=shape.hidden,
                             activation=shape.activation)
@@ -65,11 +73,24 @@ def timed_modules(shape: Shape, dtype: torch.dtype, device: torch.device) -> tup
     for name, module in modules.items():
         module.to(device=device, dtype=dtype)
         fns[name] = step_fns(module, list(module.parameters()), x, grad)
+    for name in ("layer", "dense") if compile_graphs else ():
+        module = modules[name]
+        compiled = torch.compile(module, fullgraph=True, mode="reduce-overhead")
+        steps = step_fns(compiled, list(module.parameters()), x, grad)
+        try:
+            for step in steps * 3:  # compiles both graphs and records them (CUDA graphs record on a later call)
+                step()
+        except Exception as error:  # noqa: BLE001 - a benchmark reports a contender that cannot run
+            where = f"{name} compiled ({shape.name} b{shape.batch}, {dtype})"
+            missing[where] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            continue
+        fns[f"{name} compiled"] = steps
     return fns, missing, layer
 
 
-def layer_row(shape: Shape, dtype_name: str, device: torch.device, limits: dict, warmup: int, repeats: int) -> dict:
-    fns, missing, layer = timed_modules(shape, DTYPES[dtype_name], device)
+def layer_row(shape: Shape, dtype_name: str, device: torch.device, limits: dict, warmup: int, repeats: int,
+              compile_graphs: bool) -> dict:
+    fns, missing, layer = timed_modules(shape, DTYPES[dtype_name], device, compile_graphs)
     x = torch.randn(shape.batch, shape.tokens, shape.dim, device=device, dtype=DTYPES[dtype_name])
     fwd = measure_interleaved({k: v[0] for k, v in fns.items()}, warmup, repeats, device=device)
     fwdbwd = measure_interleaved({k: v[1] for k, v in fns.items()}, warmup, repeats, device=device)
@@ -89,6 +110,8 @@ def layer_row(shape: Shape, dtype_name: str, device: torch.device, limits: dict,
         row[f"{pass_name}_vs_dense"] = times["layer"] / times["dense"]
         mlp_peers = [times[p] for p in MLP_PEERS if p in times]
         row[f"{pass_name}_vs_best_peer"] = times["layer"] / min(mlp_peers) if mlp_peers else None
+        both = "layer compiled" in times and "dense compiled" in times
+        row[f"{pass_name}_compiled_vs_dense"] = times["layer compiled"] / times["dense compiled"] if both else None
     return row
 
 
@@ -138,13 +161,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="a CUDA device (default: cuda)")
     parser.add_argument("--tables", nargs="+", choices=["layer", "selection"], default=["layer", "selection"])
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    parser.add_argument("--experts", type=int, nargs="+", metavar="N",
+                        help="the MNIST layer's expert counts (default 2 ... 512; --quick: 2, 8, 32, 128, 512)")
+    parser.add_argument("--vit-batches", type=int, nargs="*", default=[8, 128], metavar="B",
+                        help="batch sizes of the ViT-S/16 layer (default 8 128; none: leave it out)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time the layer and the dense MLP compiled with CUDA graphs (mode reduce-overhead)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type != "cuda" or not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this benchmark needs a CUDA device and torch sees none")
     warmup, repeats = (3, 10) if args.quick else (5, 30)
-    ns = [2, 8, 32, 128, 512] if args.quick else [2, 4, 8, 16, 32, 64, 128, 256, 512]
-    shapes = [*mnist_shapes(ns), VIT_S, dataclasses.replace(VIT_S, batch=128)]
+    ns = args.experts or ([2, 8, 32, 128, 512] if args.quick else [2, 4, 8, 16, 32, 64, 128, 256, 512])
+    vits = [dataclasses.replace(VIT_S, batch=batch) for batch in args.vit_batches]
+    shapes = [*mnist_shapes(ns), *vits]
     env = environment()
     gpu = torch.cuda.get_device_name(device)
     limits = {name: machine_limits(repeats=10, matmul_size=8192, copy_bytes=2**30, device=device, dtype=dtype)
@@ -159,29 +189,34 @@ def main(argv: list[str] | None = None) -> int:
     table, missing = [], {}
     for dtype_name in args.dtypes if "layer" in args.tables else ():
         for shape in shapes:
-            row = layer_row(shape, dtype_name, device, limits[dtype_name], warmup, repeats)
+            row = layer_row(shape, dtype_name, device, limits[dtype_name], warmup, repeats, args.compile)
             results["layer"].append(row)
-            peers = "; ".join(f"{k} {v:.2f}" for k, v in row["fwd_ms"].items() if k not in ("layer", "dense"))
-            peers_bwd = "; ".join(f"{k} {v:.2f}" for k, v in row["fwdbwd_ms"].items() if k not in ("layer", "dense"))
+            ours = ("layer", "dense", "layer compiled", "dense compiled")
+            peers = "; ".join(f"{k} {v:.2f}" for k, v in row["fwd_ms"].items() if k not in ours)
+            peers_bwd = "; ".join(f"{k} {v:.2f}" for k, v in row["fwdbwd_ms"].items() if k not in ours)
+            compiled = [f"{fmt(row[f'{p}_ms'].get('layer compiled'), '.3f')} / "
+                        f"{fmt(row[f'{p}_compiled_vs_dense'])}" for p in ("fwd", "fwdbwd")] if args.compile else []
             table.append([
                 f"{shape.name} b{shape.batch}", shape.experts, shape.hidden, dtype_name, row["backend"],
                 f"{row['fwd_ms']['layer']:.3f}", f"{row['fwdbwd_ms']['layer']:.3f}", f"{row['fwd_tflops']:.1f}",
                 f"{row['fwd_x_roofline']:.1f} / {row['fwdbwd_x_roofline']:.1f}",
                 f"{row['fwd_vs_dense']:.2f} / {row['fwdbwd_vs_dense']:.2f}",
                 f"{fmt(row['fwd_vs_best_peer'])} / {fmt(row['fwdbwd_vs_best_peer'])}",
-                peers or "none installed", peers_bwd or "–",
+                *compiled, peers or "none installed", peers_bwd or "–",
             ])
-            missing = row["peers_missing"]
+            missing |= row["peers_missing"]
     if table:
         print_table(["shape", "n", "h", "dtype", "backend", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s",
                      "x roofline fwd / fwd+bwd", "layer/dense fwd / fwd+bwd", "layer/best MLP peer fwd / fwd+bwd",
-                     "peers fwd ms", "peers fwd+bwd ms"], table, align="lrrllrrrrrrll")
+                     *(["compiled fwd ms / vs compiled dense", "compiled fwd+bwd ms / vs compiled dense"]
+                       if args.compile else []),
+                     "peers fwd ms", "peers fwd+bwd ms"], table, align="lrrllrrrrrr" + "rr" * args.compile + "ll")
     if missing:
-        print("peers not timed: " + "; ".join(f"{k}: {v}" for k, v in missing.items()))
+        print("not timed: " + "; ".join(f"{k}: {v}" for k, v in missing.items()))
 
     table = []
     for dtype_name in args.dtypes if "selection" in args.tables else ():
-        for shape in (VIT_S, dataclasses.replace(VIT_S, batch=128)):
+        for shape in vits:
             for row in selection_rows(shape, dtype_name, device, warmup, repeats):
                 results["selection"].append(row)
                 table.append([f"{shape.name} b{shape.batch}", dtype_name, row["k"]] + [

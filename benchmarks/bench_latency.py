@@ -16,6 +16,7 @@ FLOP/s and bandwidth measured in this run.
     python benchmarks/bench_latency.py --isa avx512,avx2     # one fresh process per instruction set
     python benchmarks/bench_latency.py --sweep --preset small   # one layer, every k < n at batch 1, 4, 16, 100,
                                                                 # each plan forced too (is the cost model right?)
+    python benchmarks/bench_latency.py --sweep --device cuda --dtype bfloat16   # the same on a GPU (eager)
 
 On a GPU the limits are a bf16 or fp32 8192^3 matmul and a 1 GiB copy, and the header names the GPU. On the CPU
 ``--isa`` (default: the host's best) and ``--allocator`` (default: tuned, as the training CLI runs) choose the
@@ -68,16 +69,16 @@ SWEEP_BATCHES = (1, 4, 16, 100)
 SLOWER_TOLERANCE = 0.03
 
 
-def sweep(preset: dict, repeats: int, warmup: int) -> dict:
+def sweep(preset: dict, repeats: int, warmup: int, device: torch.device, dtype: torch.dtype) -> dict:
     """One layer of the stack: Algorithm 1 (plan "auto") at every k < n against every expert, at SWEEP_BATCHES;
     each plan forced ("selected", "dense") is timed in the same rounds, to check the cost model's choice."""
     torch.manual_seed(0)
-    with torch.no_grad():
-        layer = MoEStack(preset["hidden"]).layers[0].eval()
+    with torch.no_grad(), device:
+        layer = MoEStack(preset["hidden"], layers=1).layers[0].eval().to(dtype=dtype)
     results, rows, forced_rows, slower, mischosen = {}, [], [], [], []
     ks = range(1, EXPERTS)
     for batch in SWEEP_BATCHES:
-        x = torch.randn(batch, TOKENS, DIM)
+        x = torch.randn(batch, TOKENS, DIM, device=device, dtype=dtype)
 
         def timed(k: int | None, plan: str = "auto"):
             def run() -> None:
@@ -89,7 +90,7 @@ def sweep(preset: dict, repeats: int, warmup: int) -> dict:
 
         configs = {"all": timed(None)} | {f"{k} {plan}": timed(k, plan) for k in ks
                                           for plan in ("auto", "selected", "dense")}
-        stats = measure_interleaved(configs, warmup=warmup, repeats=repeats)
+        stats = measure_interleaved(configs, warmup=warmup, repeats=repeats, device=device)
         with torch.no_grad():
             combine = layer.route(x).combine
         plans = {}
@@ -143,6 +144,8 @@ def main() -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
+    if args.sweep and args.compile:
+        parser.error("--sweep times eager calls only; leave out --compile")
     try:
         settings = process_settings(args)
     except ValueError as error:
@@ -158,9 +161,11 @@ def main() -> None:
     allocator = apply_allocator(args.allocator) if device.type == "cpu" else "allocator: CUDA's"
     if args.sweep:
         env = environment()
+        where = env["cpu"] if device.type == "cpu" else f"{torch.cuda.get_device_name(device)} (host {env['cpu']})"
         print(f"# Algorithm 1 against every expert, one layer of Table 3's stack (hidden {preset['hidden']}), "
-              f"{env['cpu']} | {env['isa']} | {env['torch_threads']} threads | {env['date']} | {allocator}")
-        results = {"environment": env, "preset": args.preset, "sweep": sweep(preset, repeats, warmup)}
+              f"{where} | {env['isa']} | {env['torch_threads']} threads | {args.dtype} | {env['date']} | {allocator}")
+        results = {"environment": env | {"device": str(device), "dtype": args.dtype}, "preset": args.preset,
+                   "sweep": sweep(preset, repeats, warmup, device, dtype)}
         if args.child_json or args.json:
             write_json(args.child_json or args.json, results)
         return

@@ -33,12 +33,13 @@ TARGET_SPEEDUP = {1: 3.0, 100: 2.5}
 
 class MoEStack(nn.Module):
     """The 6 Soft MoE layers of the model (197 tokens of dim 768, 8 experts, one slot each, gelu_tanh experts),
-    each applied with a residual connection: (batch, 197, 768) -> same."""
+    each applied with a residual connection: (batch, 197, 768) -> same. ``layers``: fewer of them (one for a
+    per-layer measurement)."""
 
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, hidden: int, layers: int = LAYERS) -> None:
         super().__init__()
         self.layers = nn.ModuleList(
-            SoftMoE(DIM, EXPERTS, expert_hidden=hidden, activation="gelu_tanh") for _ in range(LAYERS)
+            SoftMoE(DIM, EXPERTS, expert_hidden=hidden, activation="gelu_tanh") for _ in range(layers)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
