@@ -81,8 +81,8 @@ def timed_modules(shape: Shape, dtype: torch.dtype, device: torch.device, compil
             for step in steps * 3:  # compiles both graphs and records them (CUDA graphs record on a later call)
                 step()
         except Exception as error:  # noqa: BLE001 - a benchmark reports a contender that cannot run
-            where = f"{name} compiled ({shape.name} b{shape.batch}, {dtype})"
-            missing[where] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            where, first_line = f"{name} compiled ({shape.name} b{shape.batch}, {dtype})", str(error).partition("\n")[0]
+            missing[where] = f"{type(error).__name__}: {first_line[:200]}"
             continue
         fns[f"{name} compiled"] = steps
     return fns, missing, layer
@@ -103,7 +103,7 @@ def layer_row(shape: Shape, dtype_name: str, device: torch.device, limits: dict,
         "fwdbwd_x_roofline": fwdbwd["layer"]["median"]
         / roofline_seconds(3 * flops, layer_bytes(shape, layer, True), limits),
         "fwd_tflops": flops / fwd["layer"]["median"] / 1e12,
-        "peers_missing": missing,
+        "not_timed": missing,
     }
     for pass_name in ("fwd", "fwdbwd"):
         times = row[f"{pass_name}_ms"]
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{fmt(row['fwd_vs_best_peer'])} / {fmt(row['fwdbwd_vs_best_peer'])}",
                 *compiled, peers or "none installed", peers_bwd or "–",
             ])
-            missing |= row["peers_missing"]
+            missing |= row["not_timed"]
     if table:
         print_table(["shape", "n", "h", "dtype", "backend", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s",
                      "x roofline fwd / fwd+bwd", "layer/dense fwd / fwd+bwd", "layer/best MLP peer fwd / fwd+bwd",

@@ -12,12 +12,17 @@
 # The published peers are timed where they import (``make peers``, or a folder of them on PYTHONPATH).
 # softmoe's native CPU kernels are not built (SOFTMOE_NATIVE=0): nothing here runs them.
 set -u
-out=${1:?usage: gpu_check.sh OUT_DIR [BUDGET_SECONDS] [STEP ...]}
+usage="usage: gpu_check.sh OUT_DIR [BUDGET_SECONDS] [STEP ...]"
+out=${1:?$usage}
 budget=${2:-480}
+if ! [[ $budget =~ ^[0-9]+$ ]]; then
+    echo "gpu_check.sh: BUDGET_SECONDS must be a whole number, got '$budget'; $usage" >&2
+    exit 2
+fi
 shift $(( $# >= 2 ? 2 : 1 ))
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(tests t3-bf16 t3-fp32 sweep-bf16 layer-bf16 layer-fp32 selection-bf16)
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd) || { echo "gpu_check.sh: cannot write to $1" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 SOFTMOE_NATIVE=0
 py=${PYTHON:-python3}
@@ -33,7 +38,7 @@ step() {
     fi
     (( limit > left )) && limit=$left
     local start=$SECONDS
-    timeout "$limit" "$@" >"$out/$name.txt" 2>&1
+    timeout -k 10 "$limit" "$@" >"$out/$name.txt" 2>&1
     local rc=$?
     echo "$name: exit $rc after $(( SECONDS - start )) s (limit $limit s)" | tee -a "$summary"
     tail -n 30 "$out/$name.txt"

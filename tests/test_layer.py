@@ -509,10 +509,10 @@ def test_gradcheck(path, normalize):
     assert torch.autograd.gradcheck(fn_router, tuple(params[i] for i in router), eps=1e-6, atol=1e-6)
 
 
-def test_rms_norm_logits_equal_the_router_logits_with_their_gradients():
-    """CUDA's form of the "router" logits (two RMS norms, eps 1e-6 / dim) against (x / |x|) (scale * phi / |phi|)
-    written out, in float64: a zero token, and a token and a column so small that the epsilon weighs (a wrong
-    epsilon moves them by 1e-3 or more); first and second derivatives."""
+def small_norm_logits_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 x (2, 3, 6), phi (6, 5), scale and their "router" logits (x / |x|) (scale * phi / |phi|) written out:
+    a zero token, and a token and a column so small that the epsilon weighs (a wrong epsilon moves them by 1e-3 or
+    more)."""
     torch.manual_seed(4)
     x = torch.randn(2, 3, 6, dtype=F64)
     x[0, 1] = 0.0
@@ -520,7 +520,13 @@ def test_rms_norm_logits_equal_the_router_logits_with_their_gradients():
     phi = torch.randn(6, 5, dtype=F64)
     phi[:, 2] *= 1e-3
     scale = torch.tensor(1.3, dtype=F64)
-    want = l2_normalize(x, dim=-1) @ (l2_normalize(phi, dim=0) * scale)
+    return x, phi, scale, l2_normalize(x, dim=-1) @ (l2_normalize(phi, dim=0) * scale)
+
+
+def test_rms_norm_logits_equal_the_router_logits_with_their_gradients():
+    """CUDA's form of the "router" logits (two RMS norms, eps 1e-6 / dim) against the logits written out, in
+    float64 (:func:`small_norm_logits_case`); first and second derivatives."""
+    x, phi, scale, want = small_norm_logits_case()
     got = rms_norm_logits(x, phi, scale)
     assert (got - want).abs().max().item() < 1e-13
     args = tuple(t.clone().requires_grad_() for t in (x, phi, scale))
@@ -535,8 +541,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_router_logits_on_cuda_take_the_fused_rms_norm(dtype):
     """On CUDA the "router" logits run as torch's fused RMS norm (one kernel per normalization) and equal the
-    float64 logits of the same (rounded) inputs, gradients included; a float64 CUDA second derivative checks out
-    too. (The scale's gradient sums terms of both signs: rounding the inputs to bf16 alone moves it by 15%.)"""
+    float64 logits of the same (rounded) inputs, gradients included; in float64 on CUDA they equal the small-norm
+    case's logits and their second derivative checks out. (The scale's gradient sums terms of both signs: rounding
+    the inputs to bf16 alone moves it by 15%.)"""
     torch.manual_seed(5)
     x64, phi64 = torch.randn(4, 7, 16, dtype=F64), torch.randn(16, 6, dtype=F64)
     scale64 = torch.tensor(0.8, dtype=F64)
@@ -550,9 +557,11 @@ def test_router_logits_on_cuda_take_the_fused_rms_norm(dtype):
     got = soft_moe_logits(*leaves)
     assert got.dtype == torch.float32
     got_grads = torch.autograd.grad(got, leaves, grad.to("cuda", torch.float32))
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    for g, w in zip((got, *got_grads), (want, *want_grads), strict=True):
+    gradient_tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 gradients are rounded to bf16
+    for g, w, tolerance in zip((got, *got_grads), (want, *want_grads), (1e-5, *[gradient_tolerance] * 3), strict=True):
         assert ((g.double().cpu() - w).abs().max() / w.abs().max()).item() < tolerance
+    *small, small_want = small_norm_logits_case()
+    assert (soft_moe_logits(*(t.cuda() for t in small)).cpu() - small_want).abs().max().item() < 1e-12
     cuda64 = tuple(t.detach().to("cuda").requires_grad_() for t in leaves64)
     assert torch.autograd.gradgradcheck(soft_moe_logits, cuda64, eps=1e-6, atol=1e-6)
 

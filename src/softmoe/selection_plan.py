@@ -31,7 +31,8 @@ selected plan's launches and host work cost more than the skipped products at ev
 docs/performance.md), so eager CUDA runs the dense plan; under torch.compile (CUDA graphs, bf16 grouped GEMM) the
 selected plan is taken with a row overhead of 256 (and no floor) where it costs at most 0.4x the dense one: Table 3's
 stack at batch 1 ran the selected plan 1.16-1.23x as fast as all experts at k = 2 (cost ratio 0.25) but 0.93-1.00x
-at k = 4 (ratio 0.5), where the dense plan ran 0.98x (H100, two sessions).
+at k = 4 (ratio 0.5), no better than the dense plan ran at k = 6 (0.98x; H100, two sessions); k = 3 (ratio 0.375)
+was not measured, and on an H200 the selected plan lost at k = 2 too (0.91x).
 """
 
 from __future__ import annotations

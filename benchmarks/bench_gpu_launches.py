@@ -1,0 +1,113 @@
+"""Eager Soft MoE calls on a CUDA GPU are bound by the host's kernel launches: count them and time the router.
+
+Usage (on a machine with a CUDA device)::
+
+    python benchmarks/bench_gpu_launches.py
+
+Table 1: for the paper's MNIST layer at n = 8 (batch 256, 4 tokens, dim 196, hidden 98, relu) in fp32 and bf16, the
+CUDA kernels one eager call launches (torch profiler) and the time per call (200 calls after 10 warm-up ones, one
+device synchronization at the end), for the forward, the forward+backward and Algorithm 1 at k = 2 (forward).
+
+Table 2: the layer's time with the router's logits computed by the general path (the column norms of phi and the
+token norms as separate ops, ``softmoe.layer._NormalizedTokenLogits``) against CUDA's path (two fused RMS norms,
+``softmoe.layer.rms_norm_logits``), in the same process: 5 interleaved rounds of 50 calls each, median per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import softmoe
+import softmoe.layer as layer_module
+
+
+def cuda_kernels(fn) -> int:
+    """The number of CUDA kernels (and copies) one call of ``fn`` launches, after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def microseconds_per_call(fn, calls: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def general_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The router's logits as the general path computes them (the CPU's torch path)."""
+    phi = layer_module.l2_normalize(phi, dim=0) * scale
+    if torch.is_grad_enabled() and (x.requires_grad or phi.requires_grad):
+        return layer_module._NormalizedTokenLogits.apply(x, phi)
+    return layer_module._NormalizedTokenLogits.forward(x, phi)
+
+
+def calls(layer: softmoe.SoftMoE, x: torch.Tensor) -> dict:
+    """{name: fn} for the forward and the forward+backward of ``layer`` on ``x``."""
+    x_grad = x.clone().requires_grad_(True)
+
+    def forward() -> None:
+        with torch.no_grad():
+            layer(x)
+
+    def forward_backward() -> None:
+        layer(x_grad).float().sum().backward()
+
+    return {"fwd": forward, "fwd+bwd": forward_backward}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA device and torch sees none")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    for name, dtype in dtypes.items():
+        torch.manual_seed(0)
+        layer = softmoe.SoftMoE(196, 8, 1, expert_hidden=98, activation="relu").to("cuda", dtype)
+        x = torch.randn(256, 4, 196, device="cuda", dtype=dtype)
+
+        def algorithm1() -> None:
+            with torch.no_grad(), softmoe.select_experts(layer, k=2):
+                layer(x)
+
+        for call_name, fn in (calls(layer, x) | {"Algorithm 1 k=2 fwd": algorithm1}).items():
+            print(f"MNIST n=8 {name} {call_name}: {cuda_kernels(fn)} kernels, {microseconds_per_call(fn):.0f} us/call")
+    shapes = {"MNIST n=8 b256": (256, 4, 196, 8, 98), "ViT-S b128": (128, 196, 384, 128, 1536)}
+    fused = layer_module.rms_norm_logits
+    try:
+        for label, (batch, tokens, dim, experts, hidden) in shapes.items():
+            for name, dtype in dtypes.items():
+                torch.manual_seed(0)
+                layer = softmoe.SoftMoE(dim, experts, 1, expert_hidden=hidden, activation="relu").to("cuda", dtype)
+                x = torch.randn(batch, tokens, dim, device="cuda", dtype=dtype)
+                for call_name, fn in calls(layer, x).items():
+                    times = {"general": [], "fused": []}
+                    for _ in range(5):
+                        for path, logits in (("general", general_logits), ("fused", fused)):
+                            layer_module.rms_norm_logits = logits  # the name soft_moe_logits calls on CUDA
+                            times[path].append(microseconds_per_call(fn, 50))
+                    general, rms = (sorted(times[path])[2] for path in ("general", "fused"))
+                    print(f"{label} {name} {call_name}: general {general:.0f} us, fused RMS norms {rms:.0f} us, "
+                          f"{general / rms:.2f}x")
+    finally:
+        layer_module.rms_norm_logits = fused
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
