@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from reference import kernels_called, ref_activation
 from torch import nn
 
-from softmoe import MLPExperts, Routing, SoftMoE, StackedExperts
+import softmoe.layer as layer_module
+from softmoe import MLPExperts, Routing, SoftMoE, StackedExperts, select_experts
 from softmoe.kernels import native_available
 from softmoe.layer import l2_normalize, rms_norm_logits, soft_moe_logits, soft_moe_reference
 
@@ -532,6 +533,33 @@ def test_rms_norm_logits_equal_the_router_logits_with_their_gradients():
     args = tuple(t.clone().requires_grad_() for t in (x, phi, scale))
     assert torch.autograd.gradcheck(rms_norm_logits, args, eps=1e-6, atol=1e-6)
     assert torch.autograd.gradgradcheck(rms_norm_logits, args, eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["reference", "slots", "tokens"])
+def test_the_layer_with_cudas_logits_equals_the_layer_with_the_general_ones(monkeypatch, backend):
+    """The whole layer in float64 on the CPU with the logits CUDA computes (``launch_bound`` forced), forward and
+    every gradient, against the same layer with the general logits; Algorithm 1 on top of it too."""
+    torch.manual_seed(6)
+    layer = SoftMoE(12, 4, 2, expert_hidden=10, backend=backend, dtype=F64)
+    x = torch.randn(3, 5, 12, dtype=F64)
+    grad = torch.randn(3, 5, 12, dtype=F64)
+
+    def run() -> list[torch.Tensor]:
+        leaf = x.clone().requires_grad_()
+        out = layer(leaf)
+        grads = torch.autograd.grad(out, [leaf, *layer.parameters()], grad)
+        with torch.no_grad(), select_experts(layer, k=2):
+            selected = layer(x)
+        return [out.detach(), *grads, selected]
+
+    want = run()
+    calls, fused = [], layer_module.rms_norm_logits
+    monkeypatch.setattr(layer_module, "launch_bound", lambda tokens: True)
+    monkeypatch.setattr(layer_module, "rms_norm_logits", lambda *args: calls.append(1) or fused(*args))
+    got = run()
+    assert len(calls) == 2  # the forward with its gradients, and Algorithm 1's
+    for g, expected in zip(got, want, strict=True):
+        assert (g - expected).abs().max().item() < 1e-12
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

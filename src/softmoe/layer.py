@@ -101,12 +101,18 @@ def soft_moe_logits(
             return token_product(tokens, phi)
         if normalize == "inputs":
             return token_product(tokens, l2_normalize_outside_eps(phi, dim=0) * scale.to(dtype))
-        if tokens.device.type == "cuda" and not transforms_active():
+        if launch_bound(tokens):
             return rms_norm_logits(tokens, phi, scale.to(dtype))
         phi = l2_normalize(phi, dim=0) * scale.to(dtype)
         if needs_grad(tokens, phi):
             return _NormalizedTokenLogits.apply(tokens, phi)
         return _NormalizedTokenLogits.forward(tokens, phi)
+
+
+def launch_bound(x: torch.Tensor) -> bool:
+    """Whether ops on x are launches of device kernels that the host issues one by one, so that fewer ops beat
+    fewer FLOPs: a CUDA tensor outside torch.func transforms (under torch.compile too, whose kernels fuse them)."""
+    return x.device.type == "cuda" and not transforms_active()
 
 
 def rms_norm_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
