@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from softmoe.kernels.modes import needs_grad, transforms_active
+from softmoe.kernels.modes import needs_grad, plain_eager_mode
 
 # The activations oneDNN can fuse, as (attribute, algorithm) of _linear_pointwise.
 ONEDNN_ACTIVATIONS = {None: ("none", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
@@ -125,7 +125,7 @@ def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None =
     experts, rows, inner = a.shape
     cols = b.shape[2]
     if (
-        not torch.compiler.is_compiling()
+        plain_eager_mode("cpu")
         and 2 * rows * inner * cols >= ONEDNN_MIN_PRODUCT_FLOPS
         and 2 * experts * rows * inner * cols >= ONEDNN_MIN_BATCH_FLOPS
         and a.stride(2) == 1
@@ -133,8 +133,6 @@ def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None =
         and (bias is None or (bias.shape == (experts, cols) and bias.dtype == torch.float32))
         and onednn_applies(a, b)
         and not needs_grad(bias)
-        and not transforms_active()
-        and not torch.is_autocast_enabled("cpu")
         and onednn_outruns_mkl()
     ):
         return torch.stack([onednn_linear(a[e], b[e], None if bias is None else bias[e]) for e in range(experts)])
