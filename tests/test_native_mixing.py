@@ -12,7 +12,7 @@ import softmoe.experts as experts_module
 import softmoe.kernels as kernels
 from softmoe import SoftMoE
 from softmoe.kernels import (
-    MIXING_MAX_HIDDEN,
+    MIXING_MAX_EXPERT_BYTES,
     MIXING_MAX_TOKENS,
     native_mixing_applies,
     soft_moe_mixing,
@@ -53,7 +53,7 @@ def random_inputs(batch, tokens, dim, experts, slots_per_expert, hidden, bias, s
 # largest hidden size served, with full blocks of groups (64 inputs) and a dim with a tail chunk.
 SHAPES = [
     (37, 4, 20, 6, 1, 2),
-    (64, 4, 21, 2, 1, MIXING_MAX_HIDDEN),
+    (64, 4, 21, 2, 1, MIXING_MAX_EXPERT_BYTES // (8 * 21)),
     (16, 4, 33, 5, 2, 8),
     (5, 3, 7, 3, 3, 9),
     (70, MIXING_MAX_TOKENS, 12, 2, 1, 6),
@@ -143,8 +143,10 @@ def test_layer_is_the_same_with_and_without_the_fused_pass(library, monkeypatch)
 
 def test_the_fused_pass_applies_only_where_it_serves(library):
     x = torch.randn(2, 4, 8)
-    assert native_mixing_applies(x, MIXING_MAX_HIDDEN, "relu")
-    assert not native_mixing_applies(x, MIXING_MAX_HIDDEN + 1, "relu")
+    assert native_mixing_applies(x, MIXING_MAX_EXPERT_BYTES // 64, "relu")  # weights of 2 x 8 x hidden floats
+    assert not native_mixing_applies(x, MIXING_MAX_EXPERT_BYTES // 64 + 1, "relu")
+    assert native_mixing_applies(torch.randn(2, 4, 196), 392, "relu")  # the paper's MNIST layer at n = 2
+    assert not native_mixing_applies(torch.randn(2, 4, 768), 256, "relu")  # 1.5 MiB of weights per expert
     assert not native_mixing_applies(x, 4, "gelu")
     assert not native_mixing_applies(torch.randn(2, MIXING_MAX_TOKENS + 1, 8), 4, "relu")
     assert not native_mixing_applies(x.double(), 4, "relu")

@@ -315,15 +315,17 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
 /* ---- backward ----------------------------------------------------------------------------------------------- */
 
 /* Through the second layer and the combine, one block of hidden units: gy = sum_t cs[t] gog[t] (computed and kept
- * in `gy` on the first block, read after), y = (b2 +) sum_kk a[kk] w2[kk], gcs[t] += gog[t] . y over d,
- * gpre[kk] = gy . w2[kk] over d. */
-INLINE void layer2_back_block(vec *RESTRICT gcs, vec *RESTRICT gpre, vec *RESTRICT gy, const vec *RESTRICT gog,
-                              const vec *RESTRICT cs, const vec *RESTRICT a, const float *RESTRICT w2,
-                              const float *RESTRICT b2, long M, long Dm, const int kb, const int first)
+ * in `gy` on the first block, read after), y = (b2 +) sum_kk a[kk] w2[kk] (summed up in `y` block by block),
+ * gpre[kk] = gy . w2[kk] over d, and on the last block gcs[t] = gog[t] . y over d (the output gradients read twice
+ * per slot, not once per block). */
+INLINE void layer2_back_block(vec *RESTRICT gcs, vec *RESTRICT gpre, vec *RESTRICT gy, vec *RESTRICT y,
+                              const vec *RESTRICT gog, const vec *RESTRICT cs, const vec *RESTRICT a,
+                              const float *RESTRICT w2, const float *RESTRICT b2, long M, long Dm, const int kb,
+                              const int first, const int last)
 {
     vec acc[KBLOCK] = {{0}}, av[KBLOCK], csv[MAX_TOKENS], gc[MAX_TOKENS];
     for (int kk = 0; kk < kb; kk++) av[kk] = a[kk];
-    for (long t = 0; t < M; t++) csv[t] = cs[t], gc[t] = gcs[t];
+    for (long t = 0; t < M; t++) csv[t] = cs[t], gc[t] = vec{};
     for (long d = 0; d < Dm; d++) {
         vec g;
         if (first) {
@@ -333,16 +335,20 @@ INLINE void layer2_back_block(vec *RESTRICT gcs, vec *RESTRICT gpre, vec *RESTRI
         } else {
             g = gy[d];
         }
-        vec v = first ? splat(b2 ? b2[d] : 0.0f) : vec{};
+        vec v = first ? splat(b2 ? b2[d] : 0.0f) : y[d];
         for (int kk = 0; kk < kb; kk++) {
             const float w = w2[kk * Dm + d];
             v += av[kk] * w;
             acc[kk] += g * w;
         }
-        for (long t = 0; t < M; t++) gc[t] += gog[t * Dm + d] * v;
+        if (last)
+            for (long t = 0; t < M; t++) gc[t] += gog[t * Dm + d] * v;
+        else
+            y[d] = v;
     }
     for (int kk = 0; kk < kb; kk++) gpre[kk] = acc[kk];
-    for (long t = 0; t < M; t++) gcs[t] = gc[t];
+    if (last)
+        for (long t = 0; t < M; t++) gcs[t] = gc[t];
 }
 
 /* Through the first layer, one block of hidden units: gslot (+)= sum_kk gpre[kk] w1[., kk]; the first block also
@@ -381,9 +387,8 @@ INLINE void backward_slot(vec *RESTRICT gcs, vec *RESTRICT gds, vec *RESTRICT gy
                           const float *RESTRICT w2, const float *RESTRICT b2, long M, long Hd, long Dm)
 {
     for (long k = 0; k < Hd; k++) a[k] = relu(ps[k]);
-    for (long t = 0; t < M; t++) gcs[t] = vec{};
 #define LAYER2(k, kb, first, last)                                                                                    \
-    layer2_back_block(gcs, gpre + (k), gy, gog, cs, a + (k), w2 + (k) * Dm, b2, M, Dm, kb, first)
+    layer2_back_block(gcs, gpre + (k), gy, slot, gog, cs, a + (k), w2 + (k) * Dm, b2, M, Dm, kb, first, last)
     FOR_BLOCKS(Hd, LAYER2)
 #undef LAYER2
     for (long k = 0; k < Hd; k++) gpre[k] *= relu_slope(ps[k]);

@@ -30,12 +30,16 @@ from softmoe.kernels.build import LANES, native_available, native_module, requir
 from softmoe.kernels.modes import transforms_active
 
 # The fused kernel serves inputs of at most MIXING_MAX_TOKENS tokens (their routing weights stay in registers) and
-# experts of at most MIXING_MAX_HIDDEN hidden units. Measured on the reference machine, whole layer fwd+bwd of the
-# paper's MNIST layer (256 x 4 tokens, dim 196), time fused / time of torch's best path: hidden 2 (n = 512) 0.67,
-# 3 (n = 256) 0.64, 6 (n = 128) 0.53, 12 (n = 64) 0.51, 24 (n = 32) 0.57-0.58, 49 (n = 16) 0.70-0.82, 98 (n = 8)
-# 0.86-1.01; hidden 196 (n = 4) 0.99-1.09 and 392 (n = 2) 1.07-1.15: larger experts keep torch's batched matmuls.
+# experts whose two weight matrices (2 dim hidden floats) take at most MIXING_MAX_EXPERT_BYTES: each group of inputs
+# runs through every expert's weights, which must come back from a core's L2 cache. Whole layer, time of the slot
+# backend / time fused, forward and forward+backward (AMD EPYC Zen 5, 1 MB L2 per core, 256 inputs of 4 tokens, same
+# process; AVX-512, then forced AVX2): dim 196 hidden 392 (the paper's n = 2; 614 KB) 1.99x / 1.45x, 1.17x / 0.90x;
+# hidden 196 (n = 4) 1.94x / 1.51x, 1.28x / 1.02x; dim 768 hidden 128 (786 KB) 1.38x / 1.77x, 1.17x / 0.97x; dim 512
+# hidden 256 (1 MiB) 1.34x / 1.19x, 1.08x / 0.87x; dim 384 hidden 512 (1.5 MiB) 1.17x / 0.66x, 1.12x / 0.62x
+# (docs/performance.md). The first build of the kernel (2026-11-22, an AMD EPYC host with AVX2) took 1.07-1.15x the
+# slot backend's time forward+backward at hidden 392.
 MIXING_MAX_TOKENS = 8
-MIXING_MAX_HIDDEN = 128
+MIXING_MAX_EXPERT_BYTES = 1 << 20
 
 
 def _pre_shape(x: Tensor, dispatch: Tensor, weight1: Tensor, isa: str) -> tuple:
@@ -107,14 +111,14 @@ def _(grad, x, dispatch, combine, weight1, weight2, bias2, pre, isa):
 
 def native_mixing_applies(x: Tensor, hidden: int, activation: str) -> bool:
     """Whether :func:`soft_moe_mixing` serves x (batch, tokens, dim) with relu experts of ``hidden`` units: float32
-    CPU, 1..MIXING_MAX_TOKENS tokens, hidden <= MIXING_MAX_HIDDEN, no torch.func transform active (the ops have no
-    vmap rule) and the kernels built. Eager, torch.compile and autocast all qualify."""
+    CPU, 1..MIXING_MAX_TOKENS tokens, an expert's weights (2 dim hidden floats) of at most MIXING_MAX_EXPERT_BYTES,
+    no torch.func transform active (the ops have no vmap rule) and the kernels built. Eager, torch.compile and autocast all qualify."""
     return (
         activation == "relu"
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and 1 <= x.shape[1] <= MIXING_MAX_TOKENS
-        and hidden <= MIXING_MAX_HIDDEN
+        and 8 * x.shape[2] * hidden <= MIXING_MAX_EXPERT_BYTES
         and not transforms_active()
         and native_available()
     )
