@@ -8,6 +8,7 @@ import pytest
 import torch
 from reference import output_and_gradients, relative_error
 
+import softmoe.kernels.onednn as onednn_module
 import softmoe.layer as layer_module
 from softmoe import SoftMoE
 from softmoe.kernels import cpu_isa
@@ -63,6 +64,29 @@ def leaves(*tensors, dtype=None):
 @pytest.mark.parametrize("normalize", NORMALIZATIONS)
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 def test_routing_and_its_gradients_match_float64(isa, shape, normalize, threads):
+    assert_routing_matches_float64(shape, normalize)
+
+
+@pytest.mark.parametrize("onednn", ["0", "1"])
+@pytest.mark.parametrize("normalize", NORMALIZATIONS)
+def test_products_in_onednn_or_mkl_match_float64(library, onednn, normalize, monkeypatch):
+    """Products of 2^24 FLOPs (the least that oneDNN takes) with 256 slots, in each library as SOFTMOE_ONEDNN says:
+    the logits, x's gradient and phi's (whose contraction runs over the rows) all in oneDNN, or none."""
+    monkeypatch.setenv(onednn_module.ONEDNN_ENVIRONMENT, onednn)
+    onednn_module.onednn_outruns_mkl.cache_clear()
+    try:
+        shape = (16, 32, 64, 256)
+        assert 2 * 16 * 32 * 64 * 256 >= onednn_module.ONEDNN_MIN_PRODUCT_FLOPS
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            assert_routing_matches_float64(shape, normalize)
+        ran = sum(event.count for event in prof.key_averages() if event.key == "mkldnn::_linear_pointwise")
+        assert ran == (3 if onednn == "1" and torch.backends.mkldnn.is_available() else 0)
+    finally:
+        onednn_module.onednn_outruns_mkl.cache_clear()
+
+
+def assert_routing_matches_float64(shape, normalize):
+    """The op's outputs and every gradient against torch's routing in float64; dispatch and combine sum to one."""
     x, phi, scale = routing_inputs(shape, normalize, seed=sum(shape))
     upstream = [torch.randn(shape[0], shape[1], shape[3]) for _ in range(3)]
     got_in = leaves(x, phi, scale)

@@ -1,7 +1,7 @@
 /* The elementwise part of the Soft MoE routing, forward and backward, one pass over each input: the kernel source of
  * softmoe::soft_moe_routing and its backward op, compiled once per instruction set by
  * soft_moe_routing_{avx512,avx2,portable}.cpp (see variant.h). bindings.cpp computes the products around it (x phi
- * forward; the gradients of x and phi backward) with torch's matmul.
+ * forward; the gradients of x and phi backward) with torch's matmul or oneDNN's linear.
  *
  * For B inputs of M tokens x[b, t] and S slots, with P = x phi (B, M, S) and, with vmoe's normalization of the
  * tokens ("router"), r[b, t] = rsqrt(|x[b, t]|^2 + 1e-6) (else r = 1):
@@ -72,6 +72,19 @@ static inline void store_n(float *p, vec v, long count)
         store_part(p, v, count);
 }
 
+/* sum over i < n of a[i] b[i] in vectors (the compiler keeps a plain float sum in its order: one element at a time,
+ * each addition waiting for the last) */
+static inline float dot_n(const float *a, const float *b, long n)
+{
+    vec acc = {0};
+    long i = 0;
+    for (; i + LANES <= n; i += LANES) acc += load(a + i) * load(b + i);
+    if (i < n) acc += load_part(a + i, n - i) * load_part(b + i, n - i);
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; l++) sum += acc[l];
+    return sum;
+}
+
 /* out[i * stride] = the softmax of in[i * stride] over i < n, for count <= LANES columns side by side. */
 static void softmax_columns(float *out, const float *in, long n, long stride, long count)
 {
@@ -122,13 +135,7 @@ void soft_moe_routing_forward(float *logits, const float *x, float *dispatch, fl
             float *row = lb + t * S;
             if (router) {
                 const float *xt = x + (b * M + t) * D;
-                vec acc = {0};
-                long d = 0;
-                for (; d + LANES <= D; d += LANES) acc += load(xt + d) * load(xt + d);
-                float ss = 0.0f;
-                for (int i = 0; i < LANES; i++) ss += acc[i];
-                for (; d < D; d++) ss += xt[d] * xt[d];
-                const float rt = 1.0f / __builtin_sqrtf(ss + ROUTING_EPS);
+                const float rt = 1.0f / __builtin_sqrtf(dot_n(xt, xt, D) + ROUTING_EPS);
                 r[b * M + t] = rt;
                 for (long s = 0; s < S; s++) row[s] *= rt;
             } else {
@@ -154,8 +161,7 @@ void soft_moe_routing_backward(const float *gl, const float *gd, const float *gc
         if (gc)
             for (long t = 0; t < M; t++) {
                 const float *c = combine + base + t * S, *gct = gc + base + t * S;
-                float dot = 0.0f;
-                for (long s = 0; s < S; s++) dot += gct[s] * c[s];
+                const float dot = dot_n(gct, c, S);
                 for (long s = 0; s < S; s++) g[t * S + s] += c[s] * (gct[s] - dot);
             }
         if (gd)
@@ -171,9 +177,7 @@ void soft_moe_routing_backward(const float *gl, const float *gd, const float *gc
             }
         for (long t = 0; t < M; t++) {
             const float *l = logits + base + t * S;
-            float dot = 0.0f;
-            for (long s = 0; s < S; s++) dot += g[t * S + s] * l[s];
-            dot_out[b * M + t] = dot;
+            dot_out[b * M + t] = dot_n(g + t * S, l, S);
             if (router)
                 for (long s = 0; s < S; s++) g[t * S + s] *= r[b * M + t];
         }

@@ -111,6 +111,13 @@ ONEDNN_MIN_PRODUCT_FLOPS = 1 << 24
 ONEDNN_MIN_BATCH_FLOPS = 1 << 28
 
 
+def onednn_pays(flops: int) -> bool:
+    """Whether a float32 CPU product of ``flops`` FLOPs that oneDNN may run (the caller checks
+    :func:`onednn_applies` or its equivalent) should: at least ``ONEDNN_MIN_PRODUCT_FLOPS``, and oneDNN faster than
+    MKL on this CPU (:func:`onednn_outruns_mkl`, timed once per process, asked only after the FLOPs)."""
+    return flops >= ONEDNN_MIN_PRODUCT_FLOPS and onednn_outruns_mkl()
+
+
 def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """a (E, M, K) @ b (E, K, N) (+ bias (E, N)) -> (E, M, N), as ``torch.bmm`` / ``torch.baddbmm`` compute it.
 
@@ -126,14 +133,13 @@ def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None =
     cols = b.shape[2]
     if (
         plain_eager_mode("cpu")
-        and 2 * rows * inner * cols >= ONEDNN_MIN_PRODUCT_FLOPS
         and 2 * experts * rows * inner * cols >= ONEDNN_MIN_BATCH_FLOPS
         and a.stride(2) == 1
         and (b.stride(1), b.stride(2)) in ((cols, 1), (1, inner))
         and (bias is None or (bias.shape == (experts, cols) and bias.dtype == torch.float32))
         and onednn_applies(a, b)
         and not needs_grad(bias)
-        and onednn_outruns_mkl()
+        and onednn_pays(2 * rows * inner * cols)
     ):
         return torch.stack([onednn_linear(a[e], b[e], None if bias is None else bias[e]) for e in range(experts)])
     return torch.bmm(a, b) if bias is None else torch.baddbmm(bias.unsqueeze(1), a, b)

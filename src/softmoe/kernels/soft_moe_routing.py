@@ -5,8 +5,9 @@ In torch's ops the routing is some fifteen small ops forward (the norms of phi's
 product, two softmaxes) and twice as many, with as many autograd nodes, backward. Inside a layer call, right after
 the expert products, each op's code and data come back from memory, and with small layers (the paper's MNIST layer:
 256 x 4 tokens of dim 196, 2-512 slots) those fixed costs are most of the routing's time. Here the
-product x phi_n and, backward, the products giving the gradients of x and phi are torch's matmuls; everything else
-is one pass over each input's logits.
+product x phi_n and, backward, the products giving the gradients of x and phi are torch's matmuls (MKL), or
+oneDNN's where :func:`softmoe.kernels.onednn.onednn_pays` (on an AMD EPYC Zen 5 with AVX-512, 128-256 slots: 0.5x
+MKL's time); everything else is one pass over each input's logits.
 
     softmoe::soft_moe_routing(Tensor x, Tensor phi, Tensor? scale, str normalize, str isa)
             -> (Tensor logits, Tensor dispatch, Tensor combine, Tensor r)
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from softmoe.kernels.build import native_available, native_module, required_isa
 from softmoe.kernels.modes import transforms_active
+from softmoe.kernels.onednn import onednn_pays
 
 # The layer's normalize argument -> the kernel's mode (ROUTING_* in bindings.cpp).
 ROUTING_MODES = {"none": 0, "router": 1, "inputs": 2}
@@ -41,8 +43,17 @@ def soft_moe_routing_op(
     x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str, isa: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The routing with the ``isa`` variant of the native kernel: (logits, dispatch, combine, r)."""
-    logits, dispatch, combine, r = native_module().soft_moe_routing(x, phi, scale, ROUTING_MODES[normalize], isa)
+    logits, dispatch, combine, r = native_module().soft_moe_routing(
+        x, phi, scale, ROUTING_MODES[normalize], isa, _products_in_onednn(x, phi)
+    )
     return logits, dispatch, combine, r
+
+
+def _products_in_onednn(x: Tensor, phi: Tensor) -> bool:
+    """Whether the routing's products (the logits x phi_n, backward the gradients of x and phi_n; all of x's rows
+    against phi's columns) run in oneDNN: decided when the op runs, as for softmoe.kernels.batched_matmul."""
+    batch, tokens, dim = x.shape
+    return onednn_pays(2 * batch * tokens * dim * phi.shape[1])
 
 
 @soft_moe_routing_op.register_fake
@@ -101,7 +112,7 @@ def soft_moe_routing_backward_op(
     """The gradients of softmoe::soft_moe_routing's x, phi and scale (see the module docstring)."""
     grad_x, grad_phi, grad_scale = native_module().soft_moe_routing_backward(
         grad_logits, grad_dispatch, grad_combine, x, phi, scale, logits, dispatch, combine, r,
-        ROUTING_MODES[normalize], isa,
+        ROUTING_MODES[normalize], isa, _products_in_onednn(x, phi),
     )
     return grad_x, grad_phi, grad_scale
 
