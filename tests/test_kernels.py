@@ -74,7 +74,7 @@ def test_the_package_exports_what_the_layer_and_experts_import():
 
     names = ["expert_matmul", "soft_moe_mixing", "native_applies", "native_mixing_applies", "onednn_applies",
              "onednn_linear", "needs_grad", "plain_eager_mode", "NATIVE_ACTIVATIONS", "MIXING_MAX_TOKENS",
-             "MIXING_MAX_EXPERT_BYTES", "NATIVE_MIN_ROWS", "NATIVE_MAX_ROWS", "NATIVE_MIN_WEIGHT", "native_available",
+             "MIXING_MAX_WEIGHT_BYTES_PER_LANE", "NATIVE_MIN_ROWS", "NATIVE_MAX_ROWS", "NATIVE_MIN_WEIGHT", "native_available",
              "native_status", "cpu_isa", "use_isa", "supported_isas"]
     missing = [name for name in names if not hasattr(kernels, name)]
     assert missing == []

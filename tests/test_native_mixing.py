@@ -12,11 +12,13 @@ import softmoe.experts as experts_module
 import softmoe.kernels as kernels
 from softmoe import SoftMoE
 from softmoe.kernels import (
-    MIXING_MAX_EXPERT_BYTES,
     MIXING_MAX_TOKENS,
+    MIXING_MAX_WEIGHT_BYTES_PER_LANE,
+    cpu_isa,
     native_mixing_applies,
     soft_moe_mixing,
 )
+from softmoe.kernels.build import LANES
 
 
 def mixing_reference(x, dispatch, combine, w1, b1, w2, b2):
@@ -53,7 +55,7 @@ def random_inputs(batch, tokens, dim, experts, slots_per_expert, hidden, bias, s
 # largest hidden size served, with full blocks of groups (64 inputs) and a dim with a tail chunk.
 SHAPES = [
     (37, 4, 20, 6, 1, 2),
-    (64, 4, 21, 2, 1, MIXING_MAX_EXPERT_BYTES // (8 * 21)),
+    (64, 4, 21, 2, 1, MIXING_MAX_WEIGHT_BYTES_PER_LANE * 16 // (8 * 21)),
     (16, 4, 33, 5, 2, 8),
     (5, 3, 7, 3, 3, 9),
     (70, MIXING_MAX_TOKENS, 12, 2, 1, 6),
@@ -143,10 +145,9 @@ def test_layer_is_the_same_with_and_without_the_fused_pass(library, monkeypatch)
 
 def test_the_fused_pass_applies_only_where_it_serves(library):
     x = torch.randn(2, 4, 8)
-    assert native_mixing_applies(x, MIXING_MAX_EXPERT_BYTES // 64, "relu")  # weights of 2 x 8 x hidden floats
-    assert not native_mixing_applies(x, MIXING_MAX_EXPERT_BYTES // 64 + 1, "relu")
-    assert native_mixing_applies(torch.randn(2, 4, 196), 392, "relu")  # the paper's MNIST layer at n = 2
-    assert not native_mixing_applies(torch.randn(2, 4, 768), 256, "relu")  # 1.5 MiB of weights per expert
+    largest = MIXING_MAX_WEIGHT_BYTES_PER_LANE * LANES[cpu_isa()] // 64  # weights of 2 x 8 x hidden floats
+    assert native_mixing_applies(x, largest, "relu")
+    assert not native_mixing_applies(x, largest + 1, "relu")
     assert not native_mixing_applies(x, 4, "gelu")
     assert not native_mixing_applies(torch.randn(2, MIXING_MAX_TOKENS + 1, 8), 4, "relu")
     assert not native_mixing_applies(x.double(), 4, "relu")
@@ -160,6 +161,14 @@ def test_the_fused_pass_applies_only_where_it_serves(library):
 
     torch.func.grad(inside)(torch.ones(3))  # the ops have no vmap rule: torch.func transforms keep torch's ops
     assert seen == [False]
+
+
+def test_the_weights_per_lane_decide_with_each_variant(isa):
+    """The paper's MNIST layer at n = 2 (614 KB of weights per expert) is fused with 16 lanes only, n = 4 (307 KB)
+    with 8 or 16, n = 8 (154 KB) with every variant."""
+    lanes = LANES[isa]
+    for hidden, least_lanes in ((392, 16), (196, 8), (98, 4)):
+        assert native_mixing_applies(torch.randn(2, 4, 196), hidden, "relu") == (lanes >= least_lanes), hidden
 
 
 def test_native_off_means_torch(library, monkeypatch):

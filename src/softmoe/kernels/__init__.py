@@ -52,7 +52,7 @@ from softmoe.kernels.onednn import (
     onednn_outruns_mkl,
 )
 from softmoe.kernels.soft_moe_mixing import (
-    MIXING_MAX_EXPERT_BYTES,
+    MIXING_MAX_WEIGHT_BYTES_PER_LANE,
     MIXING_MAX_TOKENS,
     native_mixing_applies,
     soft_moe_mixing,
@@ -61,7 +61,7 @@ from softmoe.kernels.soft_moe_routing import native_routing_applies, soft_moe_ro
 
 __all__ = [
     "ISAS",
-    "MIXING_MAX_EXPERT_BYTES",
+    "MIXING_MAX_WEIGHT_BYTES_PER_LANE",
     "MIXING_MAX_TOKENS",
     "NATIVE_ACTIVATIONS",
     "NATIVE_MAX_ROWS",

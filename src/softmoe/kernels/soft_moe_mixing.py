@@ -30,16 +30,17 @@ from softmoe.kernels.build import LANES, native_available, native_module, requir
 from softmoe.kernels.modes import transforms_active
 
 # The fused kernel serves inputs of at most MIXING_MAX_TOKENS tokens (their routing weights stay in registers) and
-# experts whose two weight matrices (2 dim hidden floats) take at most MIXING_MAX_EXPERT_BYTES: each group of inputs
-# runs through every expert's weights, which must come back from a core's L2 cache. Whole layer, time of the slot
-# backend / time fused, forward and forward+backward (AMD EPYC Zen 5, 1 MB L2 per core, 256 inputs of 4 tokens, same
-# process; AVX-512, then forced AVX2): dim 196 hidden 392 (the paper's n = 2; 614 KB) 1.99x / 1.45x, 1.17x / 0.90x;
-# hidden 196 (n = 4) 1.94x / 1.51x, 1.28x / 1.02x; dim 768 hidden 128 (786 KB) 1.38x / 1.77x, 1.17x / 0.97x; dim 512
-# hidden 256 (1 MiB) 1.34x / 1.19x, 1.08x / 0.87x; dim 384 hidden 512 (1.5 MiB) 1.17x / 0.66x, 1.12x / 0.62x
-# (docs/performance.md). The first build of the kernel (2026-11-22, an AMD EPYC host with AVX2) took 1.07-1.15x the
-# slot backend's time forward+backward at hidden 392.
+# experts whose two weight matrices (2 dim hidden floats) take at most MIXING_MAX_WEIGHT_BYTES_PER_LANE per vector
+# lane of the kernel variant (1 MiB with AVX-512's 16 lanes, 512 KiB with AVX2's 8): each group of `lanes` inputs
+# streams every expert's weights (and, backward, their gradients) through a core's cache, so their traffic per input
+# is the weights' size over the lanes. Measured with benchmarks/bench_backends.py (AMD EPYC Zen 5, 1 MB L2 per core,
+# 256 inputs of 4 tokens, relu experts; time of the slot backend / time fused, forward+backward), AVX-512: dim 196
+# hidden 392 (the paper's n = 2; 614 KB) 1.47x, hidden 196 (307 KB) 1.41x, dim 768 hidden 128 (786 KB) 1.32x, dim
+# 1024 hidden 128 and dim 512 hidden 256 (1 MiB) 1.19x and 1.15x, dim 384 hidden 512 (1.5 MiB) 0.67x; forced AVX2:
+# hidden 98 (154 KB) 1.04x, hidden 196 0.97x, hidden 392 0.95x, 786 KB 0.94x, 1 MiB 0.87-0.88x (the forward alone
+# 1.0-1.2x: the limit favours training). docs/performance.md has every figure.
 MIXING_MAX_TOKENS = 8
-MIXING_MAX_EXPERT_BYTES = 1 << 20
+MIXING_MAX_WEIGHT_BYTES_PER_LANE = 1 << 16
 
 
 def _pre_shape(x: Tensor, dispatch: Tensor, weight1: Tensor, isa: str) -> tuple:
@@ -111,16 +112,17 @@ def _(grad, x, dispatch, combine, weight1, weight2, bias2, pre, isa):
 
 def native_mixing_applies(x: Tensor, hidden: int, activation: str) -> bool:
     """Whether :func:`soft_moe_mixing` serves x (batch, tokens, dim) with relu experts of ``hidden`` units: float32
-    CPU, 1..MIXING_MAX_TOKENS tokens, an expert's weights (2 dim hidden floats) of at most MIXING_MAX_EXPERT_BYTES,
-    no torch.func transform active (the ops have no vmap rule) and the kernels built. Eager, torch.compile and autocast all qualify."""
+    CPU, 1..MIXING_MAX_TOKENS tokens, no torch.func transform active (the ops have no vmap rule), the kernels built,
+    and an expert's weights (2 dim hidden floats) of at most MIXING_MAX_WEIGHT_BYTES_PER_LANE per vector lane of the
+    variant :func:`~softmoe.kernels.cpu_isa` names. Eager, torch.compile and autocast all qualify."""
     return (
         activation == "relu"
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and 1 <= x.shape[1] <= MIXING_MAX_TOKENS
-        and 8 * x.shape[2] * hidden <= MIXING_MAX_EXPERT_BYTES
         and not transforms_active()
         and native_available()
+        and 8 * x.shape[2] * hidden <= MIXING_MAX_WEIGHT_BYTES_PER_LANE * LANES[required_isa()]
     )
 
 
