@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import output_and_gradients, ref_activation, relative_error
+from reference import kernels_called, output_and_gradients, ref_activation, relative_error
 
 import softmoe.experts as experts_module
 import softmoe.kernels as kernels
@@ -169,6 +169,15 @@ def test_the_weights_per_lane_decide_with_each_variant(isa):
     lanes = LANES[isa]
     for hidden, least_lanes in ((392, 16), (196, 8), (98, 4)):
         assert native_mixing_applies(torch.randn(2, 4, 196), hidden, "relu") == (lanes >= least_lanes), hidden
+
+
+def test_the_backward_writes_no_zeros_for_the_saved_pre_activations(library):
+    """pre is an output without a gradient: autograd must not fill a zero gradient for it (800 KB per call at the
+    paper's MNIST layer, n = 8) before the backward runs."""
+    out = soft_moe_mixing(*random_inputs(33, 4, 12, 3, 1, 9, bias=True))
+    called = kernels_called(lambda: out.backward(torch.randn_like(out)))
+    assert "softmoe::soft_moe_mixing_backward" in called
+    assert not {"aten::zeros", "aten::zero_", "aten::fill_"} & called
 
 
 def test_native_off_means_torch(library, monkeypatch):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import output_and_gradients, relative_error
+from reference import kernels_called, output_and_gradients, relative_error
 
 import softmoe.kernels.onednn as onednn_module
 import softmoe.layer as layer_module
@@ -119,6 +119,16 @@ def test_outputs_left_unused_give_no_gradient(library, used):
     for i, u in zip(used, upstream):
         upstream_all[i] = u
     assert_scale_gradient_close(got_in[2].grad, x, phi, scale, "router", upstream_all)
+
+
+def test_outputs_left_unused_get_no_zero_gradients_written(library):
+    """The layer never uses the logits: their gradient reaches the native backward as None (no zeros filled)."""
+    x, phi, scale = routing_inputs((3, 5, 12, 9), "router", seed=1)
+    _, dispatch, combine = soft_moe_routing(*leaves(x, phi, scale), "router")
+    upstream = [torch.randn(3, 5, 9), torch.randn(3, 5, 9)]
+    called = kernels_called(lambda: torch.autograd.backward([dispatch, combine], upstream))
+    assert "softmoe::soft_moe_routing_backward" in called
+    assert not {"aten::zeros", "aten::zero_", "aten::fill_"} & called
 
 
 def test_a_zero_column_of_phi_takes_the_subgradient_of_the_norm(library):

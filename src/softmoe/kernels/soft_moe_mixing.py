@@ -71,6 +71,7 @@ def _setup_mixing(ctx, inputs, output) -> None:
     _, pre = output
     ctx.save_for_backward(x, dispatch, combine, weight1, weight2, bias2, pre)
     ctx.mark_non_differentiable(pre)
+    ctx.set_materialize_grads(False)  # no zeros written for pre's gradient (800 KB at the MNIST layer's n = 8)
     ctx.isa = isa
 
 

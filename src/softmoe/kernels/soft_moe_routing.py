@@ -67,6 +67,7 @@ def _setup_routing(ctx, inputs, output) -> None:
     logits, dispatch, combine, r = output
     ctx.save_for_backward(x, phi, scale, logits, dispatch, combine, r)
     ctx.mark_non_differentiable(r)
+    ctx.set_materialize_grads(False)  # an output left unused (the layer's logits) gets None, not zeros
     ctx.normalize, ctx.isa = normalize, isa
 
 
