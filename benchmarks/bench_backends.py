@@ -16,7 +16,6 @@ time of the backend "auto" takes; a ratio below 1 is a faster backend that "auto
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,17 +25,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     add_process_arguments,
     apply_allocator,
+    cpu_header,
     environment,
-    isa_line,
     measure_interleaved,
-    passed_on,
     print_table,
-    process_settings,
-    run_processes,
+    run_children,
+    write_results,
 )
 
 from softmoe import SoftMoE  # noqa: E402
-from softmoe.checkpoint import write_json  # noqa: E402
 
 BACKENDS = ("slots", "tokens", "native", "reference")
 
@@ -101,19 +98,11 @@ def main() -> None:
     args = parser.parse_args(argv)
     if min(args.batch, args.tokens, args.slots_per_expert, args.repeats) < 1:
         parser.error("--batch, --tokens, --slots-per-expert and --repeats must be positive")
-    try:
-        settings = process_settings(args)
-    except ValueError as error:
-        parser.error(str(error))
-    if args.child_json is None and settings != [("native", args.allocator)]:
-        results = run_processes(args, passed_on(argv))
-        if args.json:
-            write_json(args.json, {"processes": results})
+    if run_children(parser, args, argv):
         return
     allocator = apply_allocator(args.allocator)
     env = environment()
-    print(f"# {env['cpu']} ({torch.get_num_threads()} threads), {isa_line()}, torch {torch.__version__}, "
-          f"{env['date']}; {allocator}; batch {args.batch} x {args.tokens} tokens, {args.activation} experts, "
+    print(f"{cpu_header(env, allocator)}; batch {args.batch} x {args.tokens} tokens, {args.activation} experts, "
           f"{args.slots_per_expert} slot(s) per expert; median of {args.repeats} rounds")
     records, rows = [], []
     for dim, experts, hidden in args.layers:
@@ -131,12 +120,7 @@ def main() -> None:
                 rows)
     results = {"environment": env, "allocator": allocator, "batch": args.batch, "tokens": args.tokens,
                "layers": records}
-    if args.child_json:
-        with open(args.child_json, "w") as f:
-            json.dump(results, f)
-    elif args.json:
-        write_json(args.json, results)
-
+    write_results(args, results)
 
 if __name__ == "__main__":
     main()

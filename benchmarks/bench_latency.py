@@ -41,15 +41,13 @@ from common import (  # noqa: E402
     environment,
     machine_limits,
     measure_interleaved,
-    passed_on,
     print_table,
-    process_settings,
     roofline_seconds,
-    run_processes,
+    run_children,
+    write_results,
 )
 
 import softmoe  # noqa: E402
-from softmoe.checkpoint import write_json  # noqa: E402
 from softmoe_repro.latency import (  # noqa: E402
     DIM,
     EXPERTS,
@@ -146,14 +144,7 @@ def main() -> None:
         parser.error("--device cuda: torch sees no CUDA device here")
     if args.sweep and args.compile:
         parser.error("--sweep times eager calls only; leave out --compile")
-    try:
-        settings = process_settings(args)
-    except ValueError as error:
-        parser.error(str(error))
-    if device.type == "cpu" and args.child_json is None and settings != [("native", args.allocator)]:
-        results = run_processes(args, passed_on(argv))
-        if args.json:
-            write_json(args.json, {"processes": results})
+    if device.type == "cpu" and run_children(parser, args, argv):
         return
     preset = PRESETS[args.preset]
     repeats = args.repeats or preset["repeats"]
@@ -166,8 +157,7 @@ def main() -> None:
               f"{where} | {env['isa']} | {env['torch_threads']} threads | {args.dtype} | {env['date']} | {allocator}")
         results = {"environment": env | {"device": str(device), "dtype": args.dtype}, "preset": args.preset,
                    "sweep": sweep(preset, repeats, warmup, device, dtype)}
-        if args.child_json or args.json:
-            write_json(args.child_json or args.json, results)
+        write_results(args, results)
         return
     torch.manual_seed(0)
     with torch.no_grad(), device:  # built on the device: no 9 GB initialized on the host first
@@ -240,8 +230,7 @@ def main() -> None:
         target = TARGET_SPEEDUP.get(batch)
         verdict = f" (target >= {target}x: {'PASS' if quarter >= target else 'FAIL'})" if target else ""
         print(f"batch {batch}: k = n/4 is {quarter:.2f}x faster than k = n{verdict}")
-    if args.child_json or args.json:
-        write_json(args.child_json or args.json, results)
+    write_results(args, results)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ threads), ``x @ w`` (MKL) and oneDNN's linear, round-robin in the same run, and 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,16 +23,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     add_process_arguments,
     apply_allocator,
+    cpu_header,
     environment,
-    isa_line,
     measure_interleaved,
-    passed_on,
     print_table,
-    process_settings,
-    run_processes,
+    run_children,
+    write_results,
 )
 
-from softmoe.checkpoint import write_json  # noqa: E402
 from softmoe.kernels import native_available, native_status  # noqa: E402
 from softmoe.kernels.grouped_mm import GROUPED_NATIVE_MAX_ROWS, native_product  # noqa: E402
 from softmoe.kernels.onednn import onednn_linear  # noqa: E402
@@ -59,21 +56,13 @@ def main() -> None:
     args = parser.parse_args(argv)
     if min(args.rows) < 1 or args.experts < 1 or args.repeats < 1:
         parser.error("--rows, --experts and --repeats must be positive")
-    try:
-        settings = process_settings(args)
-    except ValueError as error:
-        parser.error(str(error))
-    if args.child_json is None and settings != [("native", args.allocator)]:
-        results = run_processes(args, passed_on(argv))
-        if args.json:
-            write_json(args.json, {"processes": results})
+    if run_children(parser, args, argv):
         return
     if not native_available():
         parser.error(f"softmoe's native kernels are unavailable: {native_status()}")
     allocator = apply_allocator(args.allocator)
     env = environment()
-    print(f"# {env['cpu']} ({torch.get_num_threads()} threads), {isa_line()}, torch {torch.__version__}, "
-          f"{env['date']}; {allocator}")
+    print(cpu_header(env, allocator))
     torch.manual_seed(0)
     rows_out, records = [], []
     for k, n in args.shapes:
@@ -96,12 +85,7 @@ def main() -> None:
                  "grouped_mm takes"], rows_out)
     results = {"environment": env, "allocator": allocator, "experts": args.experts,
                "cells": records}
-    if args.child_json:
-        with open(args.child_json, "w") as f:
-            json.dump(results, f)
-    elif args.json:
-        write_json(args.json, results)
-
+    write_results(args, results)
 
 if __name__ == "__main__":
     main()

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from softmoe.checkpoint import write_json
 from softmoe.kernels import onednn_applies, onednn_linear
 from softmoe.runtime import cpu_model
 
@@ -79,6 +80,35 @@ def run_processes(args, argv: list[str]) -> list[dict]:
             with open(path) as f:
                 results.append(json.load(f) | {"isa": isa, "allocator": allocator})
     return results
+
+
+def run_children(parser: argparse.ArgumentParser, args, argv: list[str]) -> bool:
+    """In a parent asked for instruction sets or allocators other than its own: run one child per setting
+    (:func:`run_processes`), write all their results to ``--json`` where given, and return True (the caller is done);
+    else (a child, or the host's own setting) False: the caller measures in this process. A bad --isa or
+    --allocator ends the script through ``parser.error``."""
+    try:
+        settings = process_settings(args)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.child_json is not None or settings == [("native", args.allocator)]:
+        return False
+    results = run_processes(args, passed_on(argv))
+    if args.json:
+        write_json(args.json, {"processes": results})
+    return True
+
+
+def cpu_header(env: dict, allocator: str) -> str:
+    """The line a CPU benchmark prints first: CPU model, threads, instruction sets, torch, date, allocator."""
+    return (f"# {env['cpu']} ({torch.get_num_threads()} threads), {isa_line()}, torch {torch.__version__}, "
+            f"{env['date']}; {allocator}")
+
+
+def write_results(args, results: dict) -> None:
+    """This process's results (a dict) to ``--child-json`` for its parent, else to ``--json`` where given."""
+    if args.child_json or args.json:
+        write_json(args.child_json or args.json, results)
 
 
 def passed_on(argv: list[str]) -> list[str]:
