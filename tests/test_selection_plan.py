@@ -67,9 +67,9 @@ def test_the_dense_plan_runs_every_expert_and_the_selected_plan_only_the_kept(mo
     assert len(runs) == 1 and runs[0].numel() == 4
 
 
-def test_cost_model_golden_values():
-    """Hand-worked: F = 1 (it cancels but for CALL_FLOPS, which F = 1e9 makes negligible), ROW_FLOOR 16,
-    ROW_OVERHEAD 2, margin 0.85, n = 8 experts, p = 1 (dense at batch 1, 4 and 16: 8 * (16 + 2) = 144).
+def test_cost_model_golden_values(monkeypatch):
+    """Hand-worked: F = 1 (it cancels but for CALL_FLOPS, which F = 1e9 makes negligible), the floor 16 (AVX-512's
+    16 lanes), ROW_OVERHEAD 2, margin 0.85, n = 8 experts, p = 1 (dense at batch 1, 4 and 16: 8 * (16 + 2) = 144).
 
     batch 1, k = 2: selected max(2, 2 * 16) + 2 * 2 = 36 against 144: 0.25 -> selected.
     batch 1, k = 6: 96 + 12 = 108: 0.75 -> selected; k = 7: 112 + 14 = 126: 0.875 -> dense.
@@ -79,7 +79,8 @@ def test_cost_model_golden_values():
     batch 100, k = 6: max(600, 128) + 16 = 616 against 8 * (100 + 2) = 816: 0.755 -> selected; k = 7: 716: 0.877
     -> dense.
     """
-    assert (plans.ROW_FLOOR["cpu"], ROW_OVERHEAD["cpu"], plans.MARGIN["cpu"]) == (16, 2, 0.85)
+    monkeypatch.setattr(plans, "cpu_isa", lambda: "avx512")
+    assert (plans.row_floor("cpu"), ROW_OVERHEAD["cpu"], plans.MARGIN["cpu"]) == (16, 2, 0.85)
     f = 1e9
     assert selected_plan_is_cheaper(1, 2, 8, 1, f, CPU)
     assert selected_plan_is_cheaper(1, 6, 8, 1, f, CPU)
@@ -91,6 +92,27 @@ def test_cost_model_golden_values():
     assert not selected_plan_is_cheaper(16, 2, 8, 1, f, CPU, kept=(32, 8))
     assert selected_plan_is_cheaper(100, 6, 8, 1, f, CPU)
     assert not selected_plan_is_cheaper(100, 7, 8, 1, f, CPU)
+
+
+def test_cost_model_golden_values_with_avx2(monkeypatch):
+    """As above with AVX2's floor of 8 rows (dense at batch 16: 8 * (16 + 2) = 144, at batch 4: 8 * (8 + 2) = 80).
+
+    batch 16, k = 1, all eight experts in use: max(16, 8 * 8) + 16 = 80: 0.56 -> selected (a floor of 16 would give
+    144: dense; measured on an AMD EPYC Zen 5, AVX2, the selected plan ran 1.89x as fast as all experts);
+    k = 5: 80 + 16 = 96: 0.67 -> selected; k = 7: 112 + 16 = 128: 0.89 -> dense.
+    batch 4, k = 3, eight in use: max(12, 64) + 16 = 80 against 80: dense.
+    Without the native kernels the floor stays ROW_FLOOR's 16.
+    """
+    monkeypatch.setattr(plans, "cpu_isa", lambda: "avx2")
+    assert plans.row_floor("cpu") == 8 and plans.row_floor("cuda") == 0
+    f = 1e9
+    assert selected_plan_is_cheaper(16, 1, 8, 1, f, CPU, kept=(16, 8))
+    assert selected_plan_is_cheaper(16, 5, 8, 1, f, CPU, kept=(80, 8))
+    assert not selected_plan_is_cheaper(16, 7, 8, 1, f, CPU, kept=(112, 8))
+    assert not selected_plan_is_cheaper(4, 3, 8, 1, f, CPU, kept=(12, 8))
+    monkeypatch.setattr(plans, "cpu_isa", lambda: None)
+    assert plans.row_floor("cpu") == plans.ROW_FLOOR["cpu"] == 16
+    assert not selected_plan_is_cheaper(16, 1, 8, 1, f, CPU, kept=(16, 8))
 
 
 def test_small_experts_run_dense_because_each_group_costs_a_call():

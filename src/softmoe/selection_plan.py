@@ -8,16 +8,16 @@ Both plans give the same output (Algorithm 1's: unselected experts contribute no
                 zero combine weight: no work saved, but the plain forward's kernels.
 
 Skipping work pays only when enough of it is skipped. An expert product of r rows costs about as much as
-max(r, ROW_FLOOR) + ROW_OVERHEAD rows at full speed: below ROW_FLOOR rows it is bound by reading the weight, which
+max(r, floor) + ROW_OVERHEAD rows at full speed: below `floor` rows it is bound by reading the weight, which
 costs the same whatever the rows, and ROW_OVERHEAD covers what every product costs beyond its rows (the selected
 plan's grouping, one call per expert); plus a fixed CALL_FLOPS per expert for the bookkeeping of its group. With
 F = 2 * (parameters per expert) FLOPs per row, batch B, p slots per expert and k of n experts kept:
 
-    selected = F * (max(P * p, u * ROW_FLOOR) + u * ROW_OVERHEAD) + u * CALL_FLOPS
-    dense    = F * n * (max(B * p, ROW_FLOOR) + ROW_OVERHEAD)
+    selected = F * (max(P * p, u * floor) + u * ROW_OVERHEAD) + u * CALL_FLOPS
+    dense    = F * n * (max(B * p, floor) + ROW_OVERHEAD)
 
-with P the (input, expert) pairs kept and u the experts in use (max(P * p, u * ROW_FLOOR) is the sum over the
-experts in use of max(their rows, ROW_FLOOR) where the rows spread evenly), and the selected plan runs when
+with P the (input, expert) pairs kept and u the experts in use (max(P * p, u * floor) is the sum over the
+experts in use of max(their rows, floor) where the rows spread evenly), and the selected plan runs when
 selected <= MARGIN * dense (the margin covers the gathers and sorting that only the selected plan does). P and u
 are counted where host reads are free (CPU, eager); elsewhere their bounds B * k and min(n, B * k) stand in, so
 the decision depends on shapes alone (no host synchronization; torch.compile makes it once per graph).
@@ -26,7 +26,12 @@ The CPU constants were fitted on an Intel Xeon (2 cores, AVX-512 and AVX2 only):
 (768 -> 6144 -> 768, 8 experts) at batch 1, 4, 16 and 100, every k, both plans timed against all experts
 (docs/performance.md). With them the selected plan runs where it was measured 1.03-4.3x faster than all experts
 and the dense plan elsewhere, which costs all experts plus choosing them (0-4% more there); the selected plan would
-have been faster in 2 of 28 cells (AVX2 only: 3), by 8-20%. On CUDA, eager, the
+have been faster in 2 of 28 cells (AVX2 only: 3), by 8-20%. The CPU's floor is the float lanes of the native
+kernels' variant (:func:`row_floor`): the native expert matmul, which runs the products of up to 16 rows (the
+plain forward's) and of up to 48 (the selected plan's), kept its time flat up to 16 rows with AVX-512 but only up to
+8 with AVX2 (AMD EPYC Zen 5, 768 x 6144 weights: 4 rows 58 / 54 GFLOP/s, 8 rows 119 / 108, 16 rows 226 / 126), and
+a floor of 16 with AVX2 left the selected plan untaken at batch 16 where it ran 1.13-1.89x as fast as all experts
+(k = 1-5). On CUDA, eager, the
 selected plan's launches and host work cost more than the skipped products at every size measured (H100,
 docs/performance.md), so eager CUDA runs the dense plan; under torch.compile (CUDA graphs, bf16 grouped GEMM) the
 selected plan is taken with a row overhead of 256 (and no floor) where it costs at most 0.4x the dense one: Table 3's
@@ -39,11 +44,13 @@ from __future__ import annotations
 
 import torch
 
+from softmoe.kernels.build import LANES, cpu_isa
 from softmoe.kernels.modes import host_reads_are_free
 
 SELECTION_PLANS = ("auto", "selected", "dense")
-# Per device type: the rows below which a product costs the same (reading its weight), the rows every product is
-# worth beyond its own, the margin the selected plan must beat.
+# Per device type: the rows below which a product costs the same (reading its weight; on CPU with the native
+# kernels their float lanes instead, see row_floor), the rows every product is worth beyond its own, the margin the
+# selected plan must beat.
 ROW_FLOOR = {"cpu": 16, "cuda": 0}
 ROW_OVERHEAD = {"cpu": 2, "cuda": 256}
 MARGIN = {"cpu": 0.85, "cuda": 0.4}
@@ -56,6 +63,14 @@ HOST_MASK_MAX_PLACES = 256
 def check_plan(plan: str) -> None:
     if plan not in SELECTION_PLANS:
         raise ValueError(f"plan must be one of {SELECTION_PLANS}, got {plan!r}")
+
+
+def row_floor(kind: str) -> int:
+    """The rows below which an expert product costs what reading its weight costs, on ``kind`` ("cpu" or "cuda"):
+    on CPU the float lanes of the native kernels' variant (16 with AVX-512, 8 with AVX2; module doc), else
+    ``ROW_FLOOR``."""
+    isa = cpu_isa() if kind == "cpu" else None
+    return LANES[isa] if isa is not None else ROW_FLOOR[kind]
 
 
 def selected_plan_is_cheaper(
@@ -75,7 +90,7 @@ def selected_plan_is_cheaper(
     if kind == "cuda" and not torch.compiler.is_compiling():
         return False
     pairs, used = kept if kept is not None else (batch * k, min(num_experts, batch * k))
-    floor, overhead = ROW_FLOOR[kind], ROW_OVERHEAD[kind]
+    floor, overhead = row_floor(kind), ROW_OVERHEAD[kind]
     rows = pairs * slots_per_expert
     selected = flops_per_row * (max(rows, used * floor) + used * overhead) + used * CALL_FLOPS
     dense = flops_per_row * num_experts * (max(batch * slots_per_expert, floor) + overhead)
