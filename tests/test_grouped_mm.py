@@ -9,6 +9,7 @@ import torch
 from reference import kernels_called
 
 import softmoe.kernels.grouped_mm as op_module
+import softmoe.kernels.onednn as onednn_module
 from softmoe.activations import ACTIVATIONS
 from softmoe.kernels import native_available
 from softmoe.kernels.grouped_mm import grouped_mm, grouped_mm_weight_grad, row_block_matmul
@@ -159,8 +160,10 @@ def test_grouped_mm_compiles_once_for_every_pattern_of_group_sizes():
 
 @pytest.fixture
 def large_weights_on_two_threads(monkeypatch):
-    """Every weight counts as large (the faster CPU kernels of group_product apply) on 2 threads."""
+    """Every weight counts as large (the faster CPU kernels of group_product apply), every product as large enough
+    for oneDNN, on 2 threads."""
     monkeypatch.setattr(op_module, "LARGE_WEIGHT", 1)
+    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_PRODUCT_FLOPS", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
@@ -199,7 +202,7 @@ def test_large_weights_take_row_blocks_exactly_with_gradients(large_weights_on_t
 @pytest.mark.parametrize("onednn_faster", [True, False])
 def test_large_float32_weights_take_onednn_where_it_outruns_mkl(large_weights_on_two_threads, monkeypatch,
                                                                 onednn_faster):
-    monkeypatch.setattr(op_module, "onednn_outruns_mkl", lambda: onednn_faster)
+    monkeypatch.setattr(onednn_module, "onednn_outruns_mkl", lambda: onednn_faster)
     torch.manual_seed(0)
     weight = torch.randn(2, 12, 40)
     x = torch.randn(op_module.BLAS_MIN_ROWS + 2, 12)

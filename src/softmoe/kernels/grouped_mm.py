@@ -16,8 +16,8 @@ the (data-dependent) group sizes, and it never recompiles for a new pattern of s
 - elsewhere one product per non-empty expert (the group sizes are read on the host: free on CPU, one
   synchronization on a GPU). On CPU a large weight (K * N >= LARGE_WEIGHT) read by 1-3 rows takes one contiguous
   block of the weight per thread (1.2-1.5x MKL's rate); 2 to GROUPED_NATIVE_MAX_ROWS rows through a contiguous
-  weight take softmoe's native expert matmul (float32); more rows take oneDNN where it outruns MKL on this CPU
-  (float32 inference; :func:`softmoe.kernels.onednn.onednn_outruns_mkl`, timed once), else MKL.
+  weight take softmoe's native expert matmul (float32); more rows take oneDNN where it pays on this CPU (float32
+  inference; :func:`softmoe.kernels.onednn.onednn_pays`: enough FLOPs, oneDNN timed faster than MKL once), else MKL.
   ``benchmarks/bench_products.py --isa avx512,avx2`` on an Intel Xeon (2 threads), 768 x 30720, 30720 x 768,
   768 x 6144 and 6144 x 768 weights, native / MKL: 1.2-1.5x at 8-16 rows, 1.15-1.4x at 25, 1.05-1.3x at 32,
   0.9-1.2x at 48, 0.8-1.06x at 64-100 (AVX2 only: 1.3-2.2x at 8-16 rows, 1.2-1.4x at 25-32, 1.03-1.2x at 48,
@@ -35,7 +35,7 @@ import torch
 from softmoe.activations import ACTIVATIONS
 from softmoe.kernels.build import cpu_isa
 from softmoe.kernels.expert_matmul import native_applies
-from softmoe.kernels.onednn import onednn_applies, onednn_linear, onednn_outruns_mkl
+from softmoe.kernels.onednn import onednn_applies, onednn_linear, onednn_pays
 
 # A weight of at least LARGE_WEIGHT elements run by few CPU rows takes the faster kernels above: the native kernel
 # up to GROUPED_NATIVE_MAX_ROWS rows (a forward product only: the bound of the layer's native path, which must
@@ -71,7 +71,7 @@ def group_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
             return native_product(x, w, bias, activation)
         if x.shape[0] < BLAS_MIN_ROWS:
             return _finish(row_block_matmul(x, w, torch.get_num_threads()), bias, activation)
-        if onednn_applies(x, w) and onednn_outruns_mkl():
+        if onednn_applies(x, w) and onednn_pays(2 * x.shape[0] * w.numel()):
             return onednn_linear(x, w, bias, None if activation == "none" else activation)
     return _finish(x @ w, bias, activation)
 
