@@ -184,32 +184,44 @@ def measure_interleaved(
     budget_s: float | None = None,
     min_repeats: int = 3,
     device: torch.device | str = "cpu",
+    burst: int = 1,
 ) -> dict[str, dict[str, float]]:
-    """Like :func:`measure` for several functions timed round-robin (one call of each per round).
+    """Like :func:`measure` for several functions timed round-robin (``burst`` calls of each per round).
 
     Returns ``{name: dict(min, median, std, repeats)}``. Interleaving makes the comparison fair when the load
     on the machine changes during the run; each round takes the functions in a new (seeded) random order, so that
     no function always runs right after the same other one. With ``budget_s``, rounds stop once that many seconds
     have been spent timing (after at least ``min_repeats`` rounds), so slow cases cannot stretch a run. ``device``:
     where the functions queue their work (each timed call waits for it).
+
+    With ``burst`` > 1 each function runs that many times in a row per round: the first call of a burst follows
+    another function (caches filled with its data, the thread pool possibly asleep) and is reported apart, as
+    ``cold`` (the same statistics), the others make the main statistics: the function's time when it runs again and
+    again, as in a training loop or under ``timeit``.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if burst < 1:
+        raise ValueError(f"burst must be >= 1, got {burst}")
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    cold: dict[str, list[float]] = {name: [] for name in fns}
     spent = 0.0
     order, shuffle = list(fns), random.Random(0).shuffle
     for done in range(repeats):
         if budget_s is not None and done >= min_repeats and spent >= budget_s:
             break
         for name in order:
-            elapsed = timed_call(fns[name], device)
-            times[name].append(elapsed)
-            spent += elapsed
+            for call in range(burst):
+                elapsed = timed_call(fns[name], device)
+                (cold if burst > 1 and call == 0 else times)[name].append(elapsed)
+                spent += elapsed
         shuffle(order)
-    return {name: _stats(t) for name, t in times.items()}
+    if burst == 1:
+        return {name: _stats(t) for name, t in times.items()}
+    return {name: _stats(t) | {"cold": _stats(cold[name])} for name, t in times.items()}
 
 
 def machine_limits(
