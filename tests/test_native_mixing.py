@@ -4,6 +4,8 @@ slot, and where the layer takes it."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from reference import kernels_called, output_and_gradients, ref_activation, relative_error
@@ -19,6 +21,8 @@ from softmoe.kernels import (
     soft_moe_mixing,
 )
 from softmoe.kernels.build import LANES
+
+mixing_module = sys.modules["softmoe.kernels.soft_moe_mixing"]  # the package exports the function of that name
 
 
 def mixing_reference(x, dispatch, combine, w1, b1, w2, b2):
@@ -52,7 +56,9 @@ def random_inputs(batch, tokens, dim, experts, slots_per_expert, hidden, bias, s
 # 2 x 16 + 5 = 4 x 8 + 5 = 9 x 4 + 1), fewer inputs than vector lanes, five groups (two group blocks), one token,
 # the most tokens, hidden sizes that are one block of 8 units, blocks plus a tail, several slots per expert, and full
 # groups with more slots than a routing chunk (64) in runs of 16 (transposed in registers) and a tail, and the
-# largest hidden size served, with full blocks of groups (64 inputs) and a dim with a tail chunk.
+# largest hidden size served, with full blocks of groups (64 inputs) and a dim with a tail chunk; weight gradients
+# as outer products (hidden >= 16) with a partial tile of units (17), dim chunks of every width plus a tail (70),
+# a second block of one partial group (83 inputs).
 SHAPES = [
     (37, 4, 20, 6, 1, 2),
     (64, 4, 21, 2, 1, MIXING_MAX_WEIGHT_BYTES_PER_LANE * 16 // (8 * 21)),
@@ -62,13 +68,22 @@ SHAPES = [
     (9, 1, 5, 4, 1, 1),
     (40, 5, 16, 7, 1, 19),
     (48, 4, 10, 45, 2, 3),
+    (83, 4, 70, 3, 1, 17),
 ]
+
+
+@pytest.fixture(params=["outputs kept", "outputs recomputed"])
+def keep_outputs(request, monkeypatch):
+    """The forward pass keeping the slots' outputs for the backward at every hidden size, or at none."""
+    keep = request.param == "outputs kept"
+    monkeypatch.setattr(mixing_module, "MIXING_KEEP_OUTPUTS_MIN_HIDDEN", 0 if keep else 1 << 30)
+    return keep
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
-def test_mixing_and_all_gradients_match_float64(isa, shape, bias, threads):
+def test_mixing_and_all_gradients_match_float64(isa, shape, bias, threads, keep_outputs):
     inputs = random_inputs(*shape, bias=bias, seed=sum(shape))
     out = soft_moe_mixing(*inputs)
     grad = torch.randn_like(out)
@@ -96,7 +111,7 @@ def test_too_many_tokens_is_refused(library):
     with pytest.raises(ValueError, match=f"1..{MIXING_MAX_TOKENS} tokens, got {MIXING_MAX_TOKENS + 1}"):
         soft_moe_mixing(*inputs)
     with pytest.raises(RuntimeError, match=f"1..{MIXING_MAX_TOKENS} tokens, got {MIXING_MAX_TOKENS + 1}"):
-        torch.ops.softmoe.soft_moe_mixing(*inputs, kernels.cpu_isa())  # the op checks too
+        torch.ops.softmoe.soft_moe_mixing(*inputs, False, kernels.cpu_isa())  # the op checks too
 
 
 def count_mixing_calls(monkeypatch) -> list[tuple[int, ...]]:
@@ -172,7 +187,7 @@ def test_the_weights_per_lane_decide_with_each_variant(isa):
 
 
 def test_the_backward_writes_no_zeros_for_the_saved_pre_activations(library):
-    """pre is an output without a gradient: autograd must not fill a zero gradient for it (800 KB per call at the
+    """saved is an output without a gradient: autograd must not fill a zero gradient for it (800 KB per call at the
     paper's MNIST layer, n = 8) before the backward runs."""
     out = soft_moe_mixing(*random_inputs(33, 4, 12, 3, 1, 9, bias=True))
     called = kernels_called(lambda: out.backward(torch.randn_like(out)))
@@ -212,6 +227,32 @@ def test_a_broadcast_upstream_gradient_is_read_while_alive(isa):
         mixing_reference(*leaves).sum().backward()
         for got, ref in zip(inputs, leaves):
             assert relative_error(got.grad, ref.grad) < 1e-5
+
+
+def saved_shape_read_by_the_backward(inputs) -> tuple[int, ...]:
+    """The shape of the saved record that soft_moe_mixing's forward left and its backward op read."""
+    out = soft_moe_mixing(*inputs)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        out.backward(torch.randn_like(out))
+    (shapes,) = {tuple(map(tuple, e.input_shapes)) for e in prof.events() if e.name == "softmoe::soft_moe_mixing_backward"}
+    return shapes[7]
+
+
+def test_the_outputs_are_kept_from_the_set_hidden_size_up(isa):
+    """From MIXING_KEEP_OUTPUTS_MIN_HIDDEN hidden units up the forward saves the slots' outputs (dim 12) after the
+    pre-activations and the backward reads them; below, only the pre-activations."""
+    least, lanes = mixing_module.MIXING_KEEP_OUTPUTS_MIN_HIDDEN, LANES[isa]
+    for hidden, width in ((least - 1, least - 1), (least, least + 12)):
+        shape = saved_shape_read_by_the_backward(random_inputs(33, 4, 12, 3, 1, hidden, bias=True))
+        assert shape == ((33 + lanes - 1) // lanes, 3, width, lanes), hidden
+
+
+def test_a_saved_record_of_another_width_is_refused(library):
+    x, dispatch, combine, w1, b1, w2, b2 = (t.detach() for t in random_inputs(20, 4, 8, 3, 1, 5, bias=True))
+    out, saved = torch.ops.softmoe.soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2, True, cpu_isa())
+    assert saved.shape[2] == 5 + 8
+    with pytest.raises(RuntimeError, match=r"saved must have shape \[\d+, 3, 5, \d+\], got \[\d+, 3, 12, "):
+        torch.ops.softmoe.soft_moe_mixing_backward(out, x, dispatch, combine, w1, w2, b2, saved[:, :, 1:], cpu_isa())
 
 
 def test_inconsistent_inputs_are_refused(library):

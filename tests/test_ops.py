@@ -91,17 +91,19 @@ def test_opcheck_expert_matmul_backward_ops(isa, shape):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("keep", [True, False], ids=["outputs kept", "outputs recomputed"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", MIXING_SHAPES, ids=lambda s: "B{}xM{}xD{}xn{}xp{}xH{}".format(*s))
-def test_opcheck_soft_moe_mixing(isa, shape, bias):
+def test_opcheck_soft_moe_mixing(isa, shape, bias, keep):
     inputs = mixing_inputs(*shape, bias=bias)
-    torch.library.opcheck(OPS.soft_moe_mixing.default, (*inputs, isa))
+    torch.library.opcheck(OPS.soft_moe_mixing.default, (*inputs, keep, isa))
     x, dispatch, combine, w1, b1, w2, b2 = detached(inputs)
-    out, pre = OPS.soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2, isa)
-    assert pre.shape == ((x.shape[0] + build.LANES[isa] - 1) // build.LANES[isa], dispatch.shape[2], w1.shape[2],
-                         build.LANES[isa])
+    out, saved = OPS.soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2, keep, isa)
+    lanes = build.LANES[isa]
+    width = w1.shape[2] + (x.shape[2] if keep else 0)
+    assert saved.shape == ((x.shape[0] + lanes - 1) // lanes, dispatch.shape[2], width, lanes)
     torch.library.opcheck(OPS.soft_moe_mixing_backward.default,
-                          (torch.randn_like(out), x, dispatch, combine, w1, w2, b2, pre, isa))
+                          (torch.randn_like(out), x, dispatch, combine, w1, w2, b2, saved, isa))
 
 
 def test_fake_tensors_need_no_kernels(library):
@@ -111,8 +113,9 @@ def test_fake_tensors_need_no_kernels(library):
     assert OPS.expert_matmul_nt(torch.empty(4, 8, 100, device="meta"), w, "portable").shape == (4, 8, 64)
     assert OPS.expert_matmul_tn(x, torch.empty(4, 8, 100, device="meta"), "portable").shape == (4, 64, 100)
     inputs = [None if t is None else t.detach().to("meta") for t in mixing_inputs(37, 4, 20, 6, 1, 2, bias=True)]
-    out, pre = OPS.soft_moe_mixing(*inputs, "avx2")
-    assert out.shape == (37, 4, 20) and pre.shape == (5, 6, 2, 8)
+    out, saved = OPS.soft_moe_mixing(*inputs, False, "avx2")
+    assert out.shape == (37, 4, 20) and saved.shape == (5, 6, 2, 8)
+    assert OPS.soft_moe_mixing(*inputs, True, "avx512")[1].shape == (3, 6, 2 + 20, 16)
     with pytest.raises(RuntimeError, match="x .E, rows, K. needs weight .E, K, N."):
         OPS.expert_matmul(x, torch.empty(4, 63, 100, device="meta"), None, "none", "portable")
 

@@ -260,12 +260,14 @@ c10::optional<at::Tensor> contiguous(const c10::optional<at::Tensor> &t)
 }
 
 /* The fused mixing C relu-MLP(D^T X): x (B, M, Dm), dispatch / combine (B, M, S), weight1 (n, Dm, Hd), bias1 (n,
- * Hd), weight2 (n, Hd, Dm), bias2 (n, Dm) -> out (B, M, Dm) and the pre-activations the backward needs, pre (ceil(B
- * / lanes), S, Hd, lanes) with lanes those of the variant (16, 8 or 4). */
+ * Hd), weight2 (n, Hd, Dm), bias2 (n, Dm) -> out (B, M, Dm) and what the backward reads, saved (ceil(B / lanes), S,
+ * Hd (+ Dm with keep_outputs), lanes) with lanes those of the variant (16, 8 or 4): the pre-activations, then with
+ * keep_outputs the slots' outputs. */
 std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const at::Tensor &dispatch_in,
                                                    const at::Tensor &combine_in, const at::Tensor &w1_in,
                                                    const c10::optional<at::Tensor> &b1_in, const at::Tensor &w2_in,
-                                                   const c10::optional<at::Tensor> &b2_in, const std::string &isa)
+                                                   const c10::optional<at::Tensor> &b2_in, bool keep_outputs,
+                                                   const std::string &isa)
 {
     const Variant &v = variant(isa);
     const MixingShapes s = check_mixing(x_in, dispatch_in, combine_in, w1_in, w2_in, b2_in);
@@ -278,37 +280,40 @@ std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const
     const c10::optional<at::Tensor> b1 = contiguous(b1_in), b2 = contiguous(b2_in);
     const int64_t lanes = v.lanes;
     at::Tensor out = at::empty({s.B, s.M, s.Dm}, x.options());
-    at::Tensor pre = at::empty({(s.B + lanes - 1) / lanes, s.S, s.Hd, lanes}, x.options());
+    at::Tensor saved = at::empty({(s.B + lanes - 1) / lanes, s.S, s.Hd + (keep_outputs ? s.Dm : 0), lanes},
+                                 x.options());
     int status;
     {
         pybind11::gil_scoped_release no_gil;
         status = v.mixing_forward(x.data_ptr<float>(), dispatch.data_ptr<float>(), combine.data_ptr<float>(),
                                   w1.data_ptr<float>(), pointer(b1), w2.data_ptr<float>(), pointer(b2),
-                                  out.data_ptr<float>(), pre.data_ptr<float>(), s.B, s.M, s.S, s.S / s.n, s.Hd, s.Dm,
-                                  threads());
+                                  out.data_ptr<float>(), saved.data_ptr<float>(), s.B, s.M, s.S, s.S / s.n, s.Hd,
+                                  s.Dm, keep_outputs, threads());
     }
     TORCH_CHECK(status == 0, "softmoe: the native Soft MoE kernel refused its inputs");
-    return {out, pre};
+    return {out, saved};
 }
 
-/* The gradients of soft_moe_mixing from grad (B, M, Dm) and its pre: (x, dispatch, combine, weight1, bias1,
- * weight2, bias2), the bias gradients always computed, (n, Hd) and (n, Dm). */
+/* The gradients of soft_moe_mixing from grad (B, M, Dm) and its saved (with or without the slots' outputs, as its
+ * shape says): (x, dispatch, combine, weight1, bias1, weight2, bias2), the bias gradients always computed, (n, Hd)
+ * and (n, Dm). */
 std::vector<at::Tensor> soft_moe_mixing_backward(const at::Tensor &grad_in, const at::Tensor &x_in,
                                                  const at::Tensor &dispatch_in, const at::Tensor &combine_in,
                                                  const at::Tensor &w1_in, const at::Tensor &w2_in,
-                                                 const c10::optional<at::Tensor> &b2_in, const at::Tensor &pre_in,
+                                                 const c10::optional<at::Tensor> &b2_in, const at::Tensor &saved_in,
                                                  const std::string &isa)
 {
     const Variant &v = variant(isa);
     const MixingShapes s = check_mixing(x_in, dispatch_in, combine_in, w1_in, w2_in, b2_in);
     check_float_cpu(grad_in, "grad", 3);
     check_shape(grad_in, "grad", {s.B, s.M, s.Dm});
-    check_float_cpu(pre_in, "pre", 4);
+    check_float_cpu(saved_in, "saved", 4);
     const int64_t lanes = v.lanes;
-    check_shape(pre_in, "pre", {(s.B + lanes - 1) / lanes, s.S, s.Hd, lanes});
+    const bool kept = saved_in.size(2) == s.Hd + s.Dm;
+    check_shape(saved_in, "saved", {(s.B + lanes - 1) / lanes, s.S, kept ? s.Hd + s.Dm : s.Hd, lanes});
     const at::Tensor grad = grad_in.contiguous(), x = x_in.contiguous(), dispatch = dispatch_in.contiguous();
     const at::Tensor combine = combine_in.contiguous(), w1 = w1_in.contiguous(), w2 = w2_in.contiguous();
-    const at::Tensor pre = pre_in.contiguous();
+    const at::Tensor saved = saved_in.contiguous();
     const c10::optional<at::Tensor> b2 = contiguous(b2_in);
     const int count = (int)std::max<int64_t>(1, std::min<int64_t>(threads(), s.n));
     /* one partial input gradient per thread; the kernel adds them up into the first */
@@ -321,10 +326,10 @@ std::vector<at::Tensor> soft_moe_mixing_backward(const at::Tensor &grad_in, cons
         pybind11::gil_scoped_release no_gil;
         status = v.mixing_backward(grad.data_ptr<float>(), x.data_ptr<float>(), dispatch.data_ptr<float>(),
                                    combine.data_ptr<float>(), w1.data_ptr<float>(), w2.data_ptr<float>(), pointer(b2),
-                                   pre.data_ptr<float>(), grad_x.data_ptr<float>(), grad_dispatch.data_ptr<float>(),
+                                   saved.data_ptr<float>(), grad_x.data_ptr<float>(), grad_dispatch.data_ptr<float>(),
                                    grad_combine.data_ptr<float>(), grad_w1.data_ptr<float>(),
                                    grad_b1.data_ptr<float>(), grad_w2.data_ptr<float>(), grad_b2.data_ptr<float>(),
-                                   s.B, s.M, s.S, s.S / s.n, s.Hd, s.Dm, count);
+                                   s.B, s.M, s.S, s.S / s.n, s.Hd, s.Dm, kept, count);
     }
     TORCH_CHECK(status == 0, "softmoe: the native Soft MoE kernel refused its inputs");
     return {grad_x[0], grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2};

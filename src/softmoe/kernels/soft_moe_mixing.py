@@ -8,11 +8,13 @@ layer fwd+bwd, on the reference machine).
 Two custom ops, each with a fake (meta) implementation; the forward's autograd formula calls the backward op:
 
     softmoe::soft_moe_mixing(Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, Tensor? bias1,
-                             Tensor weight2, Tensor? bias2, str isa) -> (Tensor out, Tensor pre)
-        out (batch, tokens, dim); pre (ceil(batch / lanes), slots, hidden, lanes), the pre-activations the
-        backward reads (lanes: 16, 8 or 4, those of the ``isa`` variant; not differentiable)
+                             Tensor weight2, Tensor? bias2, bool keep_outputs, str isa) -> (Tensor out, Tensor saved)
+        out (batch, tokens, dim); saved (ceil(batch / lanes), slots, hidden (+ dim with keep_outputs), lanes),
+        what the backward reads: the pre-activations, then with keep_outputs the slots' outputs, which the
+        backward would otherwise compute again (lanes: 16, 8 or 4, those of the ``isa`` variant; not
+        differentiable)
     softmoe::soft_moe_mixing_backward(Tensor grad, Tensor x, Tensor dispatch, Tensor combine, Tensor weight1,
-                                      Tensor weight2, Tensor? bias2, Tensor pre, str isa)
+                                      Tensor weight2, Tensor? bias2, Tensor saved, str isa)
             -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)
         the gradients of x, dispatch, combine, weight1, bias1 (experts, hidden), weight2 and bias2 (experts, dim)
         (the bias gradients are computed whether or not the layer has biases)
@@ -41,49 +43,58 @@ from softmoe.kernels.modes import transforms_active
 # 1.0-1.2x: the limit favours training). docs/performance.md has every figure.
 MIXING_MAX_TOKENS = 8
 MIXING_MAX_WEIGHT_BYTES_PER_LANE = 1 << 16
+# From this many hidden units up the forward pass keeps the slots' outputs (batch * slots * dim floats) for the
+# backward pass, which otherwise runs each slot's second layer again (hidden * dim multiply-adds per input and slot,
+# a fifth of the backward's). The op's forward+backward time with the outputs kept / without, 256 inputs of 4 tokens
+# of dim 196, same process (AMD EPYC Zen 5): AVX-512 0.91-0.92 at hidden 98-392, 0.95 at 49, 0.97-1.00 at 24, 1.11
+# at 12; AVX2 0.92-0.93 at hidden 24-392 (one run 0.98 at 98), 1.01 at 12. Below it writing and reading the outputs
+# (and holding them: 100 MB at the MNIST layer's n = 512) costs more than computing them again.
+MIXING_KEEP_OUTPUTS_MIN_HIDDEN = 24
 
 
-def _pre_shape(x: Tensor, dispatch: Tensor, weight1: Tensor, isa: str) -> tuple:
+def _saved_shape(x: Tensor, dispatch: Tensor, weight1: Tensor, keep_outputs: bool, isa: str) -> tuple:
     if isa not in LANES:
         raise ValueError(f"isa must be one of {tuple(LANES)}, got {isa!r}")
     lanes = LANES[isa]
-    return ((x.shape[0] + lanes - 1) // lanes, dispatch.shape[2], weight1.shape[2], lanes)
+    width = weight1.shape[2] + (x.shape[2] if keep_outputs else 0)
+    return ((x.shape[0] + lanes - 1) // lanes, dispatch.shape[2], width, lanes)
 
 
 @torch.library.custom_op("softmoe::soft_moe_mixing", mutates_args=(), device_types="cpu")
 def soft_moe_mixing_op(
     x: Tensor, dispatch: Tensor, combine: Tensor, weight1: Tensor, bias1: Tensor | None, weight2: Tensor,
-    bias2: Tensor | None, isa: str,
+    bias2: Tensor | None, keep_outputs: bool, isa: str,
 ) -> tuple[Tensor, Tensor]:
-    """The fused mixing with the ``isa`` variant of the native kernel: (out, pre) (see the module docstring)."""
-    out, pre = native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, isa)
-    return out, pre
+    """The fused mixing with the ``isa`` variant of the native kernel: (out, saved) (see the module docstring)."""
+    out, saved = native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs,
+                                                 isa)
+    return out, saved
 
 
 @soft_moe_mixing_op.register_fake
-def _(x, dispatch, combine, weight1, bias1, weight2, bias2, isa):
+def _(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa):
     torch._check(x.dim() == 3 and dispatch.dim() == 3 and weight1.dim() == 3, lambda: "bad soft_moe_mixing inputs")
-    return x.new_empty(x.shape), x.new_empty(_pre_shape(x, dispatch, weight1, isa))
+    return x.new_empty(x.shape), x.new_empty(_saved_shape(x, dispatch, weight1, keep_outputs, isa))
 
 
 def _setup_mixing(ctx, inputs, output) -> None:
-    x, dispatch, combine, weight1, bias1, weight2, bias2, isa = inputs
-    _, pre = output
-    ctx.save_for_backward(x, dispatch, combine, weight1, weight2, bias2, pre)
-    ctx.mark_non_differentiable(pre)
-    ctx.set_materialize_grads(False)  # no zeros written for pre's gradient (800 KB at the MNIST layer's n = 8)
+    x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa = inputs
+    _, saved = output
+    ctx.save_for_backward(x, dispatch, combine, weight1, weight2, bias2, saved)
+    ctx.mark_non_differentiable(saved)
+    ctx.set_materialize_grads(False)  # no zeros written for saved's gradient (800 KB at the MNIST layer's n = 8)
     ctx.isa = isa
 
 
-def _backward_mixing(ctx, grad: Tensor, _grad_pre: Tensor | None):
-    x, dispatch, combine, weight1, weight2, bias2, pre = ctx.saved_tensors
+def _backward_mixing(ctx, grad: Tensor, _grad_saved: Tensor | None):
+    x, dispatch, combine, weight1, weight2, bias2, saved = ctx.saved_tensors
     grads = list(torch.ops.softmoe.soft_moe_mixing_backward(
-        grad, x, dispatch, combine, weight1, weight2, bias2, pre, ctx.isa
+        grad, x, dispatch, combine, weight1, weight2, bias2, saved, ctx.isa
     ))
     for i, needed in enumerate(ctx.needs_input_grad[:7]):
         if not needed:  # e.g. an absent or frozen bias
             grads[i] = None
-    return (*grads, None)
+    return (*grads, None, None)
 
 
 soft_moe_mixing_op.register_autograd(_backward_mixing, setup_context=_setup_mixing)
@@ -92,14 +103,16 @@ soft_moe_mixing_op.register_autograd(_backward_mixing, setup_context=_setup_mixi
 @torch.library.custom_op("softmoe::soft_moe_mixing_backward", mutates_args=(), device_types="cpu")
 def soft_moe_mixing_backward_op(
     grad: Tensor, x: Tensor, dispatch: Tensor, combine: Tensor, weight1: Tensor, weight2: Tensor,
-    bias2: Tensor | None, pre: Tensor, isa: str,
+    bias2: Tensor | None, saved: Tensor, isa: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradients of softmoe::soft_moe_mixing (see the module docstring)."""
-    return tuple(native_module().soft_moe_mixing_backward(grad, x, dispatch, combine, weight1, weight2, bias2, pre, isa))
+    return tuple(
+        native_module().soft_moe_mixing_backward(grad, x, dispatch, combine, weight1, weight2, bias2, saved, isa)
+    )
 
 
 @soft_moe_mixing_backward_op.register_fake
-def _(grad, x, dispatch, combine, weight1, weight2, bias2, pre, isa):
+def _(grad, x, dispatch, combine, weight1, weight2, bias2, saved, isa):
     experts, _, hidden = weight1.shape
     return (
         x.new_empty(x.shape), dispatch.new_empty(dispatch.shape), combine.new_empty(combine.shape),
@@ -148,7 +161,8 @@ def soft_moe_mixing(
     """
     _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2)
     isa = required_isa()
-    out, _ = torch.ops.softmoe.soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, isa)
+    keep = weight1.shape[2] >= MIXING_KEEP_OUTPUTS_MIN_HIDDEN
+    out, _ = torch.ops.softmoe.soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, keep, isa)
     return out
 
 
