@@ -179,10 +179,10 @@ def test_the_fused_pass_applies_only_where_it_serves(library):
 
 
 def test_the_weights_per_lane_decide_with_each_variant(isa):
-    """The paper's MNIST layer at n = 2 (614 KB of weights per expert) is fused with 16 lanes only, n = 4 (307 KB)
-    with 8 or 16, n = 8 (154 KB) with every variant."""
+    """At dim 196 experts of 1000 hidden units (1.5 MiB of weights) are fused with 16 lanes only, of 500 (766 KiB)
+    with 8 or 16, of 250 (383 KiB) with every variant (112 KiB per lane)."""
     lanes = LANES[isa]
-    for hidden, least_lanes in ((392, 16), (196, 8), (98, 4)):
+    for hidden, least_lanes in ((1000, 16), (500, 8), (250, 4)):
         assert native_mixing_applies(torch.randn(2, 4, 196), hidden, "relu") == (lanes >= least_lanes), hidden
 
 

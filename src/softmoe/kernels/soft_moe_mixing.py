@@ -33,16 +33,16 @@ from softmoe.kernels.modes import transforms_active
 
 # The fused kernel serves inputs of at most MIXING_MAX_TOKENS tokens (their routing weights stay in registers) and
 # experts whose two weight matrices (2 dim hidden floats) take at most MIXING_MAX_WEIGHT_BYTES_PER_LANE per vector
-# lane of the kernel variant (1 MiB with AVX-512's 16 lanes, 512 KiB with AVX2's 8): each group of `lanes` inputs
-# streams every expert's weights (and, backward, their gradients) through a core's cache, so their traffic per input
-# is the weights' size over the lanes. Measured with benchmarks/bench_backends.py (AMD EPYC Zen 5, 1 MB L2 per core,
-# 256 inputs of 4 tokens, relu experts; time of the slot backend / time fused, forward+backward), AVX-512: dim 196
-# hidden 392 (the paper's n = 2; 614 KB) 1.47x, hidden 196 (307 KB) 1.41x, dim 768 hidden 128 (786 KB) 1.32x, dim
-# 1024 hidden 128 and dim 512 hidden 256 (1 MiB) 1.19x and 1.15x, dim 384 hidden 512 (1.5 MiB) 0.67x; forced AVX2:
-# hidden 98 (154 KB) 1.04x, hidden 196 0.97x, hidden 392 0.95x, 786 KB 0.94x, 1 MiB 0.87-0.88x (the forward alone
-# 1.0-1.2x: the limit favours training). docs/performance.md has every figure.
+# lane of the kernel variant (1.75 MiB with AVX-512's 16 lanes, 896 KiB with AVX2's 8): each group of `lanes`
+# inputs streams every expert's weights (and, backward, their gradients) through a core's cache, so their traffic
+# per input is the weights' size over the lanes. Measured (AMD EPYC Zen 5, 1 MB L2 per core, 256 inputs of 4
+# tokens, relu experts; time of the slot backend / time fused, forward+backward, same process; with the weight
+# gradients as outer products and the outputs kept), AVX-512: dim 1024 hidden 128 and dim 512 hidden 256 (1 MiB)
+# 1.19-1.28x, dim 384 hidden 512 (1.5 MiB) 1.31x, dim 512 hidden 512 (2 MiB) 1.13x, 3 MiB 0.84-0.94x; forced AVX2:
+# dim 196 hidden 392 (the paper's n = 2; 600 KiB) 1.04-1.09x, dim 768 hidden 128 (768 KiB) 1.01x, 800 and 960 KiB
+# 1.01x, 1 MiB 0.80-1.00x (the forward alone 1.07-1.20x up to 1 MiB). docs/performance.md has every figure.
 MIXING_MAX_TOKENS = 8
-MIXING_MAX_WEIGHT_BYTES_PER_LANE = 1 << 16
+MIXING_MAX_WEIGHT_BYTES_PER_LANE = 112 << 10
 # From this many hidden units up the forward pass keeps the slots' outputs (batch * slots * dim floats) for the
 # backward pass, which otherwise runs each slot's second layer again (hidden * dim multiply-adds per input and slot,
 # a fifth of the backward's). The op's forward+backward time with the outputs kept / without, 256 inputs of 4 tokens
