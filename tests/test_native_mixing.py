@@ -247,6 +247,16 @@ def test_the_outputs_are_kept_from_the_set_hidden_size_up(isa):
         assert shape == ((33 + lanes - 1) // lanes, 3, width, lanes), hidden
 
 
+def test_no_outputs_are_kept_without_a_backward(library):
+    """Under no_grad (inference) the wide experts' outputs are not written into the saved record."""
+    inputs = random_inputs(33, 4, 12, 3, 1, mixing_module.MIXING_KEEP_OUTPUTS_MIN_HIDDEN, bias=True)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                 record_shapes=True) as prof:
+        soft_moe_mixing(*inputs)
+    (keep,) = {e.concrete_inputs[7] for e in prof.events() if e.name == "softmoe::soft_moe_mixing"}
+    assert keep is False
+
+
 def test_a_saved_record_of_another_width_is_refused(library):
     x, dispatch, combine, w1, b1, w2, b2 = (t.detach() for t in random_inputs(20, 4, 8, 3, 1, 5, bias=True))
     out, saved = torch.ops.softmoe.soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2, True, cpu_isa())

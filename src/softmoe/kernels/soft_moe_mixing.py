@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from softmoe.kernels.build import LANES, native_available, native_module, required_isa
-from softmoe.kernels.modes import transforms_active
+from softmoe.kernels.modes import needs_grad, transforms_active
 
 # The fused kernel serves inputs of at most MIXING_MAX_TOKENS tokens (their routing weights stay in registers) and
 # experts whose two weight matrices (2 dim hidden floats) take at most MIXING_MAX_WEIGHT_BYTES_PER_LANE per vector
@@ -161,7 +161,10 @@ def soft_moe_mixing(
     """
     _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2)
     isa = required_isa()
-    keep = weight1.shape[2] >= MIXING_KEEP_OUTPUTS_MIN_HIDDEN
+    # the outputs are kept only for a backward pass: none under no_grad or for inputs without gradients
+    keep = weight1.shape[2] >= MIXING_KEEP_OUTPUTS_MIN_HIDDEN and needs_grad(
+        x, dispatch, combine, weight1, bias1, weight2, bias2
+    )
     out, _ = torch.ops.softmoe.soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, keep, isa)
     return out
 
