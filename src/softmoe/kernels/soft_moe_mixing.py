@@ -45,11 +45,13 @@ MIXING_MAX_TOKENS = 8
 MIXING_MAX_WEIGHT_BYTES_PER_LANE = 112 << 10
 # From this many hidden units up the forward pass keeps the slots' outputs (batch * slots * dim floats) for the
 # backward pass, which otherwise runs each slot's second layer again (hidden * dim multiply-adds per input and slot,
-# a fifth of the backward's). The op's forward+backward time with the outputs kept / without, 256 inputs of 4 tokens
-# of dim 196, same process (AMD EPYC Zen 5): AVX-512 0.91-0.92 at hidden 98-392, 0.95 at 49, 0.97-1.00 at 24, 1.11
-# at 12; AVX2 0.92-0.93 at hidden 24-392 (one run 0.98 at 98), 1.01 at 12. Below it writing and reading the outputs
-# (and holding them: 100 MB at the MNIST layer's n = 512) costs more than computing them again.
-MIXING_KEEP_OUTPUTS_MIN_HIDDEN = 24
+# a fifth of the backward's). The op alone, forward+backward time with the outputs kept / without, 256 inputs of 4
+# tokens of dim 196, same process (AMD EPYC Zen 5): AVX-512 0.91-0.92 at hidden 98-392, 0.95 at 49, 0.97-1.00 at
+# 24, 1.11 at 12; AVX2 0.92-0.93 at hidden 24-392. The whole MNIST layer in a default process, where the larger saved
+# record (4 MB at n = 16, 7 MB at n = 32) is fresh memory every step: 0.91-0.97 at hidden 98-392 (both ISAs), but
+# 0.96-1.16 at 49 and 0.99-1.06 at 24. Below it writing, holding (100 MB at the layer's n = 512) and reading the
+# outputs costs more than computing them again.
+MIXING_KEEP_OUTPUTS_MIN_HIDDEN = 64
 
 
 def _saved_shape(x: Tensor, dispatch: Tensor, weight1: Tensor, keep_outputs: bool, isa: str) -> tuple:
