@@ -69,14 +69,15 @@ def test_routing_and_its_gradients_match_float64(isa, shape, normalize, threads)
 
 @pytest.mark.parametrize("onednn", ["0", "1"])
 @pytest.mark.parametrize("normalize", NORMALIZATIONS)
-def test_products_in_onednn_or_mkl_match_float64(library, onednn, normalize, monkeypatch):
-    """Products of 2^24 FLOPs (the least that oneDNN takes) with 256 slots, in each library as SOFTMOE_ONEDNN says:
-    the logits, x's gradient and phi's (whose contraction runs over the rows) all in oneDNN, or none."""
+@pytest.mark.parametrize("shape", [(16, 32, 64, 256), (24, 50, 100, 72)], ids=str)
+def test_products_in_onednn_or_mkl_match_float64(library, onednn, normalize, shape, monkeypatch):
+    """Products of at least 2^24 FLOPs (the least that oneDNN takes), in each library as SOFTMOE_ONEDNN says: the
+    logits, x's gradient and phi's (whose contraction runs over the rows, handed to oneDNN transposed) all in oneDNN,
+    or none. The second shape's 1200 rows of dim 100 leave partial blocks in both directions of that transpose."""
     monkeypatch.setenv(onednn_module.ONEDNN_ENVIRONMENT, onednn)
     onednn_module.onednn_outruns_mkl.cache_clear()
     try:
-        shape = (16, 32, 64, 256)
-        assert 2 * 16 * 32 * 64 * 256 >= onednn_module.ONEDNN_MIN_PRODUCT_FLOPS
+        assert 2 * shape[0] * shape[1] * shape[2] * shape[3] >= onednn_module.ONEDNN_MIN_PRODUCT_FLOPS
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             assert_routing_matches_float64(shape, normalize)
         ran = sum(event.count for event in prof.key_averages() if event.key == "mkldnn::_linear_pointwise")

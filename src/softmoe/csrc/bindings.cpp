@@ -338,6 +338,40 @@ std::vector<at::Tensor> soft_moe_mixing_backward(const at::Tensor &grad_in, cons
 
 /* ---- the routing: logits, dispatch and combine (soft_moe_routing.h) ------------------------------------------ */
 
+/* Items per task of at::parallel_for over items of `work` elements each: at least 2^15 elements a task, so that
+ * small arrays (phi of a few slots) stay on the calling thread instead of paying for a parallel region. */
+int64_t grain(int64_t work) { return std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(work, 1)); }
+
+/* The transpose (C, R) of a contiguous float32 (R, C), in blocks of 64 x 64 over torch's threads: a copy of the
+ * transposed view runs on one thread (81 us for the 1024 x 196 tokens of the MNIST layer on an AMD EPYC Zen 5). */
+at::Tensor transposed(const at::Tensor &a)
+{
+    constexpr int64_t BLOCK = 64;
+    const int64_t R = a.size(0), C = a.size(1);
+    at::Tensor out = at::empty({C, R}, a.options());
+    const float *src = a.data_ptr<float>();
+    float *dst = out.data_ptr<float>();
+    at::parallel_for(0, (R + BLOCK - 1) / BLOCK, grain(BLOCK * C), [&](int64_t first, int64_t last) {
+        for (int64_t r0 = first * BLOCK; r0 < std::min(R, last * BLOCK); r0 += BLOCK)
+            for (int64_t c0 = 0; c0 < C; c0 += BLOCK) {
+                const int64_t rows = std::min(BLOCK, R - r0), cols = std::min(BLOCK, C - c0);
+                const float *in = src + r0 * C + c0;
+                float *to = dst + c0 * R + r0;
+                if (rows == BLOCK && cols == BLOCK) { /* through a tile, with constant bounds the compiler unrolls */
+                    float tile[BLOCK][BLOCK];
+                    for (int64_t r = 0; r < BLOCK; r++)
+                        for (int64_t c = 0; c < BLOCK; c++) tile[c][r] = in[r * C + c];
+                    for (int64_t c = 0; c < BLOCK; c++)
+                        for (int64_t r = 0; r < BLOCK; r++) to[c * R + r] = tile[c][r];
+                } else {
+                    for (int64_t c = 0; c < cols; c++)
+                        for (int64_t r = 0; r < rows; r++) to[c * R + r] = in[r * C + c];
+                }
+            }
+    });
+    return out;
+}
+
 /* a @ w^T for a (R, K) and w (N, K): in oneDNN's linear (mkldnn::_linear_pointwise, the kernel that
  * softmoe.kernels.onednn_linear calls) where `onednn`, else in torch's matmul (MKL). The caller decides where oneDNN
  * pays (softmoe.kernels.onednn.onednn_pays). */
@@ -367,22 +401,22 @@ NormalizedPhi normalized_phi(const at::Tensor &phi, float scale, int64_t mode)
 {
     const int64_t D = phi.size(0), S = phi.size(1);
     const float *p = phi.data_ptr<float>();
-    NormalizedPhi n{at::Tensor(), std::vector<double>(S, 1.0), std::vector<double>(S, 0.0)};
-    std::vector<double> sums(S, 0.0);
-    for (int64_t d = 0; d < D; d++) /* row by row, in phi's memory order (vectorized along the slots) */
-        for (int64_t s = 0; s < S; s++) sums[s] += double(p[d * S + s]) * p[d * S + s];
-    std::vector<float> f(S);
-    for (int64_t s = 0; s < S; s++) {
-        n.norms[s] = std::sqrt(sums[s]);
-        if (mode != ROUTING_NONE)
-            n.q[s] = float(mode == ROUTING_ROUTER ? 1.0 / std::sqrt(sums[s] + ROUTING_NORM_EPS)
-                                                  : 1.0 / (n.norms[s] + ROUTING_NORM_EPS));
-        f[s] = float(n.q[s]) * scale;
-    }
-    n.phi_t = at::empty({S, D}, phi.options());
+    NormalizedPhi n{transposed(phi), std::vector<double>(S, 1.0), std::vector<double>(S, 0.0)};
     float *o = n.phi_t.data_ptr<float>();
-    for (int64_t d = 0; d < D; d++)
-        for (int64_t s = 0; s < S; s++) o[s * D + d] = p[d * S + s] * f[s];
+    at::parallel_for(0, S, grain(D), [&](int64_t first, int64_t last) {
+        std::vector<double> sums(last - first, 0.0);
+        for (int64_t d = 0; d < D; d++) /* row by row, in phi's memory order (vectorized along the slots) */
+            for (int64_t s = first; s < last; s++) sums[s - first] += double(p[d * S + s]) * p[d * S + s];
+        for (int64_t s = first; s < last; s++) {
+            const double sum = sums[s - first];
+            n.norms[s] = std::sqrt(sum);
+            if (mode != ROUTING_NONE)
+                n.q[s] = float(mode == ROUTING_ROUTER ? 1.0 / std::sqrt(sum + ROUTING_NORM_EPS)
+                                                      : 1.0 / (n.norms[s] + ROUTING_NORM_EPS));
+            const float f = float(n.q[s]) * scale;
+            for (int64_t d = 0; d < D; d++) o[s * D + d] *= f;
+        }
+    });
     return n;
 }
 
@@ -480,10 +514,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
         grad_x.addcmul_(x_flat, coef, -1.0);
     }
     /* (D, S), a contraction over the B M rows. MKL runs x^T gp 2.4-4x slower than (gp^T x)^T for 2-8 slots (AMD
-       EPYC Zen 5, 1024 rows of dim 196), but 1.05-1.4x faster from 16 up; oneDNN, where it outruns MKL, took 0.56-0.84x
-       MKL's time from 256 slots up, 1.1-1.4x at 64-128. */
-    const at::Tensor grad_phi_n = S < 16 ? at::mm(gp_flat.t(), x_flat).t()
-                                         : linear_product(x_flat.t(), gp_flat.t(), onednn && S >= 256);
+       EPYC Zen 5, 1024 rows of dim 196), but 1.05-1.4x faster from 16 up; oneDNN, where it outruns MKL, takes x^T
+       as its rows: given them transposed (its own copy of the view took 80-240 us, one thread) it took 0.47-0.51x
+       MKL's time at 64-256 slots. */
+    const at::Tensor grad_phi_n = S < 16  ? at::mm(gp_flat.t(), x_flat).t()
+                                : onednn ? linear_product(transposed(x_flat), gp_flat.t(), true)
+                                         : at::mm(x_flat.t(), gp_flat);
     const int64_t g_d = grad_phi_n.stride(0), g_s = grad_phi_n.stride(1);
     /* through phi_n = scale phi q: with t[s] = sum_d grad_phi_n phi, "router" (dq/dphi = -q^3 phi) gives
        scale q (grad_phi_n - q^2 t phi), "inputs" (dq/dphi = -q^2 phi / |phi|, 0 at |phi| = 0) scale q (grad_phi_n
@@ -492,8 +528,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
     const float *g = grad_phi_n.data_ptr<float>(), *p = phi.data_ptr<float>();
     float *out = grad_phi.data_ptr<float>();
     std::vector<double> t(S, 0.0), k(S), f(S);
-    for (int64_t d = 0; d < D; d++) /* row by row, in phi's memory order */
-        for (int64_t s = 0; s < S; s++) t[s] += double(g[d * g_d + s * g_s]) * p[d * S + s];
+    at::parallel_for(0, S, grain(D), [&](int64_t first, int64_t last) {
+        for (int64_t d = 0; d < D; d++) /* row by row, in phi's memory order */
+            for (int64_t s = first; s < last; s++) t[s] += double(g[d * g_d + s * g_s]) * p[d * S + s];
+    });
     double scale_grad = 0.0;
     for (int64_t s = 0; s < S; s++) {
         scale_grad += q[s] * t[s];
@@ -502,8 +540,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
                                                            : 0.0;
         f[s] = mode == ROUTING_NONE ? 1.0 : double(scale_v) * q[s];
     }
-    for (int64_t d = 0; d < D; d++)
-        for (int64_t s = 0; s < S; s++) out[d * S + s] = float(f[s] * (g[d * g_d + s * g_s] - k[s] * p[d * S + s]));
+    at::parallel_for(0, D, grain(S), [&](int64_t first, int64_t last) {
+        for (int64_t d = first; d < last; d++)
+            for (int64_t s = 0; s < S; s++)
+                out[d * S + s] = float(f[s] * (g[d * g_d + s * g_s] - k[s] * p[d * S + s]));
+    });
     const double scale_gradient = scale_v != 0.0f ? dot_sum / scale_v : scale_grad;
     *grad_scale.data_ptr<float>() = mode == ROUTING_NONE ? 0.0f : float(scale_gradient);
     return {grad_x.view({B, M, D}), grad_phi, grad_scale};
