@@ -145,6 +145,19 @@ def test_layer_takes_the_fused_pass_and_matches_float64_with_a_mask(library, mon
     assert torch.equal(out[3, 2:], torch.zeros(2, 24)) and torch.equal(out[7], torch.zeros(4, 24))
 
 
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_the_layer_adds_the_input_gradients_in_place(library, threads):
+    """The input gradient from the fused backward is a tensor of its own, so autograd adds the routing's share to
+    it in place: no out-of-place add of two input-sized tensors (a view of the per-thread partial sums got one)."""
+    layer = SoftMoE(40, 16, expert_hidden=6, activation="relu", backend="native")
+    x = torch.randn(24, 4, 40, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        layer(x).sum().backward()
+    sums = {e.name for e in prof.events() if e.name in ("aten::add", "aten::add_")
+            and [list(s) for s in e.input_shapes[:2]] == [[24, 4, 40]] * 2}
+    assert sums == {"aten::add_"}
+
+
 def test_layer_is_the_same_with_and_without_the_fused_pass(library, monkeypatch):
     torch.manual_seed(6)
     layer = SoftMoE(196, 64, expert_hidden=12, activation="relu", backend="native")  # the paper's MNIST layer

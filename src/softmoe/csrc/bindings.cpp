@@ -316,8 +316,11 @@ std::vector<at::Tensor> soft_moe_mixing_backward(const at::Tensor &grad_in, cons
     const at::Tensor saved = saved_in.contiguous();
     const c10::optional<at::Tensor> b2 = contiguous(b2_in);
     const int count = (int)std::max<int64_t>(1, std::min<int64_t>(threads(), s.n));
-    /* one partial input gradient per thread; the kernel adds them up into the first */
-    at::Tensor grad_x = at::empty({count, s.B, s.M, s.Dm}, x.options());
+    /* the first thread's share of the input gradient goes into grad_x, the others' into partial sums that the kernel
+       adds to it: grad_x is a tensor of its own, not a view of a larger one, so that autograd adds the routing's
+       share to it in place (to a view it adds out of place, into a new tensor) */
+    at::Tensor grad_x = at::empty({s.B, s.M, s.Dm}, x.options());
+    at::Tensor partials = at::empty({count - 1, s.B, s.M, s.Dm}, x.options());
     at::Tensor grad_dispatch = at::empty_like(dispatch), grad_combine = at::empty_like(combine);
     at::Tensor grad_w1 = at::empty_like(w1), grad_w2 = at::empty_like(w2);
     at::Tensor grad_b1 = at::empty({s.n, s.Hd}, x.options()), grad_b2 = at::empty({s.n, s.Dm}, x.options());
@@ -326,13 +329,14 @@ std::vector<at::Tensor> soft_moe_mixing_backward(const at::Tensor &grad_in, cons
         pybind11::gil_scoped_release no_gil;
         status = v.mixing_backward(grad.data_ptr<float>(), x.data_ptr<float>(), dispatch.data_ptr<float>(),
                                    combine.data_ptr<float>(), w1.data_ptr<float>(), w2.data_ptr<float>(), pointer(b2),
-                                   saved.data_ptr<float>(), grad_x.data_ptr<float>(), grad_dispatch.data_ptr<float>(),
+                                   saved.data_ptr<float>(), grad_x.data_ptr<float>(), partials.data_ptr<float>(),
+                                   grad_dispatch.data_ptr<float>(),
                                    grad_combine.data_ptr<float>(), grad_w1.data_ptr<float>(),
                                    grad_b1.data_ptr<float>(), grad_w2.data_ptr<float>(), grad_b2.data_ptr<float>(),
                                    s.B, s.M, s.S, s.S / s.n, s.Hd, s.Dm, kept, count);
     }
     TORCH_CHECK(status == 0, "softmoe: the native Soft MoE kernel refused its inputs");
-    return {grad_x[0], grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2};
+    return {grad_x, grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2};
 }
 
 

@@ -615,8 +615,9 @@ static void add_weight_grads(float *gw1t, float *gb1, float *gw2, float *gb2, lo
     if (gb2) add_lane_sums(gb2, NULL, 0, gy, ng, Dm);
 }
 
-/* Gradients, for the arguments of soft_moe_small_forward and its `saved` (keep as given to it): grad_x_partial
- * (threads, B, M, Dm), one partial sum per thread, whose first (B, M, Dm) holds grad_x on return; grad_dispatch,
+/* Gradients, for the arguments of soft_moe_small_forward and its `saved` (keep as given to it): grad_x (B, M, Dm),
+ * the first thread's partial sum and the whole sum on return, grad_x_partials (threads - 1, B, M, Dm) the other
+ * threads' partial sums; grad_dispatch,
  * grad_combine (B, M, S); grad_w1, grad_b1, grad_w2, grad_b2 like the weights (grad_b1 / grad_b2 may be NULL).
  * Threads split the experts. Inputs are taken GROUP_BLOCK groups at a time; for each block every thread runs
  * through its experts' slots, keeping the block's slot vectors and gradients, and adds the block's products to its
@@ -624,9 +625,9 @@ static void add_weight_grads(float *gw1t, float *gb1, float *gw2, float *gb2, lo
  * w2's, and put in w1's layout at the end). Returns 0, or 1 when M is outside 1..MAX_TOKENS. */
 int soft_moe_small_backward(const float *grad_out, const float *x, const float *dispatch, const float *combine,
                             const float *w1, const float *w2, const float *b2, const float *saved,
-                            float *grad_x_partial, float *grad_dispatch, float *grad_combine, float *grad_w1,
-                            float *grad_b1, float *grad_w2, float *grad_b2, long B, long M, long S, long P, long Hd,
-                            long Dm, int keep, int threads)
+                            float *grad_x, float *grad_x_partials, float *grad_dispatch, float *grad_combine,
+                            float *grad_w1, float *grad_b1, float *grad_w2, float *grad_b2, long B, long M, long S,
+                            long P, long Hd, long Dm, int keep, int threads)
 {
     const long n = S / P, G = (B + LANES - 1) / LANES, MD = M * Dm, ld = (Dm + LANES - 1) / LANES * LANES;
     const long W = keep ? Hd + Dm : Hd;
@@ -638,7 +639,7 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
     {
         const long t = omp_get_thread_num(), count = omp_get_num_threads();
         const long first = n * t / count, last = n * (t + 1) / count;
-        float *gx = grad_x_partial + t * B * MD;
+        float *gx = t == 0 ? grad_x : grad_x_partials + (t - 1) * B * MD;
         /* per group of a block: x, grad_out, grad_x (M * Dm each), gy, slot (Dm), a, gpre (Hd), the routing weights
          * of a chunk of slots and their gradients (4 * SLOT_CHUNK * M), the slot gradients not yet spread to the
          * tokens (SPREAD_SLOTS * Dm), the transposed rows of gy or slot (LANES * ld floats: ld vectors) */
@@ -712,8 +713,8 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
 #pragma omp barrier
         const long total = B * MD, end = total * (t + 1) / count;
         for (long other = 1; other < count; other++) {
-            const float *part = grad_x_partial + other * total;
-            for (long i = total * t / count; i < end; i++) grad_x_partial[i] += part[i];
+            const float *part = grad_x_partials + (other - 1) * total;
+            for (long i = total * t / count; i < end; i++) grad_x[i] += part[i];
         }
     }
     return 0;
