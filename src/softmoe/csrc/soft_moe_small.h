@@ -41,11 +41,12 @@ namespace SOFTMOE_NS {
 #else
 #define IOTA {0, 1, 2, 3}
 #endif
-/* Hidden units per register block: with AVX-512's 32 vector registers 16 (measured against 8 on an AMD EPYC Zen 5,
- * the MNIST layer's mixing op, time 16 / 8: 12 hidden units, one block instead of two, forward 0.92-0.93 and
- * backward 0.90-0.92; 24-33 units 0.96-0.97 / 0.99-1.00; 49-392 units 0.98-1.00 / 0.97-1.00; but 2-6 units, whose
- * code is the same, forward 1.01-1.05 / backward 0.98-1.01 in the larger function); with AVX2's 16 registers 8
- * (12 spilled: backward 1.03-1.15). */
+/* Hidden units per register block. The forward pass takes 8. The backward, with AVX-512's 32 vector registers, 16:
+ * measured against 8 on an AMD EPYC Zen 5 (the MNIST layer's mixing op, time 16 / 8) the backward took 0.90-0.92x
+ * the time at 12 hidden units (one block instead of two), 0.97-1.00x at 24-392; the forward 0.92-0.93x at 12,
+ * 0.96-0.97x at 24-33, but 1.01-1.05x at 2-6 units, whose loops are the same: with the larger function the compiler
+ * kept fewer pointers in registers. With AVX2's 16 registers 16 or 12 spilled (backward 1.03-1.15x at 12). */
+#define FORWARD_KBLOCK 8
 #if LANES == 16
 #define KBLOCK 16
 #define BLOCK_CASES_WIDE(CALL, k, first, last)                                                                        \
@@ -61,6 +62,7 @@ namespace SOFTMOE_NS {
 #define KBLOCK 8
 #define BLOCK_CASES_WIDE(CALL, k, first, last)
 #endif
+#define BLOCK_CASES_NONE(CALL, k, first, last)
 #define GROUP_BLOCK 4  /* groups whose slot vectors and gradients a thread keeps while it runs through its experts */
 #define INLINE static inline __attribute__((always_inline))
 #define RESTRICT __restrict__ /* C's restrict */
@@ -76,10 +78,10 @@ INLINE vec relu_slope(vec v) { return (vec)((ivec)splat(1.0f) & (v > 0)); }
 
 #define MAX_TOKENS 8 /* tokens per input the kernels accept; their routing weights stay in registers */
 
-/* CALL(k, kb, first, last) for the blocks of Hd hidden units (k the block's first unit, kb <= KBLOCK its width,
- * first / last whether it is the first / last block), with kb, first and last constants so that loops unroll and
- * the branches on first and last fold away. */
-#define BLOCK_SWITCH(rem, CALL, k, first, last)                                                                      \
+/* CALL(k, kb, first, last) for the blocks of Hd hidden units, KB at a time (k the block's first unit, kb <= KB its
+ * width, first / last whether it is the first / last block), with kb, first and last constants so that loops unroll
+ * and the branches on first and last fold away; WIDE: the cases of widths 8 .. KB - 1. */
+#define BLOCK_SWITCH(rem, CALL, k, first, last, KB, WIDE)                                                            \
     switch (rem) {                                                                                                    \
     case 1: CALL(k, 1, first, last); break;                                                                           \
     case 2: CALL(k, 2, first, last); break;                                                                           \
@@ -88,18 +90,20 @@ INLINE vec relu_slope(vec v) { return (vec)((ivec)splat(1.0f) & (v > 0)); }
     case 5: CALL(k, 5, first, last); break;                                                                           \
     case 6: CALL(k, 6, first, last); break;                                                                           \
     case 7: CALL(k, 7, first, last); break;                                                                           \
-    BLOCK_CASES_WIDE(CALL, k, first, last)                                                                            \
-    default: CALL(k, KBLOCK, first, last); break;                                                                     \
+    WIDE(CALL, k, first, last)                                                                                        \
+    default: CALL(k, KB, first, last); break;                                                                         \
     }
-#define FOR_BLOCKS(Hd, CALL)                                                                                          \
-    if ((Hd) <= KBLOCK) {                                                                                             \
-        BLOCK_SWITCH(Hd, CALL, 0, 1, 1)                                                                               \
+#define FOR_BLOCKS_OF(Hd, CALL, KB, WIDE)                                                                             \
+    if ((Hd) <= (KB)) {                                                                                               \
+        BLOCK_SWITCH(Hd, CALL, 0, 1, 1, KB, WIDE)                                                                     \
     } else {                                                                                                          \
-        CALL(0, KBLOCK, 1, 0);                                                                                        \
-        long k_ = KBLOCK;                                                                                             \
-        for (; k_ + KBLOCK < (Hd); k_ += KBLOCK) CALL(k_, KBLOCK, 0, 0);                                              \
-        BLOCK_SWITCH((Hd) - k_, CALL, k_, 0, 1)                                                                       \
+        CALL(0, KB, 1, 0);                                                                                            \
+        long k_ = KB;                                                                                                 \
+        for (; k_ + (KB) < (Hd); k_ += KB) CALL(k_, KB, 0, 0);                                                        \
+        BLOCK_SWITCH((Hd) - k_, CALL, k_, 0, 1, KB, WIDE)                                                             \
     }
+#define FOR_BLOCKS(Hd, CALL) FOR_BLOCKS_OF(Hd, CALL, KBLOCK, BLOCK_CASES_WIDE)
+#define FOR_FORWARD_BLOCKS(Hd, CALL) FOR_BLOCKS_OF(Hd, CALL, FORWARD_KBLOCK, BLOCK_CASES_NONE)
 
 /* ---- forward ------------------------------------------------------------------------------------------------ */
 
@@ -109,7 +113,7 @@ INLINE void layer1_block(vec *RESTRICT h, const vec *RESTRICT xg, const vec *RES
                          const float *RESTRICT w1, long Hd, long M, long Dm, const int kb, const int first,
                          const int last)
 {
-    vec acc[KBLOCK] = {{0}}, dsv[MAX_TOKENS];
+    vec acc[FORWARD_KBLOCK] = {{0}}, dsv[MAX_TOKENS];
     for (long t = 0; t < M; t++) dsv[t] = ds[t];
     for (long d = 0; d < Dm; d++) {
         vec sv;
@@ -129,7 +133,7 @@ INLINE void layer1_block(vec *RESTRICT h, const vec *RESTRICT xg, const vec *RES
 INLINE void layer2_block(vec *RESTRICT y, const vec *RESTRICT a, const float *RESTRICT w2, const float *RESTRICT b2,
                          long Dm, const int kb, const int first)
 {
-    vec av[KBLOCK];
+    vec av[FORWARD_KBLOCK];
     for (int kk = 0; kk < kb; kk++) av[kk] = a[kk];
     for (long d = 0; d < Dm; d++) {
         vec v = first ? splat(b2 ? b2[d] : 0.0f) : y[d];
@@ -170,14 +174,14 @@ INLINE void forward_slot(vec *RESTRICT y, vec *RESTRICT ps, const vec *RESTRICT 
                          const float *RESTRICT b2, vec *RESTRICT buf, vec *RESTRICT a, long M, long Hd, long Dm)
 {
 #define LAYER1(k, kb, first, last) layer1_block(ps + (k), xg, ds, buf, w1 + (k), Hd, M, Dm, kb, first, last)
-    FOR_BLOCKS(Hd, LAYER1)
+    FOR_FORWARD_BLOCKS(Hd, LAYER1)
 #undef LAYER1
     for (long k = 0; k < Hd; k++) {
         ps[k] += b1 ? b1[k] : 0.0f;
         a[k] = relu(ps[k]);
     }
 #define LAYER2(k, kb, first, last) layer2_block(y, a + (k), w2 + (k) * Dm, b2, Dm, kb, first)
-    FOR_BLOCKS(Hd, LAYER2)
+    FOR_FORWARD_BLOCKS(Hd, LAYER2)
 #undef LAYER2
 }
 
