@@ -17,8 +17,9 @@ from softmoe.layer import soft_moe_logits
 
 NORMALIZATIONS = ["router", "inputs", "none"]
 # (batch, tokens, dim, slots): slots below every vector width, a whole AVX-512 vector plus a tail, one token, one
-# slot, many tokens and slots (a ViT layer's routing, smaller), dims with a tail past the last vector.
-SHAPES = [(5, 4, 20, 6), (3, 17, 33, 37), (2, 1, 7, 1), (4, 30, 48, 16), (2, 64, 40, 128)]
+# slot, many tokens and slots (a ViT layer's routing, smaller), dims with a tail past the last vector, a dim past four
+# AVX-512 vectors (the tokens' norms in four partial sums, then single vectors, then a tail).
+SHAPES = [(5, 4, 20, 6), (3, 17, 33, 37), (2, 1, 7, 1), (4, 30, 48, 16), (2, 64, 40, 128), (3, 5, 100, 40)]
 
 
 def tolerance(t: torch.Tensor) -> float:

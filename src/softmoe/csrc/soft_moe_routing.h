@@ -14,8 +14,9 @@
  *   g        = gl + dispatch (gd - sum over tokens of gd dispatch) + combine (gc - sum over slots of gc combine)
  *   gp       = g r,   dot[b, t] = sum over slots of g logits        ("router": grad_x = gp phi^T - r^2 dot x)
  *
- * The threads split the inputs; rows (slots) and columns (tokens) are walked with vectors along the slots.
- */
+ * The threads split the inputs; each input's (M, S) block is walked in rows of vectors along the slots: three passes
+ * forward (the logits with the rows' and columns' maxima; both softmaxes' exponentials, two independent chains in
+ * one loop; their normalization), two backward (the sums over slots and over tokens; g). */
 #if !defined(SOFTMOE_LANES) || !defined(SOFTMOE_NS)
 #error "soft_moe_routing.h is included by a variant unit that defines SOFTMOE_LANES and SOFTMOE_NS (see variant.h)"
 #endif
@@ -72,55 +73,31 @@ static inline void store_n(float *p, vec v, long count)
         store_part(p, v, count);
 }
 
-/* sum over i < n of a[i] b[i] in vectors (the compiler keeps a plain float sum in its order: one element at a time,
- * each addition waiting for the last) */
-static inline float dot_n(const float *a, const float *b, long n)
+/* The sum of the lanes of v, pairwise (log2 LANES dependent adds instead of LANES), and their maximum. */
+static inline float lane_sum(vec v)
 {
-    vec acc = {0};
+    for (int half = LANES / 2; half > 0; half /= 2)
+        for (int l = 0; l < half; l++) v[l] += v[l + half];
+    return v[0];
+}
+
+static inline float lane_max(vec v)
+{
+    float m = v[0];
+    for (int l = 1; l < LANES; l++) m = v[l] > m ? v[l] : m;
+    return m;
+}
+
+/* rsqrt(|x|^2 + 1e-6) for the n floats at x: four partial sums, so that the adds do not wait on each other. */
+static inline float inverse_norm(const float *x, long n)
+{
+    vec acc[4] = {{0}};
     long i = 0;
-    for (; i + LANES <= n; i += LANES) acc += load(a + i) * load(b + i);
-    if (i < n) acc += load_part(a + i, n - i) * load_part(b + i, n - i);
-    float sum = 0.0f;
-    for (int l = 0; l < LANES; l++) sum += acc[l];
-    return sum;
-}
-
-/* out[i * stride] = the softmax of in[i * stride] over i < n, for count <= LANES columns side by side. */
-static void softmax_columns(float *out, const float *in, long n, long stride, long count)
-{
-    vec m = splat(-__builtin_inff()), sum = {0};
-    for (long i = 0; i < n; i++) m = vmax(load_n(in + i * stride, count), m);
-    for (long i = 0; i < n; i++) {
-        const vec e = exp_nonpositive(load_n(in + i * stride, count) - m);
-        sum += e;
-        store_n(out + i * stride, e, count);
-    }
-    const vec inverse = 1.0f / sum;
-    for (long i = 0; i < n; i++) store_n(out + i * stride, load_n(out + i * stride, count) * inverse, count);
-}
-
-/* out = the softmax of the n floats at in. */
-static void softmax_row(float *out, const float *in, long n)
-{
-    vec mv = splat(-__builtin_inff()), sv = {0};
-    for (long s = 0; s < n; s += LANES) {
-        const long count = n - s < LANES ? n - s : LANES;
-        mv = vmax(choose(lanes_below(count), load_n(in + s, count), splat(-__builtin_inff())), mv);
-    }
-    float m = mv[0], sum = 0.0f;
-    for (int i = 1; i < LANES; i++) m = mv[i] > m ? mv[i] : m;
-    for (long s = 0; s < n; s += LANES) {
-        const long count = n - s < LANES ? n - s : LANES;
-        const vec e = choose(lanes_below(count), exp_nonpositive(load_n(in + s, count) - m), vec{});
-        sv += e;
-        store_n(out + s, e, count);
-    }
-    for (int i = 0; i < LANES; i++) sum += sv[i];
-    const vec inverse = splat(1.0f / sum);
-    for (long s = 0; s < n; s += LANES) {
-        const long count = n - s < LANES ? n - s : LANES;
-        store_n(out + s, load_n(out + s, count) * inverse, count);
-    }
+    for (; i + 4 * LANES <= n; i += 4 * LANES)
+        for (int a = 0; a < 4; a++) acc[a] += load(x + i + a * LANES) * load(x + i + a * LANES);
+    for (; i + LANES <= n; i += LANES) acc[0] += load(x + i) * load(x + i);
+    if (i < n) acc[1] += load_part(x + i, n - i) * load_part(x + i, n - i);
+    return 1.0f / __builtin_sqrtf(lane_sum((acc[0] + acc[1]) + (acc[2] + acc[3])) + ROUTING_EPS);
 }
 
 /* logits (B, M, S) holds P on entry and the logits on return; r (B, M) gets rsqrt(|x|^2 + 1e-6) of the tokens of x
@@ -128,23 +105,60 @@ static void softmax_row(float *out, const float *in, long n)
 void soft_moe_routing_forward(float *logits, const float *x, float *dispatch, float *combine, float *r, long B,
                               long M, long S, long D, int router, int threads)
 {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long b = 0; b < B; b++) {
-        float *lb = logits + b * M * S;
-        for (long t = 0; t < M; t++) {
-            float *row = lb + t * S;
-            if (router) {
-                const float *xt = x + (b * M + t) * D;
-                const float rt = 1.0f / __builtin_sqrtf(dot_n(xt, xt, D) + ROUTING_EPS);
+    const long SV = (S + LANES - 1) / LANES * LANES; /* the columns' buffers in whole vectors */
+#pragma omp parallel num_threads(threads)
+    {
+        /* per column (slot): the maximum of the logits over the tokens, then the sum of their exponentials and its
+           inverse; per row (token): the maximum over the slots, then the inverse of the sum */
+        float *colmax = (float *)malloc((2 * SV + 2 * M) * sizeof(float));
+        float *colsum = colmax + SV, *rowmax = colsum + SV, *rowinv = rowmax + M;
+#pragma omp for schedule(static)
+        for (long b = 0; b < B; b++) {
+            float *lb = logits + b * M * S, *db = dispatch + b * M * S, *cb = combine + b * M * S;
+            for (long s = 0; s < SV; s++) colmax[s] = -__builtin_inff(), colsum[s] = 0.0f;
+            for (long t = 0; t < M; t++) {
+                const float rt = router ? inverse_norm(x + (b * M + t) * D, D) : 1.0f;
+                float *row = lb + t * S;
+                vec mv = splat(-__builtin_inff());
                 r[b * M + t] = rt;
-                for (long s = 0; s < S; s++) row[s] *= rt;
-            } else {
-                r[b * M + t] = 1.0f;
+                for (long s = 0; s < S; s += LANES) {
+                    const long count = S - s < LANES ? S - s : LANES;
+                    const vec l = load_n(row + s, count) * rt;
+                    const vec masked = choose(lanes_below(count), l, splat(-__builtin_inff()));
+                    store_n(row + s, l, count);
+                    mv = vmax(masked, mv);
+                    store(colmax + s, vmax(l, load(colmax + s))); /* past S: 0, finite */
+                }
+                rowmax[t] = lane_max(mv);
             }
-            softmax_row(combine + (b * M + t) * S, row, S);
+            for (long t = 0; t < M; t++) {
+                const float *row = lb + t * S;
+                const vec m = splat(rowmax[t]);
+                vec sum = {0};
+                for (long s = 0; s < S; s += LANES) {
+                    const long count = S - s < LANES ? S - s : LANES;
+                    const vec l = load_n(row + s, count);
+                    const vec over_tokens = exp_nonpositive(l - load(colmax + s));
+                    const vec over_slots = choose(lanes_below(count), exp_nonpositive(l - m), vec{});
+                    store(colsum + s, load(colsum + s) + over_tokens);
+                    sum += over_slots;
+                    store_n(db + t * S + s, over_tokens, count);
+                    store_n(cb + t * S + s, over_slots, count);
+                }
+                rowinv[t] = 1.0f / lane_sum(sum);
+            }
+            for (long s = 0; s < SV; s += LANES) store(colsum + s, 1.0f / load(colsum + s));
+            for (long t = 0; t < M; t++) {
+                float *drow = db + t * S, *crow = cb + t * S;
+                const vec inverse = splat(rowinv[t]);
+                for (long s = 0; s < S; s += LANES) {
+                    const long count = S - s < LANES ? S - s : LANES;
+                    store_n(drow + s, load_n(drow + s, count) * load(colsum + s), count);
+                    store_n(crow + s, load_n(crow + s, count) * inverse, count);
+                }
+            }
         }
-        for (long s = 0; s < S; s += LANES)
-            softmax_columns(dispatch + b * M * S + s, lb + s, M, S, S - s < LANES ? S - s : LANES);
+        free(colmax);
     }
 }
 
@@ -153,34 +167,43 @@ void soft_moe_routing_backward(const float *gl, const float *gd, const float *gc
                                const float *dispatch, const float *combine, const float *r, float *gp, float *dot_out,
                                long B, long M, long S, int router, int threads)
 {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long b = 0; b < B; b++) {
-        const long base = b * M * S;
-        float *g = gp + base;
-        for (long i = 0; i < M * S; i++) g[i] = gl ? gl[base + i] : 0.0f;
-        if (gc)
+    const long SV = (S + LANES - 1) / LANES * LANES;
+#pragma omp parallel num_threads(threads)
+    {
+        /* sum over tokens of gd dispatch, per column; sum over slots of gc combine, per row */
+        float *coldot = (float *)malloc((SV + M) * sizeof(float)), *rowdot = coldot + SV;
+#pragma omp for schedule(static)
+        for (long b = 0; b < B; b++) {
+            const long base = b * M * S;
+            for (long s = 0; s < SV; s++) coldot[s] = 0.0f;
             for (long t = 0; t < M; t++) {
-                const float *c = combine + base + t * S, *gct = gc + base + t * S;
-                const float dot = dot_n(gct, c, S);
-                for (long s = 0; s < S; s++) g[t * S + s] += c[s] * (gct[s] - dot);
-            }
-        if (gd)
-            for (long s = 0; s < S; s += LANES) {
-                const long count = S - s < LANES ? S - s : LANES;
-                const float *dsp = dispatch + base + s, *gds = gd + base + s;
-                vec dot = {0};
-                for (long t = 0; t < M; t++) dot += load_n(gds + t * S, count) * load_n(dsp + t * S, count);
-                for (long t = 0; t < M; t++) {
-                    const vec add = load_n(dsp + t * S, count) * (load_n(gds + t * S, count) - dot);
-                    store_n(g + t * S + s, load_n(g + t * S + s, count) + add, count);
+                const long row = base + t * S;
+                vec sum = {0};
+                for (long s = 0; s < S; s += LANES) {
+                    const long count = S - s < LANES ? S - s : LANES;
+                    if (gc) sum += load_n(gc + row + s, count) * load_n(combine + row + s, count);
+                    if (gd)
+                        store(coldot + s,
+                              load(coldot + s) + load_n(gd + row + s, count) * load_n(dispatch + row + s, count));
                 }
+                rowdot[t] = lane_sum(sum);
             }
-        for (long t = 0; t < M; t++) {
-            const float *l = logits + base + t * S;
-            dot_out[b * M + t] = dot_n(g + t * S, l, S);
-            if (router)
-                for (long s = 0; s < S; s++) g[t * S + s] *= r[b * M + t];
+            for (long t = 0; t < M; t++) {
+                const long row = base + t * S;
+                const vec rd = splat(rowdot[t]), rt = splat(router ? r[b * M + t] : 1.0f);
+                vec dot = {0};
+                for (long s = 0; s < S; s += LANES) {
+                    const long count = S - s < LANES ? S - s : LANES;
+                    vec g = gl ? load_n(gl + row + s, count) : vec{};
+                    if (gc) g += load_n(combine + row + s, count) * (load_n(gc + row + s, count) - rd);
+                    if (gd) g += load_n(dispatch + row + s, count) * (load_n(gd + row + s, count) - load(coldot + s));
+                    dot += g * load_n(logits + row + s, count);
+                    store_n(gp + row + s, g * rt, count);
+                }
+                dot_out[b * M + t] = lane_sum(dot);
+            }
         }
+        free(coldot);
     }
 }
 
