@@ -25,7 +25,9 @@ def reference(x, w, b, g):
 # Rows 1..9 and 16 cover every register tile height (8 rows a tile with AVX-512, 4 without) and a second tile;
 # N covers vector tails (15, 17, 47, 49), exact tiles (16, 48) and several tiles (100, 130); K includes 1 and
 # values that are not multiples of the 32-row panel or of the 2-row dot-product tile; with 200 rows the forward
-# walks the columns in several blocks (OUT_BLOCK_BYTES of output each), the last one partial, then a vector tail.
+# walks the columns in several blocks (OUT_BLOCK_BYTES of output each), the last one partial, then a vector tail;
+# 9 rows through 1100 columns take a wide block (panels over NEAR_PANEL_BYTES) in several row passes, the later
+# ones reading the tile the first copied.
 SHAPES = [
     (1, 1, 1, 1),
     (1, 2, 7, 16),
@@ -37,6 +39,7 @@ SHAPES = [
     (4, 4, 3, 130),
     (2, 7, 129, 47),
     (1, 200, 33, 1001),
+    (1, 9, 40, 1100),
 ]
 
 
