@@ -26,7 +26,7 @@ def reference(x, w, b, g):
 # N covers vector tails (15, 17, 47, 49), exact tiles (16, 48) and several tiles (100, 130); K includes 1 and
 # values that are not multiples of the 32-row panel or of the 2-row dot-product tile; with 200 rows the forward
 # walks the columns in several blocks (OUT_BLOCK_BYTES of output each), the last one partial, then a vector tail;
-# 9 rows through 1100 columns take a wide block (panels over NEAR_PANEL_BYTES) in several row passes, the later
+# 9 rows through rows of 1100 floats (PACK_MIN_ROW_BYTES or more; 1001 are fewer) run in several passes, the later
 # ones reading the tile the first copied.
 SHAPES = [
     (1, 1, 1, 1),

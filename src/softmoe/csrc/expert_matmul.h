@@ -47,6 +47,7 @@ namespace SOFTMOE_NS {
 static_assert(WIDE_AHEAD_COLS % TILE_COLS == 0 && WIDE_AHEAD_COLS * PANEL * 4 < NEAR_PANEL_BYTES,
               "WIDE_AHEAD_COLS: whole tiles, and less than a wide block");
 #define LINE 64
+#define PACK_MIN_ROW_BYTES 4096    /* weight rows this long: passes over a tile read a copy of it (nn_item) */
 
 
 static inline void store_stream(float *p, vec v)
@@ -265,13 +266,13 @@ static void nn_item(const job_t *j, long e, long begin, long end)
                 const float *ahead = near ? w + (k0 + kn) * N + c
                                    : far < b1 ? w + k0 * N + far
                                    : k0 + kn < K ? w + (k0 + kn) * N + b0 + (far - b1) : w + far;
-                /* More rows than registers hold (MAX_ROWS) run in passes over the tile. Through a wide block the
-                   first pass copies the tile into `packed` and the later ones read that: in w its rows lie a long
-                   weight row apart and had left L1 by the next pass. On an AMD EPYC Zen 5, 8 experts of 768 x 30720
-                   took 0.63-0.90x the time with AVX2 at 6-48 rows, 0.85-0.98x with AVX-512 at 12-48; through narrow
-                   blocks (30720 x 768, 1536 x 384) it made no difference or took up to 1.05x. */
+                /* More rows than registers hold (MAX_ROWS) run in passes over the tile. Where w's rows lie at least
+                   PACK_MIN_ROW_BYTES apart the first pass copies the tile into `packed` and the later ones read that:
+                   in w the tile's rows had left L1 by the next pass. On an AMD EPYC Zen 5, 8 experts of 768 x 30720
+                   took 0.63-0.90x the time with AVX2 at 6-48 rows, 0.85-0.98x with AVX-512 at 12-48; through
+                   weights of shorter rows (30720 x 768, 1536 x 384) it made no difference or took up to 1.05x. */
                 float packed[PANEL * TILE_COLS] __attribute__((aligned(64)));
-                const int R0 = M < MAX_ROWS ? (int)M : MAX_ROWS, pack = M > MAX_ROWS && !near;
+                const int R0 = M < MAX_ROWS ? (int)M : MAX_ROWS, pack = M > MAX_ROWS && N * 4 >= PACK_MIN_ROW_BYTES;
                 nn_tile_any(x + k0, K, w + k0 * N + c, N, out + c, N, kn, R0, V, (const char *)ahead,
                             pack ? packed : NULL);
                 for (long r = MAX_ROWS; r < M; r += MAX_ROWS) {
