@@ -29,13 +29,13 @@ and the dense plan elsewhere, which costs all experts plus choosing them (0-4% m
 have been faster in 2 of 28 cells (AVX2 only: 3), by 8-20%. The CPU's floor is the float lanes of the native
 kernels' variant (:func:`row_floor`): the native expert matmul, which runs the products of up to 16 rows (the
 plain forward's) and of up to 48 (the selected plan's), kept its time flat up to 16 rows with AVX-512 but only up to
-8 with AVX2 (AMD EPYC Zen 5, 768 x 6144 weights: 4 rows 58 / 54 GFLOP/s, 8 rows 119 / 108, 16 rows 226 / 126), and
-a floor of 16 with AVX2 left the selected plan untaken at batch 16 where it ran 1.13-1.89x as fast as all experts
-(k = 1-5). On CUDA, eager, the
-selected plan's launches and host work cost more than the skipped products at every size measured (H100,
-docs/performance.md), so eager CUDA runs the dense plan; under torch.compile (CUDA graphs, bf16 grouped GEMM) the
-selected plan is taken with a row overhead of 256 (and no floor) where it costs at most 0.4x the dense one: Table 3's
-stack at batch 1 ran the selected plan 1.16-1.23x as fast as all experts at k = 2 (cost ratio 0.25) but 0.93-1.00x
+8 with AVX2 (AMD EPYC Zen 5, 768 x 6144 weights, AVX-512 / AVX2: 8 rows 148 / 112 GFLOP/s, 16 rows 254 / 152;
+before the tile copy of the kernel's row passes 4 rows 58 / 54, 8 rows 119 / 108, 16 rows 226 / 126), and a floor of
+16 with AVX2 left the selected plan untaken at batch 16 where it ran 1.13-1.89x as fast as all experts (k = 1-5). On
+CUDA, eager, the selected plan's launches and host work cost more than the skipped products at every size measured
+(H100, docs/performance.md), so eager CUDA runs the dense plan; under torch.compile (CUDA graphs, bf16 grouped GEMM)
+the selected plan is taken with a row overhead of 256 (and no floor) where it costs at most 0.4x the dense one: Table
+3's stack at batch 1 ran the selected plan 1.16-1.23x as fast as all experts at k = 2 (cost ratio 0.25) but 0.93-1.00x
 at k = 4 (ratio 0.5), no better than the dense plan ran at k = 6 (0.98x; H100, two sessions); k = 3 (ratio 0.375)
 was not measured, and on an H200 the selected plan lost at k = 2 too (0.91x).
 """
