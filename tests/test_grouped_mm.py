@@ -81,7 +81,7 @@ def test_a_fused_activation_equals_it_applied_after(monkeypatch, activation, nat
         monkeypatch.setattr(op_module, "LARGE_WEIGHT", 1)
         monkeypatch.setattr(expert_matmul_module, "NATIVE_MIN_WEIGHT", 1)
     torch.manual_seed(3)
-    counts = [2, 0, 5, op_module.GROUPED_NATIVE_MAX_ROWS + 1]
+    counts = [2, 0, 5, expert_matmul_module.NATIVE_FORWARD_MAX_ROWS + 1]
     for k, n in ((6, 40), (40, 6)):
         x, weight, bias = torch.randn(sum(counts) + 1, k), torch.randn(4, k, n), torch.randn(4, n)
         got = grouped_mm(x, weight, ends_of(counts), bias, activation)
@@ -219,12 +219,12 @@ def test_large_float32_weights_take_onednn_where_it_outruns_mkl(large_weights_on
 @pytest.mark.skipif(not native_available(), reason="softmoe's native kernels are not built here")
 @pytest.mark.parametrize("k, n", [(24, 40), (40, 24), (41, 24)], ids=["wide", "tall", "tall-odd"])
 def test_large_weights_take_the_native_expert_matmul_for_few_rows(large_weights_on_two_threads, monkeypatch, k, n):
-    """Groups of NATIVE_MIN_ROWS..GROUPED_NATIVE_MAX_ROWS rows through a large weight run softmoe::expert_matmul
+    """Groups of NATIVE_MIN_ROWS..NATIVE_FORWARD_MAX_ROWS rows through a large weight run softmoe::expert_matmul
     (a tall weight cut in two row blocks where 2 divides K), one row, more rows and a transposed weight (the
     backward) do not; equal to float64, gradients included."""
     monkeypatch.setattr(expert_matmul_module, "NATIVE_MIN_WEIGHT", 1)
     torch.manual_seed(1)
-    most = op_module.GROUPED_NATIVE_MAX_ROWS
+    most = expert_matmul_module.NATIVE_FORWARD_MAX_ROWS
     assert most > expert_matmul_module.NATIVE_MAX_ROWS  # forward-only products take the native kernel further
     counts = [1, expert_matmul_module.NATIVE_MIN_ROWS, most, 0, most + 1]
     x = torch.randn(sum(counts), k, requires_grad=True)
@@ -232,7 +232,7 @@ def test_large_weights_take_the_native_expert_matmul_for_few_rows(large_weights_
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         grouped_mm(x, weight, ends_of(counts))
     calls = {event.key: event.count for event in prof.key_averages()}
-    assert calls.get("softmoe::expert_matmul") == 2  # the groups of 2 and GROUPED_NATIVE_MAX_ROWS rows
+    assert calls.get("softmoe::expert_matmul") == 2  # the groups of 2 and NATIVE_FORWARD_MAX_ROWS rows
     out = grouped_mm(x, weight, ends_of(counts))
     x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     want = loop_reference(x64, w64, counts)

@@ -273,10 +273,29 @@ def test_auto_takes_the_op_only_in_its_range(library, monkeypatch):
     layer = large_layer(backend="auto")
     calls = count_native_calls(monkeypatch)
     assert layer.backend_for(torch.randn(4, 10, 64)).name == "native"
-    assert layer.backend_for(torch.randn(9, 10, 64)).name != "native"  # 18 rows per expert
+    assert layer.backend_for(torch.randn(9, 10, 64)).name != "native"  # 18 rows per expert, in grad mode
     layer(torch.randn(9, 10, 64))
     layer.double()(torch.randn(4, 10, 64, dtype=torch.float64))
     assert calls == []
+
+
+def test_auto_takes_the_op_for_more_rows_without_grad_mode(library, monkeypatch):
+    """Where only the forward products run, the op serves up to NATIVE_FORWARD_MAX_ROWS rows per expert; equal to
+    the float64 layer there."""
+    layer = large_layer(backend="auto")
+    most = kernels.NATIVE_FORWARD_MAX_ROWS // layer.slots_per_expert  # inputs
+    assert kernels.NATIVE_FORWARD_MAX_ROWS > kernels.NATIVE_MAX_ROWS
+    calls = count_native_calls(monkeypatch)
+    x = torch.randn(9, 10, 64)  # 18 rows per expert
+    with torch.no_grad():
+        assert layer.backend_for(torch.randn(most, 10, 64)).name == "native"
+        assert layer.backend_for(torch.randn(most + 1, 10, 64)).name != "native"
+        got = layer(x)
+    assert calls == [18, 18]
+    ref = large_layer(backend="reference", dtype=torch.float64)
+    ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+    with torch.no_grad():
+        assert relative_error(got, ref(x.double())) < 1e-5
 
 
 def test_torch_func_transforms_use_torch(library, monkeypatch):

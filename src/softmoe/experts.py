@@ -31,6 +31,8 @@ from softmoe.backends import BackendChoice, ReferenceOnly, autocast_on, transfor
 from softmoe.kernels.grouped_mm import grouped_mm
 from softmoe.kernels.modes import host_reads_are_free
 from softmoe.kernels import (
+    NATIVE_FORWARD_MAX_ROWS,
+    NATIVE_MAX_ROWS,
     batched_matmul,
     expert_matmul,
     native_applies,
@@ -238,7 +240,9 @@ class MLPExperts(nn.Module):
         batch, tokens, _ = x.shape
         if self.token_space_is_cheaper(tokens, slots_per_expert):
             return BackendChoice("tokens", "CPU cost model: the token-space rewrite moves less memory")
-        if native and native_applies(x, self.weight1, batch * slots_per_expert):
+        # Without grad mode only the forward products run: the native kernel wins over more rows there.
+        most = NATIVE_MAX_ROWS if torch.is_grad_enabled() else NATIVE_FORWARD_MAX_ROWS
+        if native and native_applies(x, self.weight1, batch * slots_per_expert, max_rows=most):
             return BackendChoice("native", f"{batch * slots_per_expert} rows per expert through large float32 "
                                            "weights: the native expert matmul streams them faster")
         if not slots:

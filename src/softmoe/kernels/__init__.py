@@ -35,6 +35,7 @@ from softmoe.kernels.build import (
 )
 from softmoe.kernels.expert_matmul import (
     NATIVE_ACTIVATIONS,
+    NATIVE_FORWARD_MAX_ROWS,
     NATIVE_MAX_ROWS,
     NATIVE_MIN_ROWS,
     NATIVE_MIN_WEIGHT,
@@ -64,6 +65,7 @@ __all__ = [
     "MIXING_MAX_WEIGHT_BYTES_PER_LANE",
     "MIXING_MAX_TOKENS",
     "NATIVE_ACTIVATIONS",
+    "NATIVE_FORWARD_MAX_ROWS",
     "NATIVE_MAX_ROWS",
     "NATIVE_MIN_ROWS",
     "NATIVE_MIN_WEIGHT",

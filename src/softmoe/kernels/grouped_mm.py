@@ -15,7 +15,7 @@ the (data-dependent) group sizes, and it never recompiles for a new pattern of s
   for the weight's gradient too;
 - elsewhere one product per non-empty expert (the group sizes are read on the host: free on CPU, one
   synchronization on a GPU). On CPU a large weight (K * N >= LARGE_WEIGHT) read by 1-3 rows takes one contiguous
-  block of the weight per thread (1.2-1.5x MKL's rate); 2 to GROUPED_NATIVE_MAX_ROWS rows through a contiguous
+  block of the weight per thread (1.2-1.5x MKL's rate); 2 to NATIVE_FORWARD_MAX_ROWS rows through a contiguous
   weight take softmoe's native expert matmul (float32); more rows take oneDNN where it pays on this CPU (float32
   inference; :func:`softmoe.kernels.onednn.onednn_pays`: enough FLOPs, oneDNN timed faster than MKL once), else MKL.
   ``benchmarks/bench_products.py --isa avx512,avx2`` on an Intel Xeon (2 threads), 768 x 30720, 30720 x 768,
@@ -34,16 +34,15 @@ import torch
 
 from softmoe.activations import ACTIVATIONS
 from softmoe.kernels.build import cpu_isa
-from softmoe.kernels.expert_matmul import native_applies
+from softmoe.kernels.expert_matmul import NATIVE_FORWARD_MAX_ROWS, native_applies
 from softmoe.kernels.onednn import onednn_applies, onednn_linear, onednn_pays
 
 # A weight of at least LARGE_WEIGHT elements run by few CPU rows takes the faster kernels above: the native kernel
-# up to GROUPED_NATIVE_MAX_ROWS rows (a forward product only: the bound of the layer's native path, which must
-# also win backward, is lower), fewer than BLAS_MIN_ROWS rows where it does not serve them row blocks, more rows
-# MKL or oneDNN.
+# up to NATIVE_FORWARD_MAX_ROWS rows (a forward product: the bound of the layer's native path in training, which
+# must also win backward, is lower), fewer than BLAS_MIN_ROWS rows where it does not serve them row blocks, more
+# rows MKL or oneDNN.
 LARGE_WEIGHT = 1 << 20
 BLAS_MIN_ROWS = 4
-GROUPED_NATIVE_MAX_ROWS = 48
 
 
 def row_block_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int, native: bool = False) -> torch.Tensor:
@@ -67,7 +66,7 @@ def group_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     """act(x (rows, K) @ w (K, N) + bias (N,)) with the fastest kernel for few rows through a large CPU weight
     (module doc); the native kernel and oneDNN apply bias and activation themselves."""
     if x.device.type == "cpu" and w.numel() >= LARGE_WEIGHT:
-        if w.is_contiguous() and native_applies(x[None], w[None], max_rows=GROUPED_NATIVE_MAX_ROWS):
+        if w.is_contiguous() and native_applies(x[None], w[None], max_rows=NATIVE_FORWARD_MAX_ROWS):
             return native_product(x, w, bias, activation)
         if x.shape[0] < BLAS_MIN_ROWS:
             return _finish(row_block_matmul(x, w, torch.get_num_threads()), bias, activation)
