@@ -36,9 +36,10 @@ from softmoe.kernels.modes import needs_grad, transforms_active
 NATIVE_MIN_ROWS = 2
 NATIVE_MAX_ROWS = 16
 # Where only the forward product runs (grad mode off; softmoe::grouped_mm's products), up to NATIVE_FORWARD_MAX_ROWS:
-# the Intel Xeon ran native / MKL at 0.9-1.2x MKL's speed at 48 rows, 0.8-1.06x at 64-100; the AMD EPYC Zen 5, with
-# the later row passes reading a copy of each tile, ViT-S's experts (128 of 384 -> 1536 -> 384, gelu) in 0.49-0.62x
-# the time of the batched products the slot backend runs (oneDNN with AVX-512, MKL with AVX2) at 24-48 rows.
+# on the Intel Xeon the native kernel ran at 0.9-1.2x MKL's speed at 48 rows and 0.8-1.06x at 64-100; the AMD EPYC
+# Zen 5, with the later row passes reading a copy of each tile, ran ViT-S's experts (128 of 384 -> 1536 -> 384, gelu)
+# in 0.49-0.62x the time of the batched products the slot backend runs (oneDNN with AVX-512, MKL with AVX2) at 24-48
+# rows.
 NATIVE_FORWARD_MAX_ROWS = 48
 NATIVE_MIN_WEIGHT = 1 << 18
 
