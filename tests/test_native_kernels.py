@@ -147,6 +147,33 @@ def test_large_weight_gradients_reuse_a_block_once_it_is_free(library):
     assert relative_error(third, 3 * want) < 1e-5
 
 
+def test_the_slot_backends_large_weight_gradients_reuse_a_block_once_it_is_free(library):
+    """The slot backend's expert weight gradients (torch's products) go into the same pool of blocks: reused once
+    dropped, never while held, right in every case; a double backward (create_graph) keeps torch's own product."""
+    torch.manual_seed(5)
+    layer = SoftMoE(64, 4, slots_per_expert=2, expert_hidden=32768, backend="slots")  # 33.5 MB gradients
+    ref = SoftMoE(64, 4, slots_per_expert=2, expert_hidden=32768, backend="reference", dtype=torch.float64)
+    ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+    x, g = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
+    (ref(x.double()) * g.double()).sum().backward()
+    w1, want = layer.experts.weight1, ref.experts.weight1.grad
+
+    (layer(x) * g).sum().backward()
+    first = w1.grad.data_ptr()
+    assert relative_error(w1.grad, want) < 1e-5
+    w1.grad = None
+    (layer(x) * g).sum().backward()
+    assert w1.grad.data_ptr() == first  # the freed block came back
+    held = w1.grad
+    w1.grad = None
+    (layer(x) * 2 * g).sum().backward()
+    assert w1.grad.data_ptr() != held.data_ptr()  # `held` still holds its block
+    assert relative_error(held, want) < 1e-5 and relative_error(w1.grad, 2 * want) < 1e-5
+    w1.grad = None
+    grad = torch.autograd.grad((layer(x) * g).sum(), w1, create_graph=True)[0]
+    assert grad.requires_grad and relative_error(grad, want) < 1e-5
+
+
 def test_native_applies_to_few_rows_through_large_float32_weights(library):
     w = torch.empty(4, 64, 4096)
     assert native_applies(torch.empty(4, 8, 64), w)

@@ -28,6 +28,7 @@ from torch import nn
 
 from softmoe.activations import activation_fn
 from softmoe.backends import BackendChoice, ReferenceOnly, autocast_on, transforms_active, unsupported
+from softmoe.kernels.expert_matmul import reusable_empty
 from softmoe.kernels.grouped_mm import grouped_mm
 from softmoe.kernels.modes import host_reads_are_free
 from softmoe.kernels import (
@@ -372,10 +373,10 @@ class _SlotMixing(torch.autograd.Function):
             _, rows, hidden, activated, y = _slot_mixing(*inputs, p, ctx.activation)
         grad_combine = torch.bmm(grad, y.transpose(1, 2)) if need[2] else None
         grad_y = _expert_rows(torch.bmm(combine.transpose(1, 2), grad), weight1.shape[0], p)
-        grad_w2 = torch.bmm(activated.transpose(1, 2), grad_y) if need[5] else None
+        grad_w2 = _weight_gradient(activated, grad_y) if need[5] else None
         grad_b2 = grad_y.sum(1) if need[6] else None
         grad_hidden = _activation_backward(batched_matmul(grad_y, weight2.transpose(1, 2)), hidden, ctx.activation)
-        grad_w1 = torch.bmm(rows.transpose(1, 2), grad_hidden) if need[3] else None
+        grad_w1 = _weight_gradient(rows, grad_hidden) if need[3] else None
         grad_b1 = grad_hidden.sum(1) if need[4] else None
         grad_x = grad_dispatch = None
         if need[0] or need[1]:
@@ -383,6 +384,16 @@ class _SlotMixing(torch.autograd.Function):
             grad_x = torch.bmm(dispatch, grad_slots) if need[0] else None
             grad_dispatch = torch.bmm(x, grad_slots.transpose(1, 2)) if need[1] else None
         return grad_x, grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, None, None
+
+
+def _weight_gradient(inputs: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Each expert's weight gradient inputs^T @ grad: (n, rows, K), (n, rows, N) -> (n, K, N). Without a graph to
+    record it goes into a block reused from step to step (:func:`softmoe.kernels.expert_matmul.reusable_empty`): a
+    ViT-S layer's are 302 MB each, fresh pages at every step in a default process."""
+    if torch.is_grad_enabled():  # create_graph: torch.bmm's out= records no graph
+        return torch.bmm(inputs.transpose(1, 2), grad)
+    shape = (inputs.shape[0], inputs.shape[2], grad.shape[2])
+    return torch.bmm(inputs.transpose(1, 2), grad, out=reusable_empty(shape, grad))
 
 
 def _reinitialize(module: nn.Module) -> None:

@@ -207,6 +207,13 @@ at::Tensor reusable_empty(at::IntArrayRef sizes, const at::TensorOptions &option
     return at::empty({0}, options).set_(block);
 }
 
+/* An uninitialized float32 CPU tensor of `sizes` from reusable_empty's pool: for the outputs of torch's own products
+ * that are as large and as short-lived (the slot backend's weight gradients). */
+at::Tensor reusable_float_empty(const std::vector<int64_t> &sizes)
+{
+    return reusable_empty(sizes, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
+}
+
 /* x^T @ grad: x (E, M, K), grad (E, M, N) -> (E, K, N), in a reused block (reusable_empty) */
 at::Tensor expert_matmul_tn(const at::Tensor &x_in, const at::Tensor &grad_in, const std::string &isa)
 {
@@ -566,6 +573,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           pybind11::arg("activation"), pybind11::arg("isa"));
     m.def("expert_matmul_nt", &expert_matmul_nt, pybind11::arg("grad"), pybind11::arg("weight"), pybind11::arg("isa"));
     m.def("expert_matmul_tn", &expert_matmul_tn, pybind11::arg("x"), pybind11::arg("grad"), pybind11::arg("isa"));
+    m.def("reusable_empty", &reusable_float_empty, "an uninitialized float32 CPU tensor from the pool of large blocks",
+          pybind11::arg("sizes"));
     m.def("soft_moe_mixing", &soft_moe_mixing);
     m.def("soft_moe_mixing_backward", &soft_moe_mixing_backward);
     m.def("soft_moe_routing", &soft_moe_routing);

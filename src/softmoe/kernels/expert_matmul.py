@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from softmoe.kernels.build import native_available, native_module, required_isa
-from softmoe.kernels.modes import needs_grad, transforms_active
+from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
 
 # The native expert matmul serves NATIVE_MIN_ROWS..NATIVE_MAX_ROWS rows per expert through weights of at least
 # NATIVE_MIN_WEIGHT elements per expert. Measured on the reference machine (fwd+bwd, native / MKL's baddbmm): 384 x
@@ -168,6 +168,16 @@ expert_matmul_tn_op.register_autograd(_backward_tn, setup_context=_setup_tn)
 
 
 # ---- the Python entry point and where it applies ----------------------------------------------------------------
+
+
+def reusable_empty(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """An uninitialized tensor of ``shape`` (dtype and device of ``like``) for a large result made again at every
+    step, such as a weight gradient. For float32 CPU tensors in plain eager mode with the native build: a block of the
+    extension's pool (``csrc/bindings.cpp``, ``reusable_empty``: 32 MB or more, handed out again only once nothing
+    else holds it), which spares the fresh pages glibc would map and fault in each time; else ``like.new_empty``."""
+    if like.device.type == "cpu" and like.dtype == torch.float32 and plain_eager_mode("cpu") and native_available():
+        return native_module().reusable_empty(list(shape))
+    return like.new_empty(shape)
 
 
 def native_applies(x: Tensor, weight: Tensor, rows: int | None = None, max_rows: int = NATIVE_MAX_ROWS) -> bool:
