@@ -485,13 +485,18 @@ INLINE void lane_sums_chunk(float *RESTRICT row, const vec *RESTRICT c, const ve
         for (long dd = 0; dd < width; dd++) row[d0 + dd] += r[dd];
 }
 
-/* row[d] += sum over groups g < ng and lanes of coef[g * cs] * rows[g * Dm + d] (coef NULL: 1), for d < Dm */
+/* row[d] += sum over groups g < ng and lanes of coef[g * cs] * rows[g * Dm + d] (coef NULL: 1), for d < Dm. Full
+ * blocks of groups take a chunk compiled for them (measured, the backward of the MNIST layer's op at n = 256, hidden 3:
+ * 0.95x the time with AVX-512 and with AVX2, the partial sums no longer spilled to the stack). */
 static void add_lane_sums(float *RESTRICT row, const vec *RESTRICT coef, long cs, const vec *RESTRICT rows, long ng,
                           long Dm)
 {
     vec c[GROUP_BLOCK];
     for (long g = 0; g < ng; g++) c[g] = coef ? coef[g * cs] : splat(1.0f);
-    for (long d0 = 0; d0 < Dm; d0 += LANES)
+    long d0 = 0;
+    if (ng == GROUP_BLOCK)
+        for (; d0 + LANES <= Dm; d0 += LANES) lane_sums_chunk(row, c, rows, Dm, d0, GROUP_BLOCK, LANES);
+    for (; d0 < Dm; d0 += LANES)
         lane_sums_chunk(row, c, rows, Dm, d0, ng, Dm - d0 < LANES ? Dm - d0 : LANES);
 }
 
