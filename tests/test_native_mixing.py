@@ -58,7 +58,8 @@ def random_inputs(batch, tokens, dim, experts, slots_per_expert, hidden, bias, s
 # groups with more slots than a routing chunk (64) in runs of 16 (transposed in registers) and a tail, and the
 # largest hidden size served, with full blocks of groups (64 inputs) and a dim with a tail chunk; weight gradients
 # as outer products (hidden >= 16) with a partial tile of units (17), dim chunks of every width plus a tail (70),
-# a second block of one partial group (83 inputs).
+# a second block of one partial group (83 inputs); slots two at a time (4 tokens, hidden <= 6, AVX-512) with an odd
+# number of slots (the last one alone), and pairs within one expert and across two (3 slots per expert).
 SHAPES = [
     (37, 4, 20, 6, 1, 2),
     (64, 4, 21, 2, 1, MIXING_MAX_WEIGHT_BYTES_PER_LANE * 16 // (8 * 21)),
@@ -69,6 +70,8 @@ SHAPES = [
     (40, 5, 16, 7, 1, 19),
     (48, 4, 10, 45, 2, 3),
     (83, 4, 70, 3, 1, 17),
+    (33, 4, 19, 7, 1, 5),
+    (20, 4, 24, 3, 3, 4),
 ]
 
 

@@ -63,6 +63,17 @@ namespace SOFTMOE_NS {
 #define BLOCK_CASES_WIDE(CALL, k, first, last)
 #endif
 #define BLOCK_CASES_NONE(CALL, k, first, last)
+/* Experts of at most this many hidden units run two slots of a group side by side (pair = 1 below): one pass over
+ * dim for both, each token vector (and output gradient) loaded once for the two. Measured against one slot at a time
+ * (the op alone, 256 inputs of 4 tokens of dim 196, AMD EPYC Zen 5, AVX-512): forward 0.89-0.97x the time at hidden
+ * 2-6, backward 0.85-0.94x at 2-5 and 1.00x at 6, but 1.02x at 7 and 1.10x at 12 (registers run out); with AVX2's 16
+ * registers 1.02-1.30x at 2-6, so never. The code of the other sizes, one slot at a time, came out 1.00-1.02x its
+ * time before (backward, both instruction sets). */
+#if LANES == 16
+#define PAIR_MAX_HIDDEN 6
+#else
+#define PAIR_MAX_HIDDEN 0
+#endif
 #define GROUP_BLOCK 4  /* groups whose slot vectors and gradients a thread keeps while it runs through its experts */
 #define INLINE static inline __attribute__((always_inline))
 #define RESTRICT __restrict__ /* C's restrict */
@@ -108,25 +119,35 @@ INLINE vec relu_slope(vec v) { return (vec)((ivec)splat(1.0f) & (v > 0)); }
 /* ---- forward ------------------------------------------------------------------------------------------------ */
 
 /* h[kk] = sum_d slot[d] w1[d * Hd + kk] for kk < kb. On the first block slot = sum_t ds[t] xg[t] is computed here
- * (and kept in `keep` unless it is also the last block); later blocks read it from `keep`. */
+ * (and kept in `keep` unless it is also the last block); later blocks read it from `keep`. With pair (one block
+ * only) the same for a second slot of the group: h2, ds2, w12. */
 INLINE void layer1_block(vec *RESTRICT h, const vec *RESTRICT xg, const vec *RESTRICT ds, vec *RESTRICT keep,
-                         const float *RESTRICT w1, long Hd, long M, long Dm, const int kb, const int first,
-                         const int last)
+                         const float *RESTRICT w1, vec *RESTRICT h2, const vec *RESTRICT ds2,
+                         const float *RESTRICT w12, long Hd, long M, long Dm, const int kb, const int first,
+                         const int last, const int pair)
 {
-    vec acc[FORWARD_KBLOCK] = {{0}}, dsv[MAX_TOKENS];
-    for (long t = 0; t < M; t++) dsv[t] = ds[t];
+    vec acc[FORWARD_KBLOCK] = {{0}}, acc2[FORWARD_KBLOCK] = {{0}}, dsv[MAX_TOKENS], dsv2[MAX_TOKENS];
+    for (long t = 0; t < M; t++) dsv[t] = ds[t], dsv2[t] = pair ? ds2[t] : vec{};
     for (long d = 0; d < Dm; d++) {
-        vec sv;
+        vec sv, sv2 = {0};
         if (first) {
             sv = dsv[0] * xg[d];
-            for (long t = 1; t < M; t++) sv += dsv[t] * xg[t * Dm + d];
+            if (pair) sv2 = dsv2[0] * xg[d];
+            for (long t = 1; t < M; t++) {
+                sv += dsv[t] * xg[t * Dm + d];
+                if (pair) sv2 += dsv2[t] * xg[t * Dm + d];
+            }
             if (!last) keep[d] = sv;
         } else {
             sv = keep[d];
         }
         for (int kk = 0; kk < kb; kk++) acc[kk] += sv * w1[d * Hd + kk];
+        if (pair)
+            for (int kk = 0; kk < kb; kk++) acc2[kk] += sv2 * w12[d * Hd + kk];
     }
     for (int kk = 0; kk < kb; kk++) h[kk] = acc[kk];
+    if (pair)
+        for (int kk = 0; kk < kb; kk++) h2[kk] = acc2[kk];
 }
 
 /* y[d] (+)= sum_kk a[kk] w2[kk * Dm + d], starting from b2[d] (or 0) on the first block */
@@ -168,14 +189,10 @@ static void spread_pending(vec *RESTRICT rows, const vec *RESTRICT coef, const v
         spread_slots(rows, coef, vals, ldv, count, M, Dm);
 }
 
-/* One slot of one group: dispatch and both expert layers; its output to y, its pre-activations to ps. */
-INLINE void forward_slot(vec *RESTRICT y, vec *RESTRICT ps, const vec *RESTRICT xg, const vec *RESTRICT ds,
-                         const float *RESTRICT w1, const float *RESTRICT b1, const float *RESTRICT w2,
-                         const float *RESTRICT b2, vec *RESTRICT buf, vec *RESTRICT a, long M, long Hd, long Dm)
+/* A slot after its first layer's products ps: the bias, relu into a, the second layer into y. */
+INLINE void second_layer(vec *RESTRICT y, vec *RESTRICT ps, const float *RESTRICT b1, const float *RESTRICT w2,
+                         const float *RESTRICT b2, vec *RESTRICT a, long Hd, long Dm)
 {
-#define LAYER1(k, kb, first, last) layer1_block(ps + (k), xg, ds, buf, w1 + (k), Hd, M, Dm, kb, first, last)
-    FOR_FORWARD_BLOCKS(Hd, LAYER1)
-#undef LAYER1
     for (long k = 0; k < Hd; k++) {
         ps[k] += b1 ? b1[k] : 0.0f;
         a[k] = relu(ps[k]);
@@ -183,6 +200,44 @@ INLINE void forward_slot(vec *RESTRICT y, vec *RESTRICT ps, const vec *RESTRICT 
 #define LAYER2(k, kb, first, last) layer2_block(y, a + (k), w2 + (k) * Dm, b2, Dm, kb, first)
     FOR_FORWARD_BLOCKS(Hd, LAYER2)
 #undef LAYER2
+}
+
+/* Where a slot's data lie: its expert's weights, its routing weights in a gathered chunk, its saved record. */
+typedef struct {
+    const float *w1, *b1, *w2, *b2;
+    const vec *ds, *cs;
+    vec *record;
+} slot_t;
+
+/* Slot s of a chunk of slots from s0 (routing weights ds, cs: M vectors per slot of the chunk) of the group whose
+ * saved records (W vectors per slot) start at records. */
+INLINE slot_t slot_at(long s, long s0, long P, long M, long Hd, long Dm, long W, const float *w1, const float *b1,
+                      const float *w2, const float *b2, const vec *ds, const vec *cs, vec *records)
+{
+    const long j = s / P;
+    const slot_t q = {w1 + j * Dm * Hd, b1 ? b1 + j * Hd : NULL, w2 + j * Hd * Dm, b2 ? b2 + j * Dm : NULL,
+                      ds + (s - s0) * M, cs + (s - s0) * M, records + s * W};
+    return q;
+}
+
+/* One slot of one group, or with pair two (hidden <= PAIR_MAX_HIDDEN): dispatch and both expert layers; the
+ * outputs to y and y2, the pre-activations to the records. */
+INLINE void forward_slots(vec *RESTRICT y, vec *RESTRICT y2, slot_t q, slot_t q2, const vec *RESTRICT xg,
+                          vec *RESTRICT buf, vec *RESTRICT a, long M, long Hd, long Dm, const int pair)
+{
+    if (pair) {
+#define LAYER1(k, kb, first, last)                                                                                    \
+    layer1_block(q.record, xg, q.ds, buf, q.w1, q2.record, q2.ds, q2.w1, Hd, M, Dm, kb, 1, 1, 1)
+        BLOCK_SWITCH(Hd, LAYER1, 0, 1, 1, FORWARD_KBLOCK, BLOCK_CASES_NONE)
+#undef LAYER1
+        second_layer(y2, q2.record, q2.b1, q2.w2, q2.b2, a, Hd, Dm);
+    } else {
+#define LAYER1(k, kb, first, last)                                                                                    \
+    layer1_block(q.record + (k), xg, q.ds, buf, q.w1 + (k), NULL, NULL, NULL, Hd, M, Dm, kb, first, last, 0)
+        FOR_FORWARD_BLOCKS(Hd, LAYER1)
+#undef LAYER1
+    }
+    second_layer(y, q.record, q.b1, q.w2, q.b2, a, Hd, Dm);
 }
 
 /* ---- layouts ------------------------------------------------------------------------------------------------ */
@@ -282,11 +337,13 @@ static void scatter_rows(float *rows, vec *v, group_t grp, long count)
 #define SLOT_CHUNK 64 /* slots whose routing weights are gathered (and gradients scattered) together */
 
 /* All slots of one group, outputs to og; the group's saved records (W vectors per slot: Hd pre-activations, then
- * with keep its Dm slot outputs) to sg. Without keep ys holds SPREAD_SLOTS slot outputs until they are combined. */
+ * with keep its Dm slot outputs) to sg. Without keep ys holds SPREAD_SLOTS slot outputs until they are combined.
+ * pairs: slots two at a time (Hd <= PAIR_MAX_HIDDEN); a constant, so that the code of the others has no trace of it
+ * (with the choice made per slot, one slot at a time took 1.02-1.03x the time at hidden 12-24). */
 INLINE void forward_group(vec *RESTRICT og, vec *RESTRICT sg, const vec *RESTRICT xg, const float *dispatch,
                           const float *combine, group_t grp, const float *w1, const float *b1, const float *w2,
                           const float *b2, vec *RESTRICT buf, vec *RESTRICT a, vec *RESTRICT ds, vec *RESTRICT cs,
-                          vec *RESTRICT ys, long M, long S, long P, long Hd, long Dm, long W, int keep)
+                          vec *RESTRICT ys, long M, long S, long P, long Hd, long Dm, long W, int keep, const int pairs)
 {
     memset(og, 0, M * Dm * sizeof(vec));
     for (long s0 = 0; s0 < S; s0 += SLOT_CHUNK) {
@@ -294,13 +351,20 @@ INLINE void forward_group(vec *RESTRICT og, vec *RESTRICT sg, const vec *RESTRIC
         gather_slots(ds, dispatch, grp, s0, count, M, S);
         gather_slots(cs, combine, grp, s0, count, M, S);
         for (long s = s0; s < s0 + count; s++) {
-            const long j = s / P, pending = (s - s0) % SPREAD_SLOTS;
-            forward_slot(keep ? sg + s * W + Hd : ys + pending * Dm, sg + s * W, xg, ds + (s - s0) * M,
-                         w1 + j * Dm * Hd, b1 ? b1 + j * Hd : NULL, w2 + j * Hd * Dm, b2 ? b2 + j * Dm : NULL, buf, a,
-                         M, Hd, Dm);
-            if (pending == SPREAD_SLOTS - 1 || s == s0 + count - 1)
-                spread_pending(og, cs + (s - pending - s0) * M, keep ? sg + (s - pending) * W + Hd : ys,
-                               keep ? W : Dm, pending + 1, M, Dm);
+            const long pending = (s - s0) % SPREAD_SLOTS; /* SPREAD_SLOTS is even: a pair never straddles two */
+            const int pair = pairs && pending % 2 == 0 && s + 1 < s0 + count;
+            const slot_t q = slot_at(s, s0, P, M, Hd, Dm, W, w1, b1, w2, b2, ds, cs, sg);
+            const slot_t q2 = pair ? slot_at(s + 1, s0, P, M, Hd, Dm, W, w1, b1, w2, b2, ds, cs, sg) : q;
+            vec *y = keep ? q.record + Hd : ys + pending * Dm, *y2 = keep ? q2.record + Hd : y + Dm;
+            if (pair)
+                forward_slots(y, y2, q, q2, xg, buf, a, M, Hd, Dm, 1);
+            else
+                forward_slots(y, y2, q, q2, xg, buf, a, M, Hd, Dm, 0);
+            s += pair;
+            const long done = pending + pair; /* the last slot's place among the pending ones */
+            if (done == SPREAD_SLOTS - 1 || s == s0 + count - 1)
+                spread_pending(og, cs + (s - done - s0) * M, keep ? sg + (s - done) * W + Hd : ys, keep ? W : Dm,
+                               done + 1, M, Dm);
         }
     }
 }
@@ -331,12 +395,18 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
             const group_t grp = group_of(g, B);
             vec *sg = (vec *)saved + g * S * W;
             gather_rows(xg, x, grp, M * Dm);
+#if PAIR_MAX_HIDDEN > 0
+            if (M == 4 && Hd <= PAIR_MAX_HIDDEN)
+                forward_group(og, sg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, ds, cs, ys, 4, S, P, Hd, Dm,
+                              W, keep, 1);
+            else
+#endif
             if (M == 4)
                 forward_group(og, sg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, ds, cs, ys, 4, S, P, Hd, Dm,
-                              W, keep);
+                              W, keep, 0);
             else
                 forward_group(og, sg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, ds, cs, ys, M, S, P, Hd, Dm,
-                              W, keep);
+                              W, keep, 0);
             scatter_rows(out, og, grp, M * Dm);
         }
         free(xg);
@@ -350,21 +420,29 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
  * in `gy` on the first block, read after), gpre[kk] = gy . w2[kk] over d, and gcs[t] = gog[t] . y over d: with the
  * slot's outputs kept by the forward pass (kept, keep = 1) on the first block; otherwise on the last, y = (b2 +)
  * sum_kk a[kk] w2[kk] summed up in `y` block by block (the output gradients read twice per slot, not once per
- * block). */
+ * block). With pair (one block, outputs not kept) the same for a second slot: gcs2, gpre2, gy2, cs2, a2, w22, b22. */
 INLINE void layer2_back_block(vec *RESTRICT gcs, vec *RESTRICT gpre, vec *RESTRICT gy, vec *RESTRICT y,
                               const vec *RESTRICT kept, const vec *RESTRICT gog, const vec *RESTRICT cs,
-                              const vec *RESTRICT a, const float *RESTRICT w2, const float *RESTRICT b2, long M,
-                              long Dm, const int kb, const int first, const int last, const int keep)
+                              const vec *RESTRICT a, const float *RESTRICT w2, const float *RESTRICT b2,
+                              vec *RESTRICT gcs2, vec *RESTRICT gpre2, vec *RESTRICT gy2, const vec *RESTRICT cs2,
+                              const vec *RESTRICT a2, const float *RESTRICT w22, const float *RESTRICT b22, long M,
+                              long Dm, const int kb, const int first, const int last, const int keep, const int pair)
 {
     vec acc[KBLOCK] = {{0}}, av[KBLOCK], csv[MAX_TOKENS], gc[MAX_TOKENS];
-    for (int kk = 0; kk < kb; kk++) av[kk] = a[kk];
-    for (long t = 0; t < M; t++) csv[t] = cs[t], gc[t] = vec{};
+    vec acc2[KBLOCK] = {{0}}, av2[KBLOCK], csv2[MAX_TOKENS], gc2[MAX_TOKENS];
+    for (int kk = 0; kk < kb; kk++) av[kk] = a[kk], av2[kk] = pair ? a2[kk] : vec{};
+    for (long t = 0; t < M; t++) csv[t] = cs[t], gc[t] = vec{}, csv2[t] = pair ? cs2[t] : vec{}, gc2[t] = vec{};
     for (long d = 0; d < Dm; d++) {
-        vec g;
+        vec g, g2 = {0};
         if (first) {
             g = csv[0] * gog[d];
-            for (long t = 1; t < M; t++) g += csv[t] * gog[t * Dm + d];
+            if (pair) g2 = csv2[0] * gog[d];
+            for (long t = 1; t < M; t++) {
+                g += csv[t] * gog[t * Dm + d];
+                if (pair) g2 += csv2[t] * gog[t * Dm + d];
+            }
             gy[d] = g;
+            if (pair) gy2[d] = g2;
         } else {
             g = gy[d];
         }
@@ -374,77 +452,127 @@ INLINE void layer2_back_block(vec *RESTRICT gcs, vec *RESTRICT gpre, vec *RESTRI
                 for (long t = 0; t < M; t++) gc[t] += gog[t * Dm + d] * kept[d];
             continue;
         }
-        vec v = first ? splat(b2 ? b2[d] : 0.0f) : y[d];
+        vec v = first ? splat(b2 ? b2[d] : 0.0f) : y[d], v2 = splat(pair && b22 ? b22[d] : 0.0f);
         for (int kk = 0; kk < kb; kk++) {
             const float w = w2[kk * Dm + d];
             v += av[kk] * w;
             acc[kk] += g * w;
+            if (pair) {
+                const float w_2 = w22[kk * Dm + d];
+                v2 += av2[kk] * w_2;
+                acc2[kk] += g2 * w_2;
+            }
         }
         if (last)
-            for (long t = 0; t < M; t++) gc[t] += gog[t * Dm + d] * v;
+            for (long t = 0; t < M; t++) {
+                gc[t] += gog[t * Dm + d] * v;
+                if (pair) gc2[t] += gog[t * Dm + d] * v2;
+            }
         else
             y[d] = v;
     }
     for (int kk = 0; kk < kb; kk++) gpre[kk] = acc[kk];
     if (keep ? first : last)
         for (long t = 0; t < M; t++) gcs[t] = gc[t];
+    if (pair) {
+        for (int kk = 0; kk < kb; kk++) gpre2[kk] = acc2[kk];
+        for (long t = 0; t < M; t++) gcs2[t] = gc2[t];
+    }
 }
 
 /* Through the first layer, one block of hidden units: gslot (+)= sum_kk gpre[kk] w1[., kk]; the first block also
  * computes slot = sum_t ds[t] xg[t] into `slot`, the last one gds[t] = xg[t] . gslot (the tokens' share,
- * ds[t] gslot, is added later by spread_pending). */
+ * ds[t] gslot, is added later by spread_pending). With pair (one block) the same for a second slot: gds2, slot2,
+ * gslot2, ds2, gpre2, w12. */
 INLINE void layer1_back_block(vec *RESTRICT gds, vec *RESTRICT slot, vec *RESTRICT gslot,
                               const vec *RESTRICT xg, const vec *RESTRICT ds, const vec *RESTRICT gpre,
-                              const float *RESTRICT w1, long Hd, long M, long Dm, const int kb, const int first,
-                              const int last)
+                              const float *RESTRICT w1, vec *RESTRICT gds2, vec *RESTRICT slot2,
+                              vec *RESTRICT gslot2, const vec *RESTRICT ds2, const vec *RESTRICT gpre2,
+                              const float *RESTRICT w12, long Hd, long M, long Dm, const int kb, const int first,
+                              const int last, const int pair)
 {
-    vec gp[KBLOCK], dsv[MAX_TOKENS], gd[MAX_TOKENS];
-    for (int kk = 0; kk < kb; kk++) gp[kk] = gpre[kk];
-    for (long t = 0; t < M; t++) dsv[t] = ds[t], gd[t] = vec{};
+    vec gp[KBLOCK], dsv[MAX_TOKENS], gd[MAX_TOKENS], gp2[KBLOCK], dsv2[MAX_TOKENS], gd2[MAX_TOKENS];
+    for (int kk = 0; kk < kb; kk++) gp[kk] = gpre[kk], gp2[kk] = pair ? gpre2[kk] : vec{};
+    for (long t = 0; t < M; t++) dsv[t] = ds[t], gd[t] = vec{}, dsv2[t] = pair ? ds2[t] : vec{}, gd2[t] = vec{};
     for (long d = 0; d < Dm; d++) {
         if (first) {
-            vec sv = dsv[0] * xg[d];
-            for (long t = 1; t < M; t++) sv += dsv[t] * xg[t * Dm + d];
+            vec sv = dsv[0] * xg[d], sv2 = dsv2[0] * xg[d];
+            for (long t = 1; t < M; t++) {
+                sv += dsv[t] * xg[t * Dm + d];
+                if (pair) sv2 += dsv2[t] * xg[t * Dm + d];
+            }
             slot[d] = sv;
+            if (pair) slot2[d] = sv2;
         }
-        vec g = first ? vec{} : gslot[d];
-        for (int kk = 0; kk < kb; kk++) g += gp[kk] * w1[d * Hd + kk];
+        vec g = first ? vec{} : gslot[d], g2 = {0};
+        for (int kk = 0; kk < kb; kk++) {
+            g += gp[kk] * w1[d * Hd + kk];
+            if (pair) g2 += gp2[kk] * w12[d * Hd + kk];
+        }
         if (last)
-            for (long t = 0; t < M; t++) gd[t] += xg[t * Dm + d] * g;
+            for (long t = 0; t < M; t++) {
+                gd[t] += xg[t * Dm + d] * g;
+                if (pair) gd2[t] += xg[t * Dm + d] * g2;
+            }
         gslot[d] = g;
+        if (pair) gslot2[d] = g2;
     }
     if (last)
         for (long t = 0; t < M; t++) gds[t] = gd[t];
+    if (pair)
+        for (long t = 0; t < M; t++) gds2[t] = gd2[t];
 }
 
-/* One slot of one group, backward, from its saved record ps (pre-activations, then with keep the slot's outputs):
- * gradients of its routing weights (gcs, gds) and of its slot vector (gslot, to be spread to the tokens); keeps gy,
- * slot, a = relu(pre) and gpre for the weight gradients. */
-INLINE void backward_slot(vec *RESTRICT gcs, vec *RESTRICT gds, vec *RESTRICT gy,
-                          vec *RESTRICT slot, vec *RESTRICT a, vec *RESTRICT gpre, vec *RESTRICT gslot,
-                          const vec *RESTRICT gog, const vec *RESTRICT xg, const vec *RESTRICT ds,
-                          const vec *RESTRICT cs, const vec *RESTRICT ps, const float *RESTRICT w1,
-                          const float *RESTRICT w2, const float *RESTRICT b2, long M, long Hd, long Dm, int keep)
+/* Where the backward pass of one slot of a group leaves its results: the gradients of its routing weights (gcs, gds:
+ * M vectors each) and of its slot vector (gslot, to be spread to the tokens), and gy, slot, a = relu(pre) and gpre
+ * (Dm, Dm, Hd, Hd vectors) for the weight gradients. */
+typedef struct {
+    vec *gcs, *gds, *gy, *slot, *a, *gpre, *gslot;
+} slot_grads_t;
+
+/* One slot of one group, backward, from its saved record q.record (pre-activations, then with keep the slot's
+ * outputs), into o; with pair (hidden <= PAIR_MAX_HIDDEN, outputs not kept) a second slot too, q2 into o2. */
+INLINE void backward_slots(slot_t q, slot_grads_t o, slot_t q2, slot_grads_t o2, const vec *RESTRICT gog,
+                           const vec *RESTRICT xg, long M, long Hd, long Dm, int keep, const int pair)
 {
+    const vec *RESTRICT ps = q.record, *RESTRICT ps2 = q2.record;
+    vec *RESTRICT a = o.a, *RESTRICT a2 = o2.a, *RESTRICT gpre = o.gpre, *RESTRICT gpre2 = o2.gpre;
     for (long k = 0; k < Hd; k++) a[k] = relu(ps[k]);
-#define LAYER2(k, kb, first, last)                                                                                    \
-    layer2_back_block(gcs, gpre + (k), gy, slot, ps + Hd, gog, cs, a + (k), w2 + (k) * Dm, b2, M, Dm, kb, first,     \
-                      last, 0)
-#define LAYER2_KEPT(k, kb, first, last)                                                                               \
-    layer2_back_block(gcs, gpre + (k), gy, slot, ps + Hd, gog, cs, a + (k), w2 + (k) * Dm, b2, M, Dm, kb, first,     \
-                      last, 1)
-    if (keep) {
+    if (pair)
+        for (long k = 0; k < Hd; k++) a2[k] = relu(ps2[k]);
+#define LAYER2(k, kb, first, last, keep, pair)                                                                        \
+    layer2_back_block(o.gcs, o.gpre + (k), o.gy, o.slot, ps + Hd, gog, q.cs, o.a + (k), q.w2 + (k) * Dm, q.b2, o2.gcs, \
+                      o2.gpre, o2.gy, q2.cs, o2.a, q2.w2, q2.b2, M, Dm, kb, first, last, keep, pair)
+#define LAYER2_PAIR(k, kb, first, last) LAYER2(k, kb, first, last, 0, 1)
+#define LAYER2_KEPT(k, kb, first, last) LAYER2(k, kb, first, last, 1, 0)
+#define LAYER2_ALONE(k, kb, first, last) LAYER2(k, kb, first, last, 0, 0)
+    if (pair) {
+        BLOCK_SWITCH(Hd, LAYER2_PAIR, 0, 1, 1, KBLOCK, BLOCK_CASES_WIDE)
+    } else if (keep) {
         FOR_BLOCKS(Hd, LAYER2_KEPT)
     } else {
-        FOR_BLOCKS(Hd, LAYER2)
+        FOR_BLOCKS(Hd, LAYER2_ALONE)
     }
 #undef LAYER2
+#undef LAYER2_PAIR
 #undef LAYER2_KEPT
+#undef LAYER2_ALONE
     for (long k = 0; k < Hd; k++) gpre[k] *= relu_slope(ps[k]);
-#define LAYER1(k, kb, first, last)                                                                                    \
-    layer1_back_block(gds, slot, gslot, xg, ds, gpre + (k), w1 + (k), Hd, M, Dm, kb, first, last)
-    FOR_BLOCKS(Hd, LAYER1)
+    if (pair)
+        for (long k = 0; k < Hd; k++) gpre2[k] *= relu_slope(ps2[k]);
+#define LAYER1(k, kb, first, last, pair)                                                                              \
+    layer1_back_block(o.gds, o.slot, o.gslot, xg, q.ds, o.gpre + (k), q.w1 + (k), o2.gds, o2.slot, o2.gslot, q2.ds,   \
+                      o2.gpre, q2.w1, Hd, M, Dm, kb, first, last, pair)
+#define LAYER1_PAIR(k, kb, first, last) LAYER1(k, kb, first, last, 1)
+#define LAYER1_ALONE(k, kb, first, last) LAYER1(k, kb, first, last, 0)
+    if (pair) {
+        BLOCK_SWITCH(Hd, LAYER1_PAIR, 0, 1, 1, KBLOCK, BLOCK_CASES_WIDE)
+    } else {
+        FOR_BLOCKS(Hd, LAYER1_ALONE)
+    }
 #undef LAYER1
+#undef LAYER1_PAIR
+#undef LAYER1_ALONE
 }
 
 /* ---- weight gradients -------------------------------------------------------------------------------------- */
@@ -606,7 +734,7 @@ static void add_outer_products(float *RESTRICT grad, long ld, const vec *RESTRIC
 }
 
 /* The gradients of expert j's weights from one slot of a block of ng groups: gy, slot (ng * Dm vectors), a, gpre
- * (ng * Hd vectors), group after group, as kept by backward_slot; gw1t, gw2 (Hd rows of ld floats), gb1, gb2.
+ * (ng * Hd vectors), group after group, as kept by backward_slots; gw1t, gw2 (Hd rows of ld floats), gb1, gb2.
  * rows: scratch for the transposed rows of ng groups (ng * LANES * ld floats), used from OUTER_MIN_HIDDEN units. */
 static void add_weight_grads(float *gw1t, float *gb1, float *gw2, float *gb2, long ld, const vec *a, const vec *gpre,
                              const vec *gy, const vec *slot, float *rows, long ng, long Hd, long Dm)
@@ -623,6 +751,125 @@ static void add_weight_grads(float *gw1t, float *gb1, float *gw2, float *gb2, lo
     if (gb1) add_lane_sums(gb1, NULL, 0, gpre, ng, Hd);
     if (gb2) add_lane_sums(gb2, NULL, 0, gy, ng, Dm);
 }
+
+/* One thread's share of soft_moe_small_backward (arguments as there, with n = S / P experts, G groups, MD = M * Dm,
+ * ld = Dm rounded up to whole vectors and W the record's width). pairs: slots two at a time where they may be (outputs
+ * not kept, 4 tokens, Hd <= PAIR_MAX_HIDDEN); a constant, so that the code of the others has no trace of it. */
+INLINE void backward_thread(const float *grad_out, const float *x, const float *dispatch, const float *combine,
+                            const float *w1, const float *w2, const float *b2, const float *saved, float *grad_x,
+                            float *grad_x_partials, float *grad_dispatch, float *grad_combine, float *grad_w1,
+                            float *grad_b1, float *grad_w2, float *grad_b2, long B, long M, long S, long P, long Hd,
+                            long Dm, int keep, long n, long G, long MD, long ld, long W, const int pairs)
+{
+    const long t = omp_get_thread_num(), count = omp_get_num_threads();
+    const long first = n * t / count, last = n * (t + 1) / count;
+    float *gx = t == 0 ? grad_x : grad_x_partials + (t - 1) * B * MD;
+    /* per group of a block: x, grad_out, grad_x (M * Dm each), gy, slot (Dm), a, gpre (Hd) for two slots, the
+     * routing weights of a chunk of slots and their gradients (4 * SLOT_CHUNK * M), the slot gradients not yet
+     * spread to the tokens (SPREAD_SLOTS * Dm), the transposed rows of gy or slot (LANES * ld floats: ld
+     * vectors) */
+    const long per_group = 3 * MD + (4 + SPREAD_SLOTS) * Dm + 4 * Hd + 4 * SLOT_CHUNK * M + ld;
+    vec *xg = (vec *)aligned_alloc(sizeof(vec), GROUP_BLOCK * per_group * sizeof(vec));
+    vec *gog = xg + GROUP_BLOCK * MD, *gxg = gog + GROUP_BLOCK * MD, *gy = gxg + GROUP_BLOCK * MD;
+    vec *slot = gy + GROUP_BLOCK * Dm, *a = slot + GROUP_BLOCK * Dm, *gpre = a + GROUP_BLOCK * Hd;
+    vec *gslots = gpre + GROUP_BLOCK * Hd, *ds = gslots + GROUP_BLOCK * SPREAD_SLOTS * Dm;
+    vec *cs = ds + GROUP_BLOCK * SLOT_CHUNK * M;
+    vec *gds_all = cs + GROUP_BLOCK * SLOT_CHUNK * M, *gcs_all = gds_all + GROUP_BLOCK * SLOT_CHUNK * M;
+    vec *gy2 = gcs_all + GROUP_BLOCK * SLOT_CHUNK * M, *slot2 = gy2 + GROUP_BLOCK * Dm;
+    vec *a2 = slot2 + GROUP_BLOCK * Dm, *gpre2 = a2 + GROUP_BLOCK * Hd;
+    float *rows = (float *)(gpre2 + GROUP_BLOCK * Hd);
+    /* the weight gradients of the thread's experts, w1's transposed, in rows of ld floats */
+    float *gw1t = (float *)aligned_alloc(sizeof(vec), 2 * (last - first) * Hd * ld * sizeof(float));
+    float *gw2 = gw1t + (last - first) * Hd * ld;
+    memset(gw1t, 0, 2 * (last - first) * Hd * ld * sizeof(float));
+    if (grad_b1) memset(grad_b1 + first * Hd, 0, (last - first) * Hd * sizeof(float));
+    if (grad_b2) memset(grad_b2 + first * Dm, 0, (last - first) * Dm * sizeof(float));
+    for (long g0 = 0; g0 < G; g0 += GROUP_BLOCK) {
+        const long ng = G - g0 < GROUP_BLOCK ? G - g0 : GROUP_BLOCK;
+        for (long gi = 0; gi < ng; gi++) {
+            const group_t grp = group_of(g0 + gi, B);
+            gather_rows(xg + gi * MD, x, grp, MD);
+            gather_rows(gog + gi * MD, grad_out, grp, MD);
+        }
+        memset(gxg, 0, ng * MD * sizeof(vec));
+        for (long s0 = first * P; s0 < last * P; s0 += SLOT_CHUNK) {
+            const long count = last * P - s0 < SLOT_CHUNK ? last * P - s0 : SLOT_CHUNK, chunk = count * M;
+            for (long gi = 0; gi < ng; gi++) {
+                gather_slots(ds + gi * chunk, dispatch, group_of(g0 + gi, B), s0, count, M, S);
+                gather_slots(cs + gi * chunk, combine, group_of(g0 + gi, B), s0, count, M, S);
+            }
+            for (long s = s0; s < s0 + count; s++) {
+                const long at = (s - s0) * M, pending = (s - s0) % SPREAD_SLOTS;
+                const int pair = pairs && pending % 2 == 0 && s + 1 < s0 + count;
+                for (long gi = 0; gi < ng; gi++) {
+                    vec *records = (vec *)saved + (g0 + gi) * S * W, *spread = gslots + gi * SPREAD_SLOTS * Dm;
+                    const vec *dsi = ds + gi * chunk, *csi = cs + gi * chunk;
+                    const slot_t q = slot_at(s, s0, P, M, Hd, Dm, W, w1, NULL, w2, b2, dsi, csi, records);
+                    const slot_t q2 =
+                        pair ? slot_at(s + 1, s0, P, M, Hd, Dm, W, w1, NULL, w2, b2, dsi, csi, records) : q;
+                    const slot_grads_t o = {gcs_all + gi * chunk + at, gds_all + gi * chunk + at, gy + gi * Dm,
+                                            slot + gi * Dm, a + gi * Hd, gpre + gi * Hd, spread + pending * Dm};
+                    const slot_grads_t o2 = {o.gcs + M, o.gds + M, gy2 + gi * Dm, slot2 + gi * Dm, a2 + gi * Hd,
+                                             gpre2 + gi * Hd, o.gslot + Dm};
+                    if (pair)
+                        backward_slots(q, o, q2, o2, gog + gi * MD, xg + gi * MD, 4, Hd, Dm, 0, 1);
+                    else if (M == 4)
+                        backward_slots(q, o, q2, o2, gog + gi * MD, xg + gi * MD, 4, Hd, Dm, keep, 0);
+                    else
+                        backward_slots(q, o, q2, o2, gog + gi * MD, xg + gi * MD, M, Hd, Dm, keep, 0);
+                    const long done = pending + pair; /* the last slot's place among the pending ones */
+                    if (done == SPREAD_SLOTS - 1 || s + pair == s0 + count - 1)
+                        spread_pending(gxg + gi * MD, q.ds - pending * M, spread, Dm, done + 1, M, Dm);
+                }
+                for (long i = 0; i <= pair; i++) {
+                    const long j = (s + i) / P;
+                    add_weight_grads(gw1t + (j - first) * Hd * ld, grad_b1 ? grad_b1 + j * Hd : NULL,
+                                     gw2 + (j - first) * Hd * ld, grad_b2 ? grad_b2 + j * Dm : NULL, ld,
+                                     i ? a2 : a, i ? gpre2 : gpre, i ? gy2 : gy, i ? slot2 : slot, rows, ng, Hd,
+                                     Dm);
+                }
+                s += pair;
+            }
+            for (long gi = 0; gi < ng; gi++) {
+                scatter_slots(grad_dispatch, gds_all + gi * chunk, group_of(g0 + gi, B), s0, count, M, S);
+                scatter_slots(grad_combine, gcs_all + gi * chunk, group_of(g0 + gi, B), s0, count, M, S);
+            }
+        }
+        for (long gi = 0; gi < ng; gi++) scatter_rows(gx, gxg + gi * MD, group_of(g0 + gi, B), MD);
+    }
+    free(xg);
+    for (long j = first; j < last; j++)
+        for (long d = 0; d < Dm; d++)
+            for (long k = 0; k < Hd; k++) grad_w1[(j * Dm + d) * Hd + k] = gw1t[((j - first) * Hd + k) * ld + d];
+    for (long j = first; j < last; j++)
+        for (long k = 0; k < Hd; k++)
+            memcpy(grad_w2 + (j * Hd + k) * Dm, gw2 + ((j - first) * Hd + k) * ld, Dm * sizeof(float));
+    free(gw1t);
+#pragma omp barrier
+    const long total = B * MD, end = total * (t + 1) / count;
+    for (long other = 1; other < count; other++) {
+        const float *part = grad_x_partials + (other - 1) * total;
+        for (long i = total * t / count; i < end; i++) grad_x[i] += part[i];
+    }
+}
+
+/* backward_thread with pairs = 1 and with pairs = 0, each a function of its own */
+#define BACKWARD_THREAD(name, pairs)                                                                                  \
+    static void name(const float *grad_out, const float *x, const float *dispatch, const float *combine,           \
+                     const float *w1, const float *w2, const float *b2, const float *saved, float *grad_x,          \
+                     float *grad_x_partials, float *grad_dispatch, float *grad_combine, float *grad_w1,              \
+                     float *grad_b1, float *grad_w2, float *grad_b2, long B, long M, long S, long P, long Hd, long Dm, \
+                     int keep, long n, long G, long MD, long ld, long W)                                              \
+    {                                                                                                                 \
+        backward_thread(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, grad_x_partials, grad_dispatch,  \
+                        grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd, Dm, keep, n, G, MD, ld, W, \
+                        pairs);                                                                                       \
+    }
+#if PAIR_MAX_HIDDEN > 0
+BACKWARD_THREAD(backward_thread_pairs, 1)
+#endif
+BACKWARD_THREAD(backward_thread_singles, 0)
+#undef BACKWARD_THREAD
 
 /* Gradients, for the arguments of soft_moe_small_forward and its `saved` (keep as given to it): grad_x (B, M, Dm),
  * the first thread's partial sum and the whole sum on return, grad_x_partials (threads - 1, B, M, Dm) the other
@@ -646,85 +893,16 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
-        const long t = omp_get_thread_num(), count = omp_get_num_threads();
-        const long first = n * t / count, last = n * (t + 1) / count;
-        float *gx = t == 0 ? grad_x : grad_x_partials + (t - 1) * B * MD;
-        /* per group of a block: x, grad_out, grad_x (M * Dm each), gy, slot (Dm), a, gpre (Hd), the routing weights
-         * of a chunk of slots and their gradients (4 * SLOT_CHUNK * M), the slot gradients not yet spread to the
-         * tokens (SPREAD_SLOTS * Dm), the transposed rows of gy or slot (LANES * ld floats: ld vectors) */
-        const long per_group = 3 * MD + (2 + SPREAD_SLOTS) * Dm + 2 * Hd + 4 * SLOT_CHUNK * M + ld;
-        vec *xg = (vec *)aligned_alloc(sizeof(vec), GROUP_BLOCK * per_group * sizeof(vec));
-        vec *gog = xg + GROUP_BLOCK * MD, *gxg = gog + GROUP_BLOCK * MD, *gy = gxg + GROUP_BLOCK * MD;
-        vec *slot = gy + GROUP_BLOCK * Dm, *a = slot + GROUP_BLOCK * Dm, *gpre = a + GROUP_BLOCK * Hd;
-        vec *gslots = gpre + GROUP_BLOCK * Hd, *ds = gslots + GROUP_BLOCK * SPREAD_SLOTS * Dm;
-        vec *cs = ds + GROUP_BLOCK * SLOT_CHUNK * M;
-        vec *gds_all = cs + GROUP_BLOCK * SLOT_CHUNK * M, *gcs_all = gds_all + GROUP_BLOCK * SLOT_CHUNK * M;
-        float *rows = (float *)(gcs_all + GROUP_BLOCK * SLOT_CHUNK * M);
-        /* the weight gradients of the thread's experts, w1's transposed, in rows of ld floats */
-        float *gw1t = (float *)aligned_alloc(sizeof(vec), 2 * (last - first) * Hd * ld * sizeof(float));
-        float *gw2 = gw1t + (last - first) * Hd * ld;
-        memset(gw1t, 0, 2 * (last - first) * Hd * ld * sizeof(float));
-        if (grad_b1) memset(grad_b1 + first * Hd, 0, (last - first) * Hd * sizeof(float));
-        if (grad_b2) memset(grad_b2 + first * Dm, 0, (last - first) * Dm * sizeof(float));
-        for (long g0 = 0; g0 < G; g0 += GROUP_BLOCK) {
-            const long ng = G - g0 < GROUP_BLOCK ? G - g0 : GROUP_BLOCK;
-            for (long gi = 0; gi < ng; gi++) {
-                const group_t grp = group_of(g0 + gi, B);
-                gather_rows(xg + gi * MD, x, grp, MD);
-                gather_rows(gog + gi * MD, grad_out, grp, MD);
-            }
-            memset(gxg, 0, ng * MD * sizeof(vec));
-            for (long s0 = first * P; s0 < last * P; s0 += SLOT_CHUNK) {
-                const long count = last * P - s0 < SLOT_CHUNK ? last * P - s0 : SLOT_CHUNK, chunk = count * M;
-                for (long gi = 0; gi < ng; gi++) {
-                    gather_slots(ds + gi * chunk, dispatch, group_of(g0 + gi, B), s0, count, M, S);
-                    gather_slots(cs + gi * chunk, combine, group_of(g0 + gi, B), s0, count, M, S);
-                }
-                for (long s = s0; s < s0 + count; s++) {
-                    const long j = s / P, at = (s - s0) * M, pending = (s - s0) % SPREAD_SLOTS;
-                    const float *w1j = w1 + j * Dm * Hd, *w2j = w2 + j * Hd * Dm, *b2j = b2 ? b2 + j * Dm : NULL;
-                    for (long gi = 0; gi < ng; gi++) {
-                        const vec *ps = (const vec *)saved + ((g0 + gi) * S + s) * W;
-                        vec *gcs = gcs_all + gi * chunk + at, *gds = gds_all + gi * chunk + at;
-                        const vec *dsi = ds + gi * chunk + at, *csi = cs + gi * chunk + at;
-                        vec *pending_slots = gslots + gi * SPREAD_SLOTS * Dm, *gslot = pending_slots + pending * Dm;
-                        if (M == 4)
-                            backward_slot(gcs, gds, gy + gi * Dm, slot + gi * Dm, a + gi * Hd,
-                                          gpre + gi * Hd, gslot, gog + gi * MD, xg + gi * MD, dsi, csi, ps, w1j,
-                                          w2j, b2j, 4, Hd, Dm, keep);
-                        else
-                            backward_slot(gcs, gds, gy + gi * Dm, slot + gi * Dm, a + gi * Hd,
-                                          gpre + gi * Hd, gslot, gog + gi * MD, xg + gi * MD, dsi, csi, ps, w1j,
-                                          w2j, b2j, M, Hd, Dm, keep);
-                        if (pending == SPREAD_SLOTS - 1 || s == s0 + count - 1)
-                            spread_pending(gxg + gi * MD, dsi - pending * M, pending_slots, Dm, pending + 1, M,
-                                           Dm);
-                    }
-                    add_weight_grads(gw1t + (j - first) * Hd * ld, grad_b1 ? grad_b1 + j * Hd : NULL,
-                                     gw2 + (j - first) * Hd * ld, grad_b2 ? grad_b2 + j * Dm : NULL, ld, a, gpre, gy,
-                                     slot, rows, ng, Hd, Dm);
-                }
-                for (long gi = 0; gi < ng; gi++) {
-                    scatter_slots(grad_dispatch, gds_all + gi * chunk, group_of(g0 + gi, B), s0, count, M, S);
-                    scatter_slots(grad_combine, gcs_all + gi * chunk, group_of(g0 + gi, B), s0, count, M, S);
-                }
-            }
-            for (long gi = 0; gi < ng; gi++) scatter_rows(gx, gxg + gi * MD, group_of(g0 + gi, B), MD);
-        }
-        free(xg);
-        for (long j = first; j < last; j++)
-            for (long d = 0; d < Dm; d++)
-                for (long k = 0; k < Hd; k++) grad_w1[(j * Dm + d) * Hd + k] = gw1t[((j - first) * Hd + k) * ld + d];
-        for (long j = first; j < last; j++)
-            for (long k = 0; k < Hd; k++)
-                memcpy(grad_w2 + (j * Hd + k) * Dm, gw2 + ((j - first) * Hd + k) * ld, Dm * sizeof(float));
-        free(gw1t);
-#pragma omp barrier
-        const long total = B * MD, end = total * (t + 1) / count;
-        for (long other = 1; other < count; other++) {
-            const float *part = grad_x_partials + (other - 1) * total;
-            for (long i = total * t / count; i < end; i++) grad_x[i] += part[i];
-        }
+#if PAIR_MAX_HIDDEN > 0
+        if (!keep && M == 4 && Hd <= PAIR_MAX_HIDDEN)
+            backward_thread_pairs(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, grad_x_partials,
+                                  grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd, Dm,
+                                  keep, n, G, MD, ld, W);
+        else
+#endif
+            backward_thread_singles(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, grad_x_partials,
+                                    grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd,
+                                    Dm, keep, n, G, MD, ld, W);
     }
     return 0;
 }
