@@ -16,7 +16,8 @@
  * routing weights of a (slot, token) are one vector, the expert weights are scalars broadcast to all lanes, and no
  * step needs a sum across lanes but the weight gradients of experts under OUTER_MIN_HIDDEN hidden units (one per
  * weight and block of GROUP_BLOCK groups; wider experts transpose the rows instead, see add_outer_products).
- * Every slot runs dispatch, both expert layers and the combine back to back, KBLOCK hidden units at a time.
+ * Every slot runs dispatch, both expert layers and the combine back to back, KBLOCK hidden units at a time; experts
+ * of at most PAIR_MAX_HIDDEN units run two slots side by side, each pass over dim serving both.
  *
  * Threads (OpenMP, sharing torch's libgomp pool): the forward pass splits the groups (each thread owns its groups'
  * outputs); the backward pass splits the experts (each thread owns its experts' weight gradients and writes its
