@@ -68,7 +68,7 @@ namespace SOFTMOE_NS {
  * dim for both, each token vector (and output gradient) loaded once for the two. Measured against one slot at a time
  * (the op alone, 256 inputs of 4 tokens of dim 196, AMD EPYC Zen 5, AVX-512): forward 0.89-0.97x the time at hidden
  * 2-6, backward 0.85-0.94x at 2-5 and 1.00x at 6, but 1.02x at 7 and 1.10x at 12 (registers run out); with AVX2's 16
- * registers 1.02-1.30x at 2-6, so never. The code of the other sizes, one slot at a time, came out 1.00-1.02x its
+ * registers 1.02-1.30x at 2-6, so never. The code of the other sizes, one slot at a time, came out 0.99-1.03x its
  * time before (backward, both instruction sets). */
 #if LANES == 16
 #define PAIR_MAX_HIDDEN 6
@@ -340,7 +340,7 @@ static void scatter_rows(float *rows, vec *v, group_t grp, long count)
 /* All slots of one group, outputs to og; the group's saved records (W vectors per slot: Hd pre-activations, then
  * with keep its Dm slot outputs) to sg. Without keep ys holds SPREAD_SLOTS slot outputs until they are combined.
  * pairs: slots two at a time (Hd <= PAIR_MAX_HIDDEN); a constant, so that the code of the others has no trace of it
- * (with the choice made per slot, one slot at a time took 1.02-1.03x the time at hidden 12-24). */
+ * (with the choice made per slot, one slot at a time took 1.02-1.05x the time at hidden 3-24). */
 INLINE void forward_group(vec *RESTRICT og, vec *RESTRICT sg, const vec *RESTRICT xg, const float *dispatch,
                           const float *combine, group_t grp, const float *w1, const float *b1, const float *w2,
                           const float *b2, vec *RESTRICT buf, vec *RESTRICT a, vec *RESTRICT ds, vec *RESTRICT cs,
@@ -497,7 +497,8 @@ INLINE void layer1_back_block(vec *RESTRICT gds, vec *RESTRICT slot, vec *RESTRI
     for (long t = 0; t < M; t++) dsv[t] = ds[t], gd[t] = vec{}, dsv2[t] = pair ? ds2[t] : vec{}, gd2[t] = vec{};
     for (long d = 0; d < Dm; d++) {
         if (first) {
-            vec sv = dsv[0] * xg[d], sv2 = dsv2[0] * xg[d];
+            vec sv = dsv[0] * xg[d], sv2 = {0};
+            if (pair) sv2 = dsv2[0] * xg[d];
             for (long t = 1; t < M; t++) {
                 sv += dsv[t] * xg[t * Dm + d];
                 if (pair) sv2 += dsv2[t] * xg[t * Dm + d];
@@ -854,24 +855,6 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
     }
 }
 
-/* backward_thread with pairs = 1 and with pairs = 0, each a function of its own */
-#define BACKWARD_THREAD(name, pairs)                                                                                  \
-    static void name(const float *grad_out, const float *x, const float *dispatch, const float *combine,           \
-                     const float *w1, const float *w2, const float *b2, const float *saved, float *grad_x,          \
-                     float *grad_x_partials, float *grad_dispatch, float *grad_combine, float *grad_w1,              \
-                     float *grad_b1, float *grad_w2, float *grad_b2, long B, long M, long S, long P, long Hd, long Dm, \
-                     int keep, long n, long G, long MD, long ld, long W)                                              \
-    {                                                                                                                 \
-        backward_thread(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, grad_x_partials, grad_dispatch,  \
-                        grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd, Dm, keep, n, G, MD, ld, W, \
-                        pairs);                                                                                       \
-    }
-#if PAIR_MAX_HIDDEN > 0
-BACKWARD_THREAD(backward_thread_pairs, 1)
-#endif
-BACKWARD_THREAD(backward_thread_singles, 0)
-#undef BACKWARD_THREAD
-
 /* Gradients, for the arguments of soft_moe_small_forward and its `saved` (keep as given to it): grad_x (B, M, Dm),
  * the first thread's partial sum and the whole sum on return, grad_x_partials (threads - 1, B, M, Dm) the other
  * threads' partial sums; grad_dispatch,
@@ -896,14 +879,14 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
     {
 #if PAIR_MAX_HIDDEN > 0
         if (!keep && M == 4 && Hd <= PAIR_MAX_HIDDEN)
-            backward_thread_pairs(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, grad_x_partials,
-                                  grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd, Dm,
-                                  keep, n, G, MD, ld, W);
+            backward_thread(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, grad_x_partials, grad_dispatch,
+                            grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd, Dm, keep, n, G, MD, ld,
+                            W, 1);
         else
 #endif
-            backward_thread_singles(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, grad_x_partials,
-                                    grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd,
-                                    Dm, keep, n, G, MD, ld, W);
+            backward_thread(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, grad_x_partials, grad_dispatch,
+                            grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd, Dm, keep, n, G, MD, ld,
+                            W, 0);
     }
     return 0;
 }
