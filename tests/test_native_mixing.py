@@ -87,6 +87,10 @@ def keep_outputs(request, monkeypatch):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
 def test_mixing_and_all_gradients_match_float64(isa, shape, bias, threads, keep_outputs):
+    assert_matches_float64(shape, bias)
+
+
+def assert_matches_float64(shape, bias):
     inputs = random_inputs(*shape, bias=bias, seed=sum(shape))
     out = soft_moe_mixing(*inputs)
     grad = torch.randn_like(out)
@@ -98,6 +102,15 @@ def test_mixing_and_all_gradients_match_float64(isa, shape, bias, threads, keep_
     for got, ref in zip(inputs, leaves):
         if got is not None:
             assert relative_error(got.grad, ref.grad) < 1e-5
+
+
+@pytest.mark.parametrize("threads", [2, 3], indirect=True)
+def test_the_threads_scratch_serves_larger_and_smaller_calls_in_turn(isa, threads):
+    """Each thread keeps its scratch memory from call to call (csrc/bindings.cpp, softmoe_scratch), the partial sums
+    of the input gradient included: calls that need more of it, then less, then more again, each exact."""
+    small, large = (20, 4, 8, 3, 1, 4), (83, 4, 70, 6, 1, 17)
+    for shape in (small, large, small, large):
+        assert_matches_float64(shape, bias=True)
 
 
 def test_empty_batch(isa):

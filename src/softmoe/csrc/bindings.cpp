@@ -16,12 +16,58 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "kernels.h"
+
+/* The kernels' scratch memory (declared in variant.h). A block malloc'ed and freed on every call comes back, once
+ * glibc returns it to the system, as fresh pages: a page fault and the kernel's zeroing for every 4 KB the kernel
+ * touches (the fused small-expert op's backward touches 2.4 MB per thread at the MNIST layer's n = 2, and a default
+ * process then took 1.08x the time per step of one with the allocator tuned). So each thread keeps its blocks, up
+ * to SCRATCH_KEEP_BYTES each (glibc's largest mmap threshold; a larger block is freed on release, its faults
+ * small next to the work that fills it). OpenMP's threads live as long as the process, and their blocks with them. */
+namespace {
+constexpr size_t SCRATCH_KEEP_BYTES = size_t(32) << 20;
+constexpr int SCRATCH_SLOTS = 3;
+
+struct ScratchBlock {
+    void *data = nullptr;
+    size_t bytes = 0;
+    ~ScratchBlock() { std::free(data); }
+};
+
+thread_local ScratchBlock scratch_blocks[SCRATCH_SLOTS];
+} // namespace
+
+void *softmoe_scratch(int slot, size_t bytes)
+{
+    ScratchBlock &block = scratch_blocks[slot];
+    if (block.bytes < bytes) {
+        std::free(block.data);
+        block.bytes = (bytes + 63) / 64 * 64;
+        block.data = std::aligned_alloc(64, block.bytes);
+        if (!block.data) { /* inside an OpenMP region: no exception can leave it */
+            std::fprintf(stderr, "softmoe: out of memory (%zu bytes of a kernel's scratch)\n", block.bytes);
+            std::abort();
+        }
+    }
+    return block.data;
+}
+
+void softmoe_scratch_release(int slot)
+{
+    ScratchBlock &block = scratch_blocks[slot];
+    if (block.bytes > SCRATCH_KEEP_BYTES) {
+        std::free(block.data);
+        block.data = nullptr;
+        block.bytes = 0;
+    }
+}
 
 namespace {
 
@@ -327,7 +373,6 @@ std::vector<at::Tensor> soft_moe_mixing_backward(const at::Tensor &grad_in, cons
        adds to it: grad_x is a tensor of its own, not a view of a larger one, so that autograd adds the routing's
        share to it in place (to a view it adds out of place, into a new tensor) */
     at::Tensor grad_x = at::empty({s.B, s.M, s.Dm}, x.options());
-    at::Tensor partials = at::empty({count - 1, s.B, s.M, s.Dm}, x.options());
     at::Tensor grad_dispatch = at::empty_like(dispatch), grad_combine = at::empty_like(combine);
     at::Tensor grad_w1 = at::empty_like(w1), grad_w2 = at::empty_like(w2);
     at::Tensor grad_b1 = at::empty({s.n, s.Hd}, x.options()), grad_b2 = at::empty({s.n, s.Dm}, x.options());
@@ -336,8 +381,7 @@ std::vector<at::Tensor> soft_moe_mixing_backward(const at::Tensor &grad_in, cons
         pybind11::gil_scoped_release no_gil;
         status = v.mixing_backward(grad.data_ptr<float>(), x.data_ptr<float>(), dispatch.data_ptr<float>(),
                                    combine.data_ptr<float>(), w1.data_ptr<float>(), w2.data_ptr<float>(), pointer(b2),
-                                   saved.data_ptr<float>(), grad_x.data_ptr<float>(), partials.data_ptr<float>(),
-                                   grad_dispatch.data_ptr<float>(),
+                                   saved.data_ptr<float>(), grad_x.data_ptr<float>(), grad_dispatch.data_ptr<float>(),
                                    grad_combine.data_ptr<float>(), grad_w1.data_ptr<float>(),
                                    grad_b1.data_ptr<float>(), grad_w2.data_ptr<float>(), grad_b2.data_ptr<float>(),
                                    s.B, s.M, s.S, s.S / s.n, s.Hd, s.Dm, kept, count);

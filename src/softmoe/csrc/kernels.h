@@ -15,7 +15,7 @@
                                long M, long S, long P, long Hd, long Dm, int keep, int threads);                      \
     int soft_moe_small_backward(const float *grad_out, const float *x, const float *dispatch, const float *combine,  \
                                 const float *w1, const float *w2, const float *b2, const float *saved,               \
-                                float *grad_x, float *grad_x_partials, float *grad_dispatch, float *grad_combine,    \
+                                float *grad_x, float *grad_dispatch, float *grad_combine,                           \
                                 float *grad_w1, float *grad_b1, float *grad_w2, float *grad_b2, long B, long M,      \
                                 long S, long P, long Hd, long Dm, int keep, int threads);                             \
     void soft_moe_routing_forward(float *logits, const float *x, float *dispatch, float *combine, float *r, long B,  \

@@ -388,7 +388,7 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
 #pragma omp parallel num_threads(threads)
     {
         const long buffer = (2 * M + 1 + SPREAD_SLOTS) * Dm + Hd + 2 * SLOT_CHUNK * M;
-        vec *xg = (vec *)aligned_alloc(sizeof(vec), buffer * sizeof(vec));
+        vec *xg = (vec *)softmoe_scratch(0, buffer * sizeof(vec));
         vec *og = xg + M * Dm, *buf = og + M * Dm, *a = buf + Dm, *ds = a + Hd, *cs = ds + SLOT_CHUNK * M;
         vec *ys = cs + SLOT_CHUNK * M;
         const long t = omp_get_thread_num(), count = omp_get_num_threads();
@@ -410,7 +410,7 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
                               W, keep, 0);
             scatter_rows(out, og, grp, M * Dm);
         }
-        free(xg);
+        softmoe_scratch_release(0);
     }
     return 0;
 }
@@ -759,19 +759,19 @@ static void add_weight_grads(float *gw1t, float *gb1, float *gw2, float *gb2, lo
  * not kept, 4 tokens, Hd <= PAIR_MAX_HIDDEN); a constant, so that the code of the others has no trace of it. */
 INLINE void backward_thread(const float *grad_out, const float *x, const float *dispatch, const float *combine,
                             const float *w1, const float *w2, const float *b2, const float *saved, float *grad_x,
-                            float *grad_x_partials, float *grad_dispatch, float *grad_combine, float *grad_w1,
+                            float **partials, float *grad_dispatch, float *grad_combine, float *grad_w1,
                             float *grad_b1, float *grad_w2, float *grad_b2, long B, long M, long S, long P, long Hd,
                             long Dm, int keep, long n, long G, long MD, long ld, long W, const int pairs)
 {
     const long t = omp_get_thread_num(), count = omp_get_num_threads();
     const long first = n * t / count, last = n * (t + 1) / count;
-    float *gx = t == 0 ? grad_x : grad_x_partials + (t - 1) * B * MD;
+    float *gx = t == 0 ? grad_x : (partials[t] = (float *)softmoe_scratch(2, B * MD * sizeof(float)));
     /* per group of a block: x, grad_out, grad_x (M * Dm each), gy, slot (Dm), a, gpre (Hd) for two slots, the
      * routing weights of a chunk of slots and their gradients (4 * SLOT_CHUNK * M), the slot gradients not yet
      * spread to the tokens (SPREAD_SLOTS * Dm), the transposed rows of gy or slot (LANES * ld floats: ld
      * vectors) */
     const long per_group = 3 * MD + (4 + SPREAD_SLOTS) * Dm + 4 * Hd + 4 * SLOT_CHUNK * M + ld;
-    vec *xg = (vec *)aligned_alloc(sizeof(vec), GROUP_BLOCK * per_group * sizeof(vec));
+    vec *xg = (vec *)softmoe_scratch(0, GROUP_BLOCK * per_group * sizeof(vec));
     vec *gog = xg + GROUP_BLOCK * MD, *gxg = gog + GROUP_BLOCK * MD, *gy = gxg + GROUP_BLOCK * MD;
     vec *slot = gy + GROUP_BLOCK * Dm, *a = slot + GROUP_BLOCK * Dm, *gpre = a + GROUP_BLOCK * Hd;
     vec *gslots = gpre + GROUP_BLOCK * Hd, *ds = gslots + GROUP_BLOCK * SPREAD_SLOTS * Dm;
@@ -781,7 +781,7 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
     vec *a2 = slot2 + GROUP_BLOCK * Dm, *gpre2 = a2 + GROUP_BLOCK * Hd;
     float *rows = (float *)(gpre2 + GROUP_BLOCK * Hd);
     /* the weight gradients of the thread's experts, w1's transposed, in rows of ld floats */
-    float *gw1t = (float *)aligned_alloc(sizeof(vec), 2 * (last - first) * Hd * ld * sizeof(float));
+    float *gw1t = (float *)softmoe_scratch(1, 2 * (last - first) * Hd * ld * sizeof(float));
     float *gw2 = gw1t + (last - first) * Hd * ld;
     memset(gw1t, 0, 2 * (last - first) * Hd * ld * sizeof(float));
     if (grad_b1) memset(grad_b1 + first * Hd, 0, (last - first) * Hd * sizeof(float));
@@ -839,35 +839,35 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
         }
         for (long gi = 0; gi < ng; gi++) scatter_rows(gx, gxg + gi * MD, group_of(g0 + gi, B), MD);
     }
-    free(xg);
+    softmoe_scratch_release(0);
     for (long j = first; j < last; j++)
         for (long d = 0; d < Dm; d++)
             for (long k = 0; k < Hd; k++) grad_w1[(j * Dm + d) * Hd + k] = gw1t[((j - first) * Hd + k) * ld + d];
     for (long j = first; j < last; j++)
         for (long k = 0; k < Hd; k++)
             memcpy(grad_w2 + (j * Hd + k) * Dm, gw2 + ((j - first) * Hd + k) * ld, Dm * sizeof(float));
-    free(gw1t);
+    softmoe_scratch_release(1);
 #pragma omp barrier
     const long total = B * MD, end = total * (t + 1) / count;
     for (long other = 1; other < count; other++) {
-        const float *part = grad_x_partials + (other - 1) * total;
+        const float *part = partials[other];
         for (long i = total * t / count; i < end; i++) grad_x[i] += part[i];
     }
 }
 
 /* Gradients, for the arguments of soft_moe_small_forward and its `saved` (keep as given to it): grad_x (B, M, Dm),
- * the first thread's partial sum and the whole sum on return, grad_x_partials (threads - 1, B, M, Dm) the other
- * threads' partial sums; grad_dispatch,
- * grad_combine (B, M, S); grad_w1, grad_b1, grad_w2, grad_b2 like the weights (grad_b1 / grad_b2 may be NULL).
- * Threads split the experts. Inputs are taken GROUP_BLOCK groups at a time; for each block every thread runs
- * through its experts' slots, keeping the block's slot vectors and gradients, and adds the block's products to its
- * weight gradients (w1's summed transposed, (Hd, Dm) per expert, so that its rows run along dim like those of
- * w2's, and put in w1's layout at the end). Returns 0, or 1 when M is outside 1..MAX_TOKENS. */
+ * grad_dispatch, grad_combine (B, M, S); grad_w1, grad_b1, grad_w2, grad_b2 like the weights (grad_b1 / grad_b2 may
+ * be NULL). Threads split the experts; each writes its share of grad_x whole (the first into grad_x, the others
+ * into partial sums in their scratch memory), and the threads then add the partials up, a range of rows each.
+ * Inputs are taken GROUP_BLOCK groups at a time; for each block every thread runs through its experts' slots,
+ * keeping the block's slot vectors and gradients, and adds the block's products to its weight gradients (w1's
+ * summed transposed, (Hd, Dm) per expert, so that its rows run along dim like those of w2's, and put in w1's layout
+ * at the end). Returns 0, or 1 when M is outside 1..MAX_TOKENS. */
 int soft_moe_small_backward(const float *grad_out, const float *x, const float *dispatch, const float *combine,
                             const float *w1, const float *w2, const float *b2, const float *saved,
-                            float *grad_x, float *grad_x_partials, float *grad_dispatch, float *grad_combine,
-                            float *grad_w1, float *grad_b1, float *grad_w2, float *grad_b2, long B, long M, long S,
-                            long P, long Hd, long Dm, int keep, int threads)
+                            float *grad_x, float *grad_dispatch, float *grad_combine, float *grad_w1,
+                            float *grad_b1, float *grad_w2, float *grad_b2, long B, long M, long S, long P, long Hd,
+                            long Dm, int keep, int threads)
 {
     const long n = S / P, G = (B + LANES - 1) / LANES, MD = M * Dm, ld = (Dm + LANES - 1) / LANES * LANES;
     const long W = keep ? Hd + Dm : Hd;
@@ -875,19 +875,21 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
     if (n <= 0) return 0;
     if (threads > n) threads = (int)n;
     if (threads < 1) threads = 1;
+    float **partials = (float **)malloc(threads * sizeof(float *)); /* thread t's partial sum of grad_x, t >= 1 */
 #pragma omp parallel num_threads(threads)
     {
 #if PAIR_MAX_HIDDEN > 0
         if (!keep && M == 4 && Hd <= PAIR_MAX_HIDDEN)
-            backward_thread(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, grad_x_partials, grad_dispatch,
+            backward_thread(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, partials, grad_dispatch,
                             grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd, Dm, keep, n, G, MD, ld,
                             W, 1);
         else
 #endif
-            backward_thread(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, grad_x_partials, grad_dispatch,
+            backward_thread(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, partials, grad_dispatch,
                             grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd, Dm, keep, n, G, MD, ld,
                             W, 0);
     }
+    free(partials);
     return 0;
 }
 

@@ -29,6 +29,12 @@
 #define SOFTMOE_X86 0
 #endif
 
+/* A thread's scratch memory, kept from one kernel call to the next (bindings.cpp): `bytes` aligned to 64 in the
+ * calling thread's block `slot` (0, 1 or 2), valid until its next softmoe_scratch or softmoe_scratch_release of that
+ * slot; the release frees a block only if it is larger than the blocks kept. */
+void *softmoe_scratch(int slot, size_t bytes);
+void softmoe_scratch_release(int slot);
+
 #define SOFTMOE_AVX512 1
 #define SOFTMOE_AVX2 2
 #define SOFTMOE_PORTABLE 3
