@@ -18,8 +18,12 @@ from softmoe.layer import soft_moe_logits
 NORMALIZATIONS = ["router", "inputs", "none"]
 # (batch, tokens, dim, slots): slots below every vector width, a whole AVX-512 vector plus a tail, one token, one
 # slot, many tokens and slots (a ViT layer's routing, smaller), dims with a tail past the last vector, a dim past four
-# AVX-512 vectors (the tokens' norms in four partial sums, then single vectors, then a tail).
-SHAPES = [(5, 4, 20, 6), (3, 17, 33, 37), (2, 1, 7, 1), (4, 30, 48, 16), (2, 64, 40, 128), (3, 5, 100, 40)]
+# AVX-512 vectors (the tokens' norms in four partial sums, then single vectors, then a tail). Up to
+# SOFTMOE_ROUTING_SMALL_SLOTS (16) slots the kernel computes the products itself, 4 tokens at a time: blocks of
+# tokens with tails of 1-3 (1, 5, 6, 7, 30 tokens), and 9 and 13 slots (two AVX2 vectors, three and four of 4 lanes).
+SHAPES = [(5, 4, 20, 6), (3, 17, 33, 37), (2, 1, 7, 1), (4, 30, 48, 16), (2, 64, 40, 128), (3, 5, 100, 40),
+          (3, 7, 33, 9), (2, 6, 16, 13)]
+SMALL_SLOTS = 16
 
 
 def tolerance(t: torch.Tensor) -> float:
@@ -121,6 +125,19 @@ def test_outputs_left_unused_give_no_gradient(library, used):
     for i, u in zip(used, upstream):
         upstream_all[i] = u
     assert_scale_gradient_close(got_in[2].grad, x, phi, scale, "router", upstream_all)
+
+
+@pytest.mark.parametrize("slots", [SMALL_SLOTS, SMALL_SLOTS + 1])
+def test_small_routings_compute_their_products_in_the_kernel(library, slots):
+    """Up to 16 slots the logits, x's gradient and phi's come from the routing's own passes (MKL and oneDNN took
+    several times as long for so few slots); from 17 up from torch's matmul or oneDNN."""
+    x, phi, scale = routing_inputs((4, 5, 24, slots), "router", seed=5)
+    upstream = [torch.randn(4, 5, slots) for _ in range(3)]
+    called = kernels_called(lambda: torch.autograd.backward(soft_moe_routing(*leaves(x, phi, scale), "router"),
+                                                            upstream))
+    products = {"aten::mm", "aten::addmm", "aten::matmul", "mkldnn::_linear_pointwise"} & called
+    assert "softmoe::soft_moe_routing_backward" in called
+    assert bool(products) == (slots > SMALL_SLOTS), products
 
 
 def test_outputs_left_unused_get_no_zero_gradients_written(library):

@@ -12,6 +12,7 @@
 #include <ATen/ops/addcmul.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
@@ -491,6 +492,19 @@ NormalizedPhi normalized_phi(const at::Tensor &phi, float scale, int64_t mode)
     return n;
 }
 
+/* phi_n's columns (phi_t's rows, (S, D)) as rows of SOFTMOE_ROUTING_SMALL_SLOTS floats, zeros past S: the (D,
+ * SOFTMOE_ROUTING_SMALL_SLOTS) from which the routing kernel computes a small routing's logits itself. */
+at::Tensor padded_columns(const at::Tensor &phi_t)
+{
+    const int64_t S = phi_t.size(0), D = phi_t.size(1), width = SOFTMOE_ROUTING_SMALL_SLOTS;
+    at::Tensor rows = at::zeros({D, width}, phi_t.options());
+    const float *p = phi_t.data_ptr<float>();
+    float *o = rows.data_ptr<float>();
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t d = 0; d < D; d++) o[d * width + s] = p[s * D + d];
+    return rows;
+}
+
 float scale_value(const c10::optional<at::Tensor> &scale, int64_t mode)
 {
     if (mode == ROUTING_NONE) return 1.0f;
@@ -509,7 +523,9 @@ void check_routing(const at::Tensor &x, const at::Tensor &phi, int64_t mode)
 }
 
 /* x (B, M, D), phi (D, S), scale () -> logits, dispatch, combine (B, M, S) and r (B, M), the tokens' inverse norms
- * ("router"; else ones), which the backward reads. mode: ROUTING_*; onednn: the products in oneDNN. */
+ * ("router"; else ones), which the backward reads. mode: ROUTING_*; onednn: the products in oneDNN. Up to
+ * SOFTMOE_ROUTING_SMALL_SLOTS slots the kernel computes the products itself, in its passes over each input: MKL took
+ * 35-80 us for the MNIST layer's logits (1024 x 196 by 196 x 2-16; AMD EPYC Zen 5, 2 threads), oneDNN 33-50. */
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> soft_moe_routing(const at::Tensor &x_in,
                                                                             const at::Tensor &phi_in,
                                                                             const c10::optional<at::Tensor> &scale,
@@ -521,14 +537,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> soft_moe_routing(cons
     const at::Tensor x = x_in.contiguous(), phi = phi_in.contiguous();
     const int64_t B = x.size(0), M = x.size(1), D = x.size(2), S = phi.size(1);
     const at::Tensor phi_t = normalized_phi(phi, scale_value(scale, mode), mode).phi_t;
-    at::Tensor logits = linear_product(x.view({B * M, D}), phi_t, onednn).view({B, M, S});
+    const bool small = S <= SOFTMOE_ROUTING_SMALL_SLOTS;
+    const at::Tensor columns = small ? padded_columns(phi_t) : at::Tensor();
+    at::Tensor logits = small ? at::empty({B, M, S}, x.options())
+                              : linear_product(x.view({B * M, D}), phi_t, onednn).view({B, M, S});
     at::Tensor dispatch = at::empty_like(logits), combine = at::empty_like(logits);
     at::Tensor r = at::empty({B, M}, x.options());
     {
         pybind11::gil_scoped_release no_gil;
-        v.routing_forward(logits.data_ptr<float>(), x.data_ptr<float>(), dispatch.data_ptr<float>(),
-                          combine.data_ptr<float>(), r.data_ptr<float>(), B, M, S, D, mode == ROUTING_ROUTER,
-                          threads());
+        v.routing_forward(logits.data_ptr<float>(), x.data_ptr<float>(), small ? columns.data_ptr<float>() : nullptr,
+                          dispatch.data_ptr<float>(), combine.data_ptr<float>(), r.data_ptr<float>(), B, M, S, D,
+                          mode == ROUTING_ROUTER, threads());
     }
     return {logits, dispatch, combine, r};
 }
@@ -565,30 +584,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
     const at::Tensor &phi_t = n.phi_t;
     const std::vector<double> &q = n.q;
     at::Tensor gp = at::empty({B, M, S}, x.options()), dot = at::empty({B, M}, x.options());
+    /* up to SOFTMOE_ROUTING_SMALL_SLOTS slots the kernel computes grad_x and phi_n's gradient (transposed) itself */
+    const bool small = S <= SOFTMOE_ROUTING_SMALL_SLOTS;
+    at::Tensor grad_x = small ? at::empty({B * M, D}, x.options()) : at::Tensor();
+    const at::Tensor grad_phi_t = small ? at::empty({S, D}, x.options()) : at::Tensor();
     {
         pybind11::gil_scoped_release no_gil;
         v.routing_backward(pointer(grads[0]), pointer(grads[1]), pointer(grads[2]), logits.data_ptr<float>(),
                            dispatch.data_ptr<float>(), combine.data_ptr<float>(), r.data_ptr<float>(),
-                           gp.data_ptr<float>(), dot.data_ptr<float>(), B, M, S, mode == ROUTING_ROUTER, threads());
+                           gp.data_ptr<float>(), dot.data_ptr<float>(), small ? x.data_ptr<float>() : nullptr,
+                           small ? phi_t.data_ptr<float>() : nullptr, small ? grad_x.data_ptr<float>() : nullptr,
+                           small ? grad_phi_t.data_ptr<float>() : nullptr, B, M, S, D, mode == ROUTING_ROUTER,
+                           threads());
     }
     const at::Tensor x_flat = x.view({B * M, D}), gp_flat = gp.view({B * M, S});
-    at::Tensor grad_x = linear_product(gp_flat, phi_t.t(), onednn);
     /* the logits are proportional to scale: its gradient is sum(g logits) / scale, summed here in double (through
        grad_phi_n below, a sum with much cancellation, it came out 10x less accurate than torch's) */
     const float *dots = dot.data_ptr<float>(), *rs = r.data_ptr<float>();
     double dot_sum = 0.0;
     for (int64_t i = 0; i < B * M; i++) dot_sum += dots[i];
-    if (mode == ROUTING_ROUTER) {
+    if (!small) grad_x = linear_product(gp_flat, phi_t.t(), onednn);
+    if (!small && mode == ROUTING_ROUTER) {
         at::Tensor coef = at::empty({B * M, 1}, x.options());
         float *c = coef.data_ptr<float>();
         for (int64_t i = 0; i < B * M; i++) c[i] = dots[i] * rs[i] * rs[i];
         grad_x.addcmul_(x_flat, coef, -1.0);
     }
-    /* (D, S), a contraction over the B M rows. MKL runs x^T gp 2.4-4x slower than (gp^T x)^T for 2-8 slots (AMD
-       EPYC Zen 5, 1024 rows of dim 196), but 1.05-1.4x faster from 16 up; oneDNN, where it outruns MKL, takes x^T
-       as its rows: given them transposed (its own copy of the view took 80-240 us, one thread) it took 0.47-0.51x
-       MKL's time at 64-256 slots. */
-    const at::Tensor grad_phi_n = S < 16  ? at::mm(gp_flat.t(), x_flat).t()
+    /* (D, S), a contraction over the B M rows: the kernel's up to SOFTMOE_ROUTING_SMALL_SLOTS slots; beyond, oneDNN,
+       where it outruns MKL, takes x^T as its rows: given them transposed (its own copy of the view took 80-240 us,
+       one thread) it took 0.47-0.51x MKL's time at 64-256 slots. */
+    const at::Tensor grad_phi_n = small    ? grad_phi_t.t()
                                 : onednn ? linear_product(transposed(x_flat), gp_flat.t(), true)
                                          : at::mm(x_flat.t(), gp_flat);
     const int64_t g_d = grad_phi_n.stride(0), g_s = grad_phi_n.stride(1);

@@ -3,6 +3,10 @@
  * expert_matmul.h, soft_moe_small.h and soft_moe_routing.h. */
 #pragma once
 
+/* Up to this many slots the routing computes its products itself (phi's rows, padded to this width, one to four
+ * vectors), in its passes over each input; from more, bindings.cpp runs them in MKL or oneDNN. */
+#define SOFTMOE_ROUTING_SMALL_SLOTS 16
+
 #define SOFTMOE_DECLARE_KERNELS(ns)                                                                                  \
     namespace ns {                                                                                                    \
     void expert_matmul(const float *x, const float *w, const float *bias, float *out, long E, long M, long K, long N, \
@@ -18,11 +22,12 @@
                                 float *grad_x, float *grad_dispatch, float *grad_combine,                           \
                                 float *grad_w1, float *grad_b1, float *grad_w2, float *grad_b2, long B, long M,      \
                                 long S, long P, long Hd, long Dm, int keep, int threads);                             \
-    void soft_moe_routing_forward(float *logits, const float *x, float *dispatch, float *combine, float *r, long B,  \
-                                  long M, long S, long D, int router, int threads);                                   \
+    void soft_moe_routing_forward(float *logits, const float *x, const float *phi_rows, float *dispatch,            \
+                                  float *combine, float *r, long B, long M, long S, long D, int router, int threads); \
     void soft_moe_routing_backward(const float *gl, const float *gd, const float *gc, const float *logits,           \
                                    const float *dispatch, const float *combine, const float *r, float *gp,           \
-                                   float *dot, long B, long M, long S, int router, int threads);                     \
+                                   float *dot, const float *x, const float *phi_t, float *grad_x,                    \
+                                   float *grad_phi_t, long B, long M, long S, long D, int router, int threads);      \
     }
 
 SOFTMOE_DECLARE_KERNELS(softmoe_portable)

@@ -1,7 +1,8 @@
 /* The elementwise part of the Soft MoE routing, forward and backward, one pass over each input: the kernel source of
  * softmoe::soft_moe_routing and its backward op, compiled once per instruction set by
- * soft_moe_routing_{avx512,avx2,portable}.cpp (see variant.h). bindings.cpp computes the products around it (x phi
- * forward; the gradients of x and phi backward) with torch's matmul or oneDNN's linear.
+ * soft_moe_routing_{avx512,avx2,portable}.cpp (see variant.h). The products around it (x phi forward; the gradients
+ * of x and phi backward) are computed here, in the same passes, up to SOFTMOE_ROUTING_SMALL_SLOTS slots (kernels.h);
+ * with more, bindings.cpp computes them with torch's matmul or oneDNN's linear.
  *
  * For B inputs of M tokens x[b, t] and S slots, with P = x phi (B, M, S) and, with vmoe's normalization of the
  * tokens ("router"), r[b, t] = rsqrt(|x[b, t]|^2 + 1e-6) (else r = 1):
@@ -20,6 +21,8 @@
 #if !defined(SOFTMOE_LANES) || !defined(SOFTMOE_NS)
 #error "soft_moe_routing.h is included by a variant unit that defines SOFTMOE_LANES and SOFTMOE_NS (see variant.h)"
 #endif
+
+#include "kernels.h" /* SOFTMOE_ROUTING_SMALL_SLOTS */
 
 namespace SOFTMOE_NS {
 
@@ -100,10 +103,116 @@ static inline float inverse_norm(const float *x, long n)
     return 1.0f / __builtin_sqrtf(lane_sum((acc[0] + acc[1]) + (acc[2] + acc[3])) + ROUTING_EPS);
 }
 
-/* logits (B, M, S) holds P on entry and the logits on return; r (B, M) gets rsqrt(|x|^2 + 1e-6) of the tokens of x
- * (B, M, D) when `router`, else ones. */
-void soft_moe_routing_forward(float *logits, const float *x, float *dispatch, float *combine, float *r, long B,
-                              long M, long S, long D, int router, int threads)
+/* ---- the products of small routings (S <= SOFTMOE_ROUTING_SMALL_SLOTS), a few tokens at a time ---------------- */
+
+#define SMALL SOFTMOE_ROUTING_SMALL_SLOTS
+#define SMALL_VECS (SMALL / LANES) /* vectors per row of phi, padded to SMALL slots */
+#define TOKEN_BLOCK 4              /* tokens of an input whose products run together */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* lb[t * S + s] = sum_d xb[t * D + d] rows[d * SMALL + s] for the TB tokens from t0 and s < S: the first NV
+   vectors of phi's row d (as many as S needs), each token's element broadcast to them. With one vector per row,
+   even and odd d go to two sets of sums (TB chains of dependent multiply-adds left the FMA units half idle). */
+ALWAYS_INLINE void block_logits(float *lb, const float *xb, const float *rows, long t0, long S, long D, const int TB,
+                                const int NV)
+{
+    const int sets = NV == 1 ? 2 : 1;
+    vec acc[2][TOKEN_BLOCK][SMALL_VECS] = {};
+    long d = 0;
+    for (; d + sets <= D; d += sets)
+        for (int k = 0; k < sets; k++) {
+            vec p[SMALL_VECS];
+            for (int v = 0; v < NV; v++) p[v] = load(rows + (d + k) * SMALL + v * LANES);
+            for (int t = 0; t < TB; t++) {
+                const float e = xb[(t0 + t) * D + d + k];
+                for (int v = 0; v < NV; v++) acc[k][t][v] += e * p[v];
+            }
+        }
+    for (; d < D; d++)
+        for (int t = 0; t < TB; t++)
+            for (int v = 0; v < NV; v++) acc[0][t][v] += xb[(t0 + t) * D + d] * load(rows + d * SMALL + v * LANES);
+    for (int t = 0; t < TB; t++)
+        for (int v = 0; v < NV; v++) {
+            const vec sum = sets == 2 ? acc[0][t][v] + acc[1][t][v] : acc[0][t][v];
+            store_n(lb + (t0 + t) * S + v * LANES, sum, S - v * LANES < LANES ? S - v * LANES : LANES);
+        }
+}
+
+ALWAYS_INLINE void tokens_logits(float *lb, const float *xb, const float *rows, long M, long S, long D, const int NV)
+{
+    long t0 = 0;
+    for (; t0 + TOKEN_BLOCK <= M; t0 += TOKEN_BLOCK) block_logits(lb, xb, rows, t0, S, D, TOKEN_BLOCK, NV);
+    switch (M - t0) {
+    case 1: block_logits(lb, xb, rows, t0, S, D, 1, NV); break;
+    case 2: block_logits(lb, xb, rows, t0, S, D, 2, NV); break;
+    case 3: block_logits(lb, xb, rows, t0, S, D, 3, NV); break;
+    }
+}
+
+/* The product x phi of one input's M tokens xb into lb (M, S), phi given as `rows` (D, SMALL): phi's columns, zeros
+   past S. */
+static void input_logits(float *lb, const float *xb, const float *rows, long M, long S, long D)
+{
+    switch ((S + LANES - 1) / LANES) {
+    case 1: tokens_logits(lb, xb, rows, M, S, D, 1); break;
+#if SMALL_VECS >= 2
+    case 2: tokens_logits(lb, xb, rows, M, S, D, 2); break;
+#endif
+#if SMALL_VECS >= 4
+    case 3: tokens_logits(lb, xb, rows, M, S, D, 3); break;
+    case 4: tokens_logits(lb, xb, rows, M, S, D, 4); break;
+#endif
+    }
+}
+
+/* For the TB tokens from t0 of one input, one vector of dim after the other: gxb[t] = sum_s gpb[t, s] phi_t[s] -
+   c[t] xb[t] (with `router`; c = dot r^2) and acc[s] += sum_t gpb[t, s] xb[t] (phi's gradient, S rows of DV). */
+ALWAYS_INLINE void block_grads(float *gxb, float *acc, const float *xb, const float *gpb, const float *phi_t,
+                               const float *c, long t0, long S, long D, long DV, int router, const int TB)
+{
+    for (long d = 0; d < D; d += LANES) {
+        const long n = D - d < LANES ? D - d : LANES;
+        vec xv[TOKEN_BLOCK], gv[TOKEN_BLOCK];
+        for (int t = 0; t < TB; t++) {
+            xv[t] = load_n(xb + (t0 + t) * D + d, n);
+            gv[t] = router ? xv[t] * -c[t0 + t] : vec{};
+        }
+        for (long s = 0; s < S; s++) {
+            const vec p = load_n(phi_t + s * D + d, n);
+            vec a = load(acc + s * DV + d);
+            for (int t = 0; t < TB; t++) {
+                const float g = gpb[(t0 + t) * S + s];
+                gv[t] += g * p;
+                a += g * xv[t];
+            }
+            store(acc + s * DV + d, a);
+        }
+        for (int t = 0; t < TB; t++) store_n(gxb + (t0 + t) * D + d, gv[t], n);
+    }
+}
+
+/* The products of one input's backward: its M tokens' gradient gxb (M, D) from gpb (M, S) and phi_t (S, D), and
+   its share of phi's gradient added to acc (S rows of DV); c (M): the router's term dot r^2. */
+static void input_grads(float *gxb, float *acc, const float *xb, const float *gpb, const float *phi_t,
+                        const float *c, long M, long S, long D, long DV, int router)
+{
+    long t0 = 0;
+    for (; t0 + TOKEN_BLOCK <= M; t0 += TOKEN_BLOCK)
+        block_grads(gxb, acc, xb, gpb, phi_t, c, t0, S, D, DV, router, TOKEN_BLOCK);
+    switch (M - t0) {
+    case 1: block_grads(gxb, acc, xb, gpb, phi_t, c, t0, S, D, DV, router, 1); break;
+    case 2: block_grads(gxb, acc, xb, gpb, phi_t, c, t0, S, D, DV, router, 2); break;
+    case 3: block_grads(gxb, acc, xb, gpb, phi_t, c, t0, S, D, DV, router, 3); break;
+    }
+}
+
+/* ---- the elementwise passes --------------------------------------------------------------------------------- */
+
+/* logits (B, M, S) holds P = x phi on entry, or with phi_rows (D, SOFTMOE_ROUTING_SMALL_SLOTS: phi's rows, zeros past
+ * S; S <= SOFTMOE_ROUTING_SMALL_SLOTS) P is computed here; the logits on return. r (B, M) gets rsqrt(|x|^2 + 1e-6)
+ * of the tokens of x (B, M, D) when `router`, else ones. */
+void soft_moe_routing_forward(float *logits, const float *x, const float *phi_rows, float *dispatch, float *combine,
+                              float *r, long B, long M, long S, long D, int router, int threads)
 {
     const long SV = (S + LANES - 1) / LANES * LANES; /* the columns' buffers in whole vectors */
 #pragma omp parallel num_threads(threads)
@@ -115,6 +224,7 @@ void soft_moe_routing_forward(float *logits, const float *x, float *dispatch, fl
 #pragma omp for schedule(static)
         for (long b = 0; b < B; b++) {
             float *lb = logits + b * M * S, *db = dispatch + b * M * S, *cb = combine + b * M * S;
+            if (phi_rows) input_logits(lb, x + b * M * D, phi_rows, M, S, D);
             for (long s = 0; s < SV; s++) colmax[s] = -__builtin_inff(), colsum[s] = 0.0f;
             for (long t = 0; t < M; t++) {
                 const float rt = router ? inverse_norm(x + (b * M + t) * D, D) : 1.0f;
@@ -162,16 +272,26 @@ void soft_moe_routing_forward(float *logits, const float *x, float *dispatch, fl
     }
 }
 
-/* gl, gd, gc (B, M, S) or NULL; writes gp (B, M, S) and dot_out (B, M), the sums over slots of g logits. */
+/* gl, gd, gc (B, M, S) or NULL; writes gp (B, M, S) and dot_out (B, M), the sums over slots of g logits. With phi_t
+ * (S, D: phi_n transposed; S <= SOFTMOE_ROUTING_SMALL_SLOTS) also the products: grad_x (B, M, D) = gp phi_t - (with
+ * `router`) dot r^2 x, and grad_phi_t (S, D) = gp^T x. */
 void soft_moe_routing_backward(const float *gl, const float *gd, const float *gc, const float *logits,
                                const float *dispatch, const float *combine, const float *r, float *gp, float *dot_out,
-                               long B, long M, long S, int router, int threads)
+                               const float *x, const float *phi_t, float *grad_x, float *grad_phi_t, long B, long M,
+                               long S, long D, int router, int threads)
 {
-    const long SV = (S + LANES - 1) / LANES * LANES;
+    const long SV = (S + LANES - 1) / LANES * LANES, DV = (D + LANES - 1) / LANES * LANES;
+    float **shares = (float **)malloc(threads * sizeof(float *)); /* each thread's share of phi's gradient */
 #pragma omp parallel num_threads(threads)
     {
-        /* sum over tokens of gd dispatch, per column; sum over slots of gc combine, per row */
-        float *coldot = (float *)malloc((SV + M) * sizeof(float)), *rowdot = coldot + SV;
+        /* sum over tokens of gd dispatch, per column; sum over slots of gc combine, per row; with phi_t the router's
+           terms of a token (M) and the thread's share of phi's gradient (S rows of DV) */
+        const long extra = phi_t ? M + S * DV : 0;
+        float *coldot = (float *)malloc((SV + M + extra) * sizeof(float)), *rowdot = coldot + SV;
+        float *terms = rowdot + M, *acc = terms + M;
+        const long me = omp_get_thread_num(), count = omp_get_num_threads();
+        if (phi_t) memset(acc, 0, S * DV * sizeof(float));
+        shares[me] = acc;
 #pragma omp for schedule(static)
         for (long b = 0; b < B; b++) {
             const long base = b * M * S;
@@ -201,10 +321,23 @@ void soft_moe_routing_backward(const float *gl, const float *gd, const float *gc
                     store_n(gp + row + s, g * rt, count);
                 }
                 dot_out[b * M + t] = lane_sum(dot);
+                if (phi_t) terms[t] = router ? dot_out[b * M + t] * r[b * M + t] * r[b * M + t] : 0.0f;
             }
+            if (phi_t) input_grads(grad_x + b * M * D, acc, x + b * M * D, gp + base, phi_t, terms, M, S, D, DV, router);
+        }
+        if (phi_t) { /* after the loop's barrier: the shares summed in thread order (the same result every run), a
+                        range of slots per thread */
+            for (long s = S * me / count; s < S * (me + 1) / count; s++)
+                for (long d = 0; d < D; d++) {
+                    float sum = 0.0f;
+                    for (long k = 0; k < count; k++) sum += shares[k][s * DV + d];
+                    grad_phi_t[s * D + d] = sum;
+                }
+#pragma omp barrier
         }
         free(coldot);
     }
+    free(shares);
 }
 
 } /* namespace SOFTMOE_NS */
