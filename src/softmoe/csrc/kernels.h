@@ -3,9 +3,10 @@
  * expert_matmul.h, soft_moe_small.h and soft_moe_routing.h. */
 #pragma once
 
-/* Up to this many slots the routing computes its products itself (phi's rows, padded to this width, one to four
- * vectors), in its passes over each input; from more, bindings.cpp runs them in MKL or oneDNN. */
-#define SOFTMOE_ROUTING_SMALL_SLOTS 16
+/* Up to this many slots the routing computes its products itself (phi's rows, padded to this width: two vectors with
+ * AVX-512, four with AVX2, eight of SSE's), in its passes over each input; from more, bindings.cpp runs them in MKL
+ * or oneDNN. */
+#define SOFTMOE_ROUTING_SMALL_SLOTS 32
 
 #define SOFTMOE_DECLARE_KERNELS(ns)                                                                                  \
     namespace ns {                                                                                                    \
