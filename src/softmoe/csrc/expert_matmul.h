@@ -386,8 +386,8 @@ static void nt_tile_any(const float *g, long ldg, const float *w, long N, float 
    On an AMD EPYC Zen 5, time one row / two rows at a time (same floats): AVX-512, 8 rows of g through 1536 x 384 and
    784 x 256 weights 0.84-0.87 and 0.87-0.90, 4 rows through 1536 x 512 and 1536 x 768 0.66-0.69, 2 rows through
    384 x 1536 0.77; AVX2, 4 rows through 1536 x 384, 784 x 256, 1536 x 768 0.75-0.82, 2 rows through 384 x 1536
-   0.78. Outside that: 16 rows of g (two passes) 0.91-0.93 with AVX-512 but 1.21 with AVX2, g of 16-48 KB 1.07-1.93,
-   rows of 196 columns 1.13-1.18. */
+   0.78. Outside that: g in two passes 0.91-0.93 with AVX-512 (16 rows) but 1.19-1.24 with AVX2 (8-16 rows), g of
+   16-48 KB 1.07-1.93, rows of 196 columns 1.13-1.18. */
 static void nt_item(const job_t *j, long e, long begin, long end)
 {
     const long M = j->M, K = j->K, N = j->N;
