@@ -11,6 +11,10 @@ device synchronization at the end), for the forward, the forward+backward and Al
 Table 2: the layer's time with the router's logits computed by the general path (the column norms of phi and the
 token norms as separate ops, ``softmoe.layer._NormalizedTokenLogits``) against CUDA's path (two fused RMS norms,
 ``softmoe.layer.rms_norm_logits``), in the same process: 5 interleaved rounds of 50 calls each, median per call.
+
+Table 3: inference with the routing's softmaxes and Algorithm 1's choice in torch's ops against the routing kernel
+(``softmoe::routing_softmaxes``, one Triton kernel), same process, same rounds: the plain forward and Algorithm 1 at
+k = n/4 (plan "auto"), kernels per call and time, and Algorithm 1's speed against the plain forward on each path.
 """
 
 from __future__ import annotations
@@ -106,7 +110,66 @@ def main(argv: list[str] | None = None) -> int:
                           f"{general / rms:.2f}x")
     finally:
         layer_module.rms_norm_logits = fused
+    routing_kernel_table(dtypes)
     return 0
+
+
+def interleaved(fns: dict[str, object], rounds: int = 5, calls: int = 50) -> dict[str, float]:
+    """{name: median us per call} of the functions timed in turn, ``rounds`` rounds of ``calls`` calls each."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(microseconds_per_call(fn, calls))
+    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
+
+
+def routing_kernel_table(dtypes: dict[str, torch.dtype]) -> None:
+    """Table 3 (module doc): torch's ops (``fused_routing_applies`` patched to False) against the routing kernel."""
+    shapes = {"MNIST n=8 b256": (256, 4, 196, 8, 98, "relu"), "Table 3 layer b1": (1, 197, 768, 8, 30720, "gelu_tanh"),
+              "Table 3 layer b100": (100, 197, 768, 8, 30720, "gelu_tanh"),
+              "ViT-S b128": (128, 196, 384, 128, 1536, "relu")}
+    applies = layer_module.fused_routing_applies
+    paths = {"torch ops": lambda *args: False, "routing kernel": applies}
+    print("| shape | dtype | call | torch ops: kernels, us | routing kernel: kernels, us | torch / kernel |")
+    print("|---|---|---|---:|---:|---:|")
+    try:
+        for label, (batch, tokens, dim, experts, hidden, activation) in shapes.items():
+            for name, dtype in dtypes.items():
+                torch.manual_seed(0)
+                with torch.device("cuda"):
+                    layer = softmoe.SoftMoE(dim, experts, 1, expert_hidden=hidden, activation=activation).to(dtype)
+                x = torch.randn(batch, tokens, dim, device="cuda", dtype=dtype)
+
+                def plain() -> None:
+                    with torch.no_grad():
+                        layer(x)
+
+                def algorithm1() -> None:
+                    with torch.no_grad(), softmoe.select_experts(layer, k=max(1, experts // 4)):
+                        layer(x)
+
+                results = {}
+                for call_name, fn in (("fwd", plain), (f"Algorithm 1 k={max(1, experts // 4)}", algorithm1)):
+                    counts, variants = {}, {}
+                    for path, rule in paths.items():
+                        layer_module.fused_routing_applies = rule
+                        counts[path] = cuda_kernels(fn)
+
+                        def run(rule=rule, fn=fn) -> None:
+                            layer_module.fused_routing_applies = rule
+                            fn()
+
+                        variants[path] = run
+                    times = interleaved(variants)
+                    results[call_name] = times
+                    ops, kernel = times["torch ops"], times["routing kernel"]
+                    print(f"| {label} | {name} | {call_name} | {counts['torch ops']}, {ops:.0f} | "
+                          f"{counts['routing kernel']}, {kernel:.0f} | {ops / kernel:.2f}x |")
+                (plain_times, selected_times) = results.values()
+                print(f"| {label} | {name} | Algorithm 1 / fwd speed | "
+                      + " | ".join(f"{plain_times[p] / selected_times[p]:.2f}x" for p in paths) + " | |")
+    finally:
+        layer_module.fused_routing_applies = applies
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR [BUDGET_SECONDS] [STEP ...]
 #
-# Steps, in this order by default: tests (the CUDA tests), t3-bf16 and t3-fp32 (Table 3 eager,
-# bench_latency.py), sweep-bf16 (Algorithm 1 at every k < n against every expert, eager), layer-bf16 and layer-fp32
-# (bench_gpu.py's layer table), selection-bf16 (bench_gpu.py's selection table at ViT-S batch 128, eager and
-# compiled: about 3 minutes); on request also layer-compiled (the bf16 layer table at three shapes with the layer
+# Steps, in this order by default: tests (the CUDA tests and the routing kernel's), t3-bf16 and t3-fp32 (Table 3
+# eager, bench_latency.py), sweep-bf16 and sweep-fp32 (Algorithm 1 at every k < n against every expert, eager),
+# layer-bf16 and layer-fp32 (bench_gpu.py's layer table), selection-bf16 (bench_gpu.py's selection table at ViT-S
+# batch 128, eager and compiled: about 3 minutes); on request also launches (bench_gpu_launches.py: kernels per
+# eager call, the logits' and the routing kernel's A/B), layer-compiled (the bf16 layer table at three shapes with the layer
 # and the dense MLP compiled with CUDA graphs) and t3-compiled (Table 3 at batch 1 in bf16 with CUDA graphs).
 # The published peers are timed where they import (``make peers``, or a folder of them on PYTHONPATH).
 # softmoe's native CPU kernels are not built (SOFTMOE_NATIVE=0): nothing here runs them.
@@ -21,7 +22,7 @@ if ! [[ $budget =~ ^[0-9]+$ ]]; then
 fi
 shift $(( $# >= 2 ? 2 : 1 ))
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(tests t3-bf16 t3-fp32 sweep-bf16 layer-bf16 layer-fp32 selection-bf16)
+[ ${#steps[@]} -gt 0 ] || steps=(tests t3-bf16 t3-fp32 sweep-bf16 sweep-fp32 layer-bf16 layer-fp32 selection-bf16)
 mkdir -p "$out" && out=$(cd "$out" && pwd) || { echo "gpu_check.sh: cannot write to $1" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 SOFTMOE_NATIVE=0
@@ -52,16 +53,18 @@ step() {
 
 for name in "${steps[@]}"; do
     case $name in
-        tests) step tests 150 "$py" -m pytest -q -p no:cacheprovider -k cuda tests/test_devices.py \
-            tests/test_grouped_mm.py tests/test_topk.py tests/test_selection_plan.py tests/test_layer.py ;;
+        tests) step tests 150 "$py" -m pytest -q -p no:cacheprovider -k "cuda or routing_softmaxes" \
+            tests/test_devices.py tests/test_grouped_mm.py tests/test_topk.py tests/test_selection_plan.py \
+            tests/test_layer.py tests/test_routing_softmaxes.py ;;
+        launches) step launches 200 "$py" benchmarks/bench_gpu_launches.py ;;
         t3-bf16) step t3-bf16 120 "$py" benchmarks/bench_latency.py --device cuda --dtype bfloat16 \
             --json "$out/t3-bf16.json" ;;
         t3-fp32) step t3-fp32 150 "$py" benchmarks/bench_latency.py --device cuda --dtype float32 \
             --json "$out/t3-fp32.json" ;;
         t3-compiled) step t3-compiled 300 "$py" benchmarks/bench_latency.py --device cuda --dtype bfloat16 \
             --compile --batches 1 --json "$out/t3-compiled.json" ;;
-        sweep-bf16) step sweep-bf16 120 "$py" benchmarks/bench_latency.py --sweep --device cuda --dtype bfloat16 \
-            --json "$out/sweep-bf16.json" ;;
+        sweep-bf16|sweep-fp32) step "$name" 120 "$py" benchmarks/bench_latency.py --sweep --device cuda \
+            --dtype "$([ "$name" = sweep-bf16 ] && echo bfloat16 || echo float32)" --json "$out/$name.json" ;;
         layer-bf16|layer-fp32) step "$name" 120 "$py" benchmarks/bench_gpu.py --quick --tables layer \
             --dtypes "${name#layer-}" --json "$out/$name.json" ;;
         layer-compiled) step layer-compiled 300 "$py" benchmarks/bench_gpu.py --quick --tables layer \

@@ -8,8 +8,9 @@ import copy
 import pytest
 import torch
 
-from softmoe import SoftMoE, masked_reference_forward, select_experts
+from softmoe import SoftMoE, masked_reference_forward, select_experts, selection_plan
 from softmoe.selection import top_k_by_combine
+from softmoe.selection_plan import forget_timed_plans, timed_choice
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # float32 and bfloat16 against float64: relative error of the output.
@@ -81,14 +82,39 @@ def test_selection_on_cuda_never_waits_for_the_host(strategy):
     layer, _ = layer_pair("cuda", torch.bfloat16)
     x = torch.randn(6, 10, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with select_experts(layer, k=3, strategy=strategy, seed=0):
-            out = layer(x)
-        out.float().square().sum().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-    assert torch.isfinite(x.grad).all() and torch.isfinite(layer.experts.weight1.grad).all()
+    forget_timed_plans()
+    for timed in (False, True):  # the shape untimed (the cost model's plan), then timed (the plan found faster)
+        if timed:
+            with torch.no_grad(), select_experts(layer, k=3, strategy=strategy, seed=0):
+                layer(x)  # times both plans: synchronizes
+            assert len(selection_plan._TIMED_PLANS) == 1
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with select_experts(layer, k=3, strategy=strategy, seed=0):
+                out = layer(x)
+            out.float().square().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        assert torch.isfinite(x.grad).all() and torch.isfinite(layer.experts.weight1.grad).all()
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_algorithm1_on_eager_cuda_times_its_plans_once_per_shape(dtype):
+    """Plan "auto" on eager CUDA times both plans at the first call of a shape, then runs the faster: both calls
+    equal the masked reference, and a second batch size is a second shape."""
+    layer, exact = layer_pair("cuda", dtype)
+    forget_timed_plans()
+    for batch in (5, 5, 3):
+        x64 = torch.randn(batch, 10, 16, dtype=torch.float64)
+        selected = top_k_by_combine(exact.route(x64).combine, 3)
+        with torch.no_grad():
+            got = layer.forward_selected(x64.to(device="cuda", dtype=dtype), selected.to("cuda"))
+            want = masked_reference_forward(exact, x64, selected)
+        assert relative(got, want) < TOLERANCE[dtype]
+        assert layer.selected_plan_is_cheaper(x64.to("cuda", dtype), selected.to("cuda")) is (
+            timed_choice(layer._plan_key(x64.to("cuda", dtype), selected)) == "selected")
+    assert len(selection_plan._TIMED_PLANS) == 2
 
 
 @cuda

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -136,6 +138,89 @@ def test_compiled_cuda_selects_where_it_was_measured_faster(monkeypatch):
     assert selected_plan_is_cheaper(1, 2, 8, 1, table3, cuda)
     assert not any(selected_plan_is_cheaper(1, k, 8, 1, table3, cuda) for k in (4, 6))
     assert not any(selected_plan_is_cheaper(100, k, 8, 1, table3, cuda) for k in (2, 4, 6))
+
+
+def test_timed_plan_takes_the_faster_run_and_remembers_it(monkeypatch):
+    """Each run is called once untimed and TIMED_ROUNDS times timed, between synchronizations, without gradients;
+    the faster wins and is remembered per key (the same key is not timed again); forgetting times it anew."""
+    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
+    syncs, calls = [], {"dense": 0, "selected": 0}
+    monkeypatch.setattr(plans, "synchronize", syncs.append)
+    monkeypatch.setattr(plans, "may_synchronize", lambda device: True)
+
+    def run(name, seconds):
+        def call():
+            assert not torch.is_grad_enabled()
+            calls[name] += 1
+            time.sleep(seconds)
+        return call
+
+    slow_dense = {"dense": run("dense", 0.004), "selected": run("selected", 0.0)}
+    assert plans.timed_plan("key", slow_dense, CPU) == "selected"
+    assert calls == {"dense": plans.TIMED_ROUNDS + 1, "selected": plans.TIMED_ROUNDS + 1}
+    assert syncs == [CPU] * 4 * (plans.TIMED_ROUNDS + 1)
+    slow_selected = {"dense": run("dense", 0.0), "selected": run("selected", 0.004)}
+    assert plans.timed_plan("key", slow_selected, CPU) == "selected"  # remembered, not timed again
+    assert calls["dense"] == plans.TIMED_ROUNDS + 1 and plans.timed_choice("key") == "selected"
+    assert plans.timed_plan("other", slow_selected, CPU) == "dense"
+    plans.forget_timed_plans()
+    assert plans.timed_choice("key") is None
+    assert plans.timed_plan("key", slow_selected, CPU) == "dense"
+
+
+@pytest.mark.parametrize("faster", ["dense", "selected"])
+def test_auto_runs_the_plan_timed_faster_where_plans_are_timed(monkeypatch, faster):
+    """Where plans are timed (eager CUDA; here the CPU standing in), "auto" times both plans at the first call of
+    a shape, runs the faster from then on, with gradients, and the layer reports it; another batch size is
+    another shape."""
+    import softmoe.layer as layer_module
+
+    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
+    monkeypatch.setattr(plans, "synchronize", lambda device: None)
+    monkeypatch.setattr(plans, "may_synchronize", lambda device: True)
+    monkeypatch.setattr(layer_module, "plans_are_timed", lambda device: True)
+    layer = make_layer()
+    x = torch.randn(3, 5, 12, dtype=F64, requires_grad=True)
+    selected = torch.tensor([[0, 3], [2, 7], [7, 1]])
+    key = layer._plan_key(layer.slot_inputs(x), selected)
+    plans._TIMED_PLANS[key] = faster
+    runs = []
+    original = layer.experts.forward_selected
+    monkeypatch.setattr(layer.experts, "forward_selected", lambda rows, expert: runs.append(expert) or
+                        original(rows, expert))
+    got = layer.forward_selected(x, selected)
+    assert len(runs) == (faster == "selected") and layer.selected_plan_is_cheaper(x, selected) is (faster == "selected")
+    torch.testing.assert_close(got, masked_reference_forward(layer, x, selected), atol=1e-12, rtol=1e-12)
+    got.square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    runs.clear()
+    with torch.no_grad():
+        layer.forward_selected(x[:2], selected[:2])
+    chose_selected = plans.timed_choice(layer._plan_key(x[:2], selected[:2])) == "selected"
+    assert len(runs) == plans.TIMED_ROUNDS + 1 + chose_selected  # timed once each way, then the faster ran
+    assert len(plans._TIMED_PLANS) == 2
+
+
+def test_plans_are_timed_on_eager_cuda_only(monkeypatch):
+    cuda = torch.device("cuda")
+    assert not plans.plans_are_timed(CPU) and plans.plans_are_timed(cuda)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not plans.plans_are_timed(cuda)
+
+
+def test_a_shape_is_not_timed_where_synchronizing_is_unwelcome(monkeypatch):
+    """CUDA's sync debug mode set or a CUDA graph being captured: an untimed key gives None (the layer then takes
+    the cost model's plan), a timed one its plan, without synchronizing."""
+    monkeypatch.setattr(plans, "_TIMED_PLANS", {"timed": "selected"})
+    monkeypatch.setattr(plans, "synchronize", lambda device: pytest.fail("synchronized"))
+    runs = {"dense": lambda: None, "selected": lambda: None}
+    for debug_mode, capturing in ((2, False), (0, True)):
+        monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: debug_mode)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        assert not plans.may_synchronize(torch.device("cuda"))
+        assert plans.timed_plan("untimed", runs, torch.device("cuda")) is None
+        assert plans.timed_plan("timed", runs, torch.device("cuda")) == "selected"
+    assert "untimed" not in plans._TIMED_PLANS
 
 
 def test_auto_follows_the_cost_model(monkeypatch):

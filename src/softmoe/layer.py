@@ -40,7 +40,15 @@ from softmoe.experts import Experts, MLPExperts, StackedExperts, autocast_device
 from softmoe.kernels import native_routing_applies, needs_grad, onednn_applies, onednn_linear
 from softmoe.kernels import soft_moe_routing as native_routing
 from softmoe.kernels.modes import host_reads_are_free, transforms_active
-from softmoe.selection_plan import check_plan, mask_and_counts, selected_plan_is_cheaper
+from softmoe.kernels.routing_softmaxes import fused_routing_applies, run_routing_softmaxes
+from softmoe.selection_plan import (
+    check_plan,
+    mask_and_counts,
+    plans_are_timed,
+    selected_plan_is_cheaper,
+    timed_choice,
+    timed_plan,
+)
 
 NORM_EPS = 1e-6
 NORMALIZATIONS = ("router", "inputs", "none")
@@ -313,7 +321,10 @@ def soft_moe_reference(
 
 
 class ExpertSelector(Protocol):
-    """What a layer consults, when set as ``layer.selector``, to pick each input's experts (see softmoe.selection)."""
+    """What a layer consults, when set as ``layer.selector``, to pick each input's experts (see softmoe.selection).
+
+    An optional attribute ``top_k`` (an int) says that :meth:`select` keeps each input's k experts of largest
+    summed combine weight (Algorithm 1): the layer may then choose them inside its routing kernel instead."""
 
     renormalize: bool
     plan: str  # one of SELECTION_PLANS
@@ -379,6 +390,7 @@ class SoftMoE(nn.Module):
         self.normalize = check_normalization(normalize)
         self.backend = backend
         self.selector: ExpertSelector | None = None
+        self._expert_shapes: tuple[int, tuple] = (0, ())  # (id of the experts module, its weights' shapes)
         factory = {"device": device, "dtype": dtype}
         self.phi = nn.Parameter(torch.empty(dim, num_experts, slots_per_expert, **factory))
         self.scale = nn.Parameter(torch.ones((), **factory)) if self.normalize != "none" else None
@@ -454,13 +466,21 @@ class SoftMoE(nn.Module):
         """
         check_tokens(x, self.dim, mask, self.phi.dtype)
         x = self.slot_inputs(x)
-        _, dispatch, combine = self._route_flat(x, mask)
-        if self.selector is not None:
-            shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
-            selected = self.selector.select(combine.view(shape))
+        if self.selector is None:
+            _, dispatch, combine = self._route_flat(x, mask)
+            return self._mix(x, dispatch, combine)
+        phi, k = self.phi.reshape(self.dim, self.num_slots), getattr(self.selector, "top_k", None)
+        plain = k is not None and mask is None and not (self.training and self.noise_std > 0)
+        if plain and fused_routing_applies(x, phi, self.scale, self.slots_per_expert, k):
+            # Algorithm 1 in one kernel with the softmaxes (eager CUDA inference: the op's own code, called without
+            # the dispatcher's host time); combine comes back zero outside the kept slots.
+            logits = soft_moe_logits(x, phi, self.scale, self.normalize)
+            dispatch, combine, selected = run_routing_softmaxes(logits, self.slots_per_expert, k)
             return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize,
-                                          self.selector.plan)
-        return self._mix(x, dispatch, combine)
+                                          self.selector.plan, combine_is_kept=True)
+        _, dispatch, combine = self._route_flat(x, mask)
+        selected = self.selector.select(combine.view(*x.shape[:2], self.num_experts, self.slots_per_expert))
+        return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize, self.selector.plan)
 
     def _mix(self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
         """C f(D^T X) with every expert, on the backend :meth:`backend_for` names."""
@@ -502,9 +522,14 @@ class SoftMoE(nn.Module):
         return self._selected_forward(x, dispatch, combine, selected, renormalize, plan)
 
     def selected_plan_is_cheaper(self, x: torch.Tensor, selected: torch.Tensor) -> bool:
-        """Whether running only the ``selected`` (batch, k) experts (plan "selected") beats running them all (plan
-        "dense") for x (batch, tokens, dim): :func:`softmoe.selection_plan.selected_plan_is_cheaper` with this
-        layer's shape, and the pairs and experts in use counted where host reads are free."""
+        """Whether plan "auto" runs only the ``selected`` (batch, k) experts (plan "selected") rather than them all
+        (plan "dense") for x (batch, tokens, dim): on eager CUDA the plan timed faster for this shape where it was
+        timed (:func:`softmoe.selection_plan.timed_plan`), else
+        :func:`softmoe.selection_plan.selected_plan_is_cheaper` with this layer's shape, and the pairs and experts
+        in use counted where host reads are free."""
+        choice = timed_choice(self._plan_key(x, selected)) if plans_are_timed(x.device) else None
+        if choice is not None:
+            return choice == "selected"
         return self._selected_is_cheaper(x, selected, mask_and_counts(selected, self.num_experts)[1])
 
     def parameters_per_expert(self) -> float:
@@ -516,6 +541,15 @@ class SoftMoE(nn.Module):
         return selected_plan_is_cheaper(x.shape[0], selected.shape[1], self.num_experts, self.slots_per_expert,
                                         flops_per_row, x.device, kept)
 
+    def _plan_key(self, x: torch.Tensor, selected: torch.Tensor) -> tuple:
+        """What the plans' times depend on, for :func:`softmoe.selection_plan.timed_plan`: the device, dtype and
+        shapes, the experts' kind and weights' shapes (not which experts are kept)."""
+        experts = id(self.experts)
+        if self._expert_shapes[0] != experts:  # the weights' shapes, read once per experts module
+            self._expert_shapes = (experts, tuple(tuple(t.shape) for t in self.experts.parameters()))
+        return (x.device, x.dtype, tuple(x.shape), selected.shape[1], self.num_experts, self.slots_per_expert,
+                type(self.experts), self._expert_shapes[1])
+
     def _selected_forward(
         self,
         x: torch.Tensor,
@@ -524,16 +558,43 @@ class SoftMoE(nn.Module):
         selected: torch.Tensor,
         renormalize: bool,
         plan: str,
+        combine_is_kept: bool = False,
     ) -> torch.Tensor:
+        """Algorithm 1's mixing on the ``plan`` given or found cheaper; ``combine_is_kept``: combine is already
+        zero on the slots of unselected experts (the dense plan then needs no mask)."""
+        if plan == "selected":
+            return self._selected_plan(x, dispatch, combine, selected, renormalize)
+        keep, kept = (None, None) if combine_is_kept else mask_and_counts(selected, self.num_experts)
+        if plan == "auto" and plans_are_timed(x.device):
+            runs = {"dense": lambda: self._dense_plan(x, dispatch, combine, keep, renormalize),
+                    "selected": lambda: self._selected_plan(x, dispatch, combine, selected, renormalize)}
+            plan = timed_plan(self._plan_key(x, selected), runs, x.device) or "auto"
+        if plan == "auto":
+            plan = "selected" if self._selected_is_cheaper(x, selected, kept) else "dense"
+        if plan == "selected":
+            return self._selected_plan(x, dispatch, combine, selected, renormalize)
+        return self._dense_plan(x, dispatch, combine, keep, renormalize)
+
+    def _dense_plan(
+        self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, keep: torch.Tensor | None,
+        renormalize: bool
+    ) -> torch.Tensor:
+        """Every expert, the unselected ones' combine weights zeroed: keep (batch, n) bool, None where combine is
+        zero there already."""
+        p = self.slots_per_expert
+        if keep is not None:
+            keep = (keep if p == 1 else keep.repeat_interleave(p, dim=1)).unsqueeze(1)  # (batch, 1, n * p)
+            combine = torch.where(keep, combine, 0.0)
+        return self._mix(x, dispatch, renormalized(combine) if renormalize else combine)
+
+    def _selected_plan(
+        self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, selected: torch.Tensor,
+        renormalize: bool
+    ) -> torch.Tensor:
+        """Only the kept experts, on the slots of the inputs that keep them, grouped by expert."""
         batch, tokens, d = x.shape
         p = self.slots_per_expert
         k = selected.shape[1]
-        if plan != "selected":
-            keep, kept = mask_and_counts(selected, self.num_experts)
-            if plan == "dense" or not self._selected_is_cheaper(x, selected, kept):
-                keep = (keep if p == 1 else keep.repeat_interleave(p, dim=1)).unsqueeze(1)  # (batch, 1, n * p)
-                kept_combine = torch.where(keep, combine, 0.0)
-                return self._mix(x, dispatch, renormalized(kept_combine) if renormalize else kept_combine)
         # Unused places (-1) take expert 0's slots; the experts give them zero outputs, so only a renormalization
         # needs to leave their combine weights out.
         index = selected.clamp_min(0)

@@ -172,6 +172,13 @@ class Selector:
     k_max: int | None = None
     plan: str = "auto"
 
+    @property
+    def top_k(self) -> int | None:
+        """k where this selector keeps each input's k experts of largest summed combine weight (Algorithm 1, a
+        fixed k), else None: a layer may then choose them inside its routing kernel
+        (:mod:`softmoe.kernels.routing_softmaxes`) instead of calling :meth:`select`."""
+        return self.k if isinstance(self.strategy, str) and self.strategy == "combine" else None
+
     def generator_on(self, device: torch.device) -> torch.Generator:
         """The random strategy's generator on ``device``."""
         if device not in self.generators:

@@ -32,20 +32,31 @@ plain forward's) and of up to 48 (the selected plan's), kept its time flat up to
 8 with AVX2 (AMD EPYC Zen 5, 768 x 6144 weights, AVX-512 / AVX2: 8 rows 148 / 112 GFLOP/s, 16 rows 254 / 152;
 before the tile copy of the kernel's row passes 4 rows 58 / 54, 8 rows 119 / 108, 16 rows 226 / 126), and a floor of
 16 with AVX2 left the selected plan untaken at batch 16 where it ran 1.13-1.89x as fast as all experts (k = 1-5). On
-CUDA, eager, the selected plan's launches and host work cost more than the skipped products at every size measured
-(H100, docs/performance.md), so eager CUDA runs the dense plan; under torch.compile (CUDA graphs, bf16 grouped GEMM)
-the selected plan is taken with a row overhead of 256 (and no floor) where it costs at most 0.4x the dense one: Table
-3's stack at batch 1 ran the selected plan 1.16-1.23x as fast as all experts at k = 2 (cost ratio 0.25) but 0.93-1.00x
-at k = 4 (ratio 0.5), no better than the dense plan ran at k = 6 (0.98x; H100, two sessions); k = 3 (ratio 0.375)
-was not measured, and on an H200 the selected plan lost at k = 2 too (0.91x).
+CUDA under torch.compile (CUDA graphs, bf16 grouped GEMM) the selected plan is taken with a row overhead of 256 (and
+no floor) where it costs at most 0.4x the dense one: Table 3's stack at batch 1 ran the selected plan 1.16-1.23x as
+fast as all experts at k = 2 (cost ratio 0.25) but 0.93-1.00x at k = 4 (ratio 0.5), no better than the dense plan
+ran at k = 6 (0.98x; H100, two sessions); k = 3 (ratio 0.375) was not measured, and on an H200 the selected plan
+lost at k = 2 too (0.91x).
+
+Eager CUDA calls are bound by the host's launches at small sizes and by the GPU's arithmetic at large ones (float32
+at batch 100), and where one turns into the other depends on the GPU, its host and the dtype: no FLOP count sees it.
+There "auto" times both plans (:func:`timed_plan`, as ``torch.backends.cudnn.benchmark`` times convolutions): once
+per shape, at its first call, which synchronizes with the device; later calls of that shape run the faster plan
+without timing. Where a synchronization is unwanted (CUDA's sync debug mode set, a CUDA graph being captured) a
+shape not yet timed takes the dense plan, untimed. On an H200 (docs/performance.md) the timing took the selected plan
+for one layer of Table 3's stack in float32 at batch 100, k <= 5 (1.03-1.12x as fast as all experts; the dense plan
+0.97-0.98x), and the dense plan everywhere else (the selected plan 0.36-0.84x at batch 1-16, 0.41-0.50x in bfloat16).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Hashable
+
 import torch
 
 from softmoe.kernels.build import LANES, cpu_isa
-from softmoe.kernels.modes import host_reads_are_free
+from softmoe.kernels.modes import host_reads_are_free, transforms_active
 
 SELECTION_PLANS = ("auto", "selected", "dense")
 # Per device type: the rows below which a product costs the same (reading its weight; on CPU with the native
@@ -58,6 +69,12 @@ CALL_FLOPS = 1e7
 # Selections of at most this many places become masks on the host where reads are free: one read, a few lists and
 # one tensor cost less than the mask's and the count's six ops right after the expert products (docs/performance.md).
 HOST_MASK_MAX_PLACES = 256
+
+
+# Timed rounds of each plan after one untimed round, where "auto" times them (eager CUDA); the fastest round counts.
+TIMED_ROUNDS = 3
+# The plan found faster per shape: {key: "selected" or "dense"} (see timed_plan).
+_TIMED_PLANS: dict[Hashable, str] = {}
 
 
 def check_plan(plan: str) -> None:
@@ -88,7 +105,7 @@ def selected_plan_is_cheaper(
     where they are known (else batch * k and min(n, batch * k), their upper bounds)."""
     kind = "cpu" if device.type == "cpu" else "cuda"
     if kind == "cuda" and not torch.compiler.is_compiling():
-        return False
+        return False  # eager CUDA: the dense plan unless the plans were timed (plans_are_timed)
     pairs, used = kept if kept is not None else (batch * k, min(num_experts, batch * k))
     floor, overhead = row_floor(kind), ROW_OVERHEAD[kind]
     rows = pairs * slots_per_expert
@@ -123,3 +140,51 @@ def mask_and_counts(selected: torch.Tensor, num_experts: int) -> tuple[torch.Ten
                     per_expert[j] += 1
         keep = torch.tensor(flags, dtype=torch.bool).view(len(rows), num_experts)
     return keep, (sum(per_expert), sum(1 for count in per_expert if count))
+
+
+def plans_are_timed(device: torch.device) -> bool:
+    """Whether plan "auto" runs the plan timed faster on ``device`` (module doc): eager CUDA, outside torch.compile
+    and torch.func transforms."""
+    return device.type == "cuda" and not torch.compiler.is_compiling() and not transforms_active()
+
+
+def timed_plan(key: Hashable, runs: dict[str, Callable[[], object]], device: torch.device) -> str | None:
+    """The name of the fastest of ``runs`` (plan name -> a call running it on ``device``), timed at the first call
+    with ``key`` and remembered for the process: one untimed round, then TIMED_ROUNDS rounds of each in turn, each
+    call between two synchronizations with the device, without gradients; the fastest call of each plan counts.
+    None where ``key`` was not timed and cannot be now (:func:`may_synchronize`)."""
+    if key not in _TIMED_PLANS:
+        if not may_synchronize(device):
+            return None
+        best = dict.fromkeys(runs, float("inf"))
+        with torch.no_grad():
+            for round_ in range(TIMED_ROUNDS + 1):
+                for name, run in runs.items():
+                    synchronize(device)
+                    start = time.perf_counter()
+                    run()
+                    synchronize(device)
+                    if round_:
+                        best[name] = min(best[name], time.perf_counter() - start)
+        _TIMED_PLANS[key] = min(best, key=best.__getitem__)
+    return _TIMED_PLANS[key]
+
+
+def timed_choice(key: Hashable) -> str | None:
+    """The plan :func:`timed_plan` found faster for ``key``, or None where it has not timed that key."""
+    return _TIMED_PLANS.get(key)
+
+
+def forget_timed_plans() -> None:
+    """Drop every plan :func:`timed_plan` remembers: the next call of each shape times them again."""
+    _TIMED_PLANS.clear()
+
+
+def may_synchronize(device: torch.device) -> bool:
+    """Whether waiting for ``device`` is welcome: CUDA's sync debug mode off and no CUDA graph being captured."""
+    return torch.cuda.get_sync_debug_mode() == 0 and not torch.cuda.is_current_stream_capturing()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (an accelerator)."""
+    torch.cuda.synchronize(device)

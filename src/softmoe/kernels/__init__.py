@@ -1,4 +1,5 @@
-"""Faster CPU kernels for the products where torch's defaults (MKL) run far below the machine's limits.
+"""Faster kernels: on CPU for the products where torch's defaults (MKL) run far below the machine's limits, on CUDA
+for the launches of Algorithm 1's choice.
 
 Two kinds, each taken only where it applies (float32 CPU tensors), with torch's own ops everywhere else:
 
@@ -21,6 +22,10 @@ Two kinds, each taken only where it applies (float32 CPU tensors), with torch's 
   variant this CPU runs is picked at run time (``SOFTMOE_ISA`` to ask for one, :func:`use_isa` in tests,
   :func:`cpu_isa` to see which runs). ``SOFTMOE_NATIVE=0`` turns them off; without a C++ compiler softmoe runs
   torch's ops (:func:`native_available`, :func:`native_status`).
+
+On CUDA, ``torch.ops.softmoe.routing_softmaxes`` (:mod:`softmoe.kernels.routing_softmaxes`) computes a layer's two
+softmaxes and Algorithm 1's choice of experts in one Triton kernel, which the layer takes for Algorithm 1 in eager
+inference (:func:`fused_routing_applies`); elsewhere it is torch's ops.
 """
 
 from softmoe.kernels.build import (
@@ -58,6 +63,7 @@ from softmoe.kernels.soft_moe_mixing import (
     native_mixing_applies,
     soft_moe_mixing,
 )
+from softmoe.kernels.routing_softmaxes import fused_routing_applies, routing_softmaxes
 from softmoe.kernels.soft_moe_routing import native_routing_applies, soft_moe_routing
 
 __all__ = [
@@ -76,6 +82,7 @@ __all__ = [
     "compiled_in_this_process",
     "cpu_isa",
     "expert_matmul",
+    "fused_routing_applies",
     "native_applies",
     "native_available",
     "native_cache_dir",
@@ -87,6 +94,7 @@ __all__ = [
     "onednn_linear",
     "onednn_outruns_mkl",
     "plain_eager_mode",
+    "routing_softmaxes",
     "soft_moe_mixing",
     "soft_moe_routing",
     "supported_isas",

@@ -1,0 +1,162 @@
+"""``softmoe::routing_softmaxes``: a Soft MoE layer's two softmaxes, and Algorithm 1's choice, from its logits.
+
+    softmoe::routing_softmaxes(Tensor logits, int slots_per_expert, int k) -> (Tensor dispatch, Tensor combine,
+                                                                              Tensor selected)
+        logits (batch, tokens, slots) float32 or float64 ->
+        dispatch (batch, tokens, slots)  softmax over the tokens
+        combine (batch, tokens, slots)   softmax over the slots; with k > 0 zero on the slots of every expert
+                                         outside the input's k chosen ones
+        selected (batch, k) int64        with k > 0 the k experts (of slots / slots_per_expert) with the largest
+                                         combine weight summed over tokens and their slots (Algorithm 1 of "Beyond
+                                         Parameter Count"; NaN first, ties to the lower index), ascending; (batch, 0)
+                                         with k = 0
+
+On a GPU an eager Soft MoE call is bound by the host's launches (docs/performance.md). In torch's ops Algorithm 1's
+choice takes about sixteen kernels after the two softmaxes (a sum, two sorts, a mask from the indices, the masked
+combine weights); on CUDA this op is one Triton kernel for all of it (:mod:`softmoe.kernels.routing_softmaxes_triton`),
+so a layer running Algorithm 1 in eager inference launches one kernel fewer than the plain layer. The layer calls the
+op's code directly there (:func:`run_routing_softmaxes`: no autograd to record, and the dispatcher's Python wrapper
+cost 20-25 us of host time per call on an H200 machine, where the kernel's launch took 17 us and two softmaxes of
+torch 14-16 us together; so the plain layer keeps torch's softmaxes). Elsewhere, and on CUDA without Triton or with
+``SOFTMOE_TRITON=0``, the op is torch's ops. Differentiable in the logits (the choice is a constant of the backward,
+as in the unfused path).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+from torch import Tensor
+
+from softmoe.kernels.modes import needs_grad, plain_eager_mode
+from softmoe.topk import top_k
+
+# The most logits of one input the kernel holds at once (its tokens and slots rounded up to powers of two), and
+# the most experts it ranks (a square of them): larger inputs take torch's ops.
+MAX_TILE = 1 << 15
+MAX_RANKED_EXPERTS = 128
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton can be imported (it comes with torch's CUDA builds) and is not turned off
+    (``SOFTMOE_TRITON=0``: torch's ops instead of the kernel)."""
+    return os.environ.get("SOFTMOE_TRITON", "1") != "0" and importlib.util.find_spec("triton") is not None
+
+
+def fused_routing_applies(
+    tokens: Tensor, phi: Tensor, scale: Tensor | None, slots_per_expert: int = 1, k: int = 0
+) -> bool:
+    """Whether a layer routing ``tokens`` (batch, tokens, dim) with ``phi`` (dim, slots) and ``scale`` takes this
+    op for its softmaxes (and, with k > 0, Algorithm 1's choice) rather than torch's ops: inference in plain eager
+    mode where the op runs its kernel on the logits (:func:`kernel_applies`)."""
+    if not (tokens.is_cuda and plain_eager_mode("cuda") and not needs_grad(tokens, phi, scale)):
+        return False
+    dtype = torch.promote_types(torch.promote_types(tokens.dtype, phi.dtype), torch.float32)
+    return kernel_applies((*tokens.shape[:2], phi.shape[1]), dtype, tokens.device, slots_per_expert, k)
+
+
+def kernel_applies(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slots_per_expert: int, k: int
+) -> bool:
+    """Whether the op runs the Triton kernel for logits of ``shape`` (batch, tokens, slots) and ``dtype`` on
+    ``device``: float32 on CUDA, Triton at hand, one input's logits within MAX_TILE (tokens and slots rounded up
+    to :func:`block_size`) and, where it chooses, at most MAX_RANKED_EXPERTS experts."""
+    if not (device.type == "cuda" and dtype == torch.float32 and triton_available()):
+        return False
+    _, tokens, slots = shape
+    return block_size(tokens) * block_size(slots) <= MAX_TILE and (
+        k == 0 or slots // slots_per_expert <= MAX_RANKED_EXPERTS)
+
+
+def block_size(n: int) -> int:
+    """The kernel's block along a dimension of size n: the power of two at least n, and at least 16."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def check_routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -> None:
+    """Raise a ValueError unless logits (batch, tokens, slots) is float32 or float64 and slots_per_expert and k fit
+    its slots."""
+    if logits.dim() != 3 or logits.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"routing_softmaxes takes logits (batch, tokens, slots) in float32 or float64, got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
+    slots = logits.shape[2]
+    if slots_per_expert < 1 or slots % slots_per_expert:
+        raise ValueError(f"slots_per_expert must divide the {slots} slots, got {slots_per_expert}")
+    if not 0 <= k <= slots // slots_per_expert:
+        raise ValueError(f"k must lie in [0, {slots // slots_per_expert}] (0: no choice), got {k}")
+
+
+@torch.library.custom_op("softmoe::routing_softmaxes", mutates_args=())
+def routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """logits (batch, tokens, slots) -> (dispatch, combine, selected (batch, k)); see the module doc."""
+    return run_routing_softmaxes(logits, slots_per_expert, k)
+
+
+def run_routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The op's computation, called directly (no dispatcher, no autograd): the kernel where it applies."""
+    check_routing_softmaxes(logits, slots_per_expert, k)
+    batch, tokens, slots = logits.shape
+    if kernel_applies(logits.shape, logits.dtype, logits.device, slots_per_expert, k):
+        from softmoe.kernels.routing_softmaxes_triton import launch
+
+        logits = logits.contiguous()
+        dispatch, combine = torch.empty_like(logits), torch.empty_like(logits)
+        selected = logits.new_empty(batch, k, dtype=torch.int64)
+        launch(logits, dispatch, combine, selected, slots_per_expert, k, choose=k > 0)
+        return dispatch, combine, selected
+    return reference_routing_softmaxes(logits, slots_per_expert, k)
+
+
+def reference_routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The op in torch's ops (every device; the kernel's reference)."""
+    batch, tokens, slots = logits.shape
+    dispatch, combine = logits.softmax(dim=1), logits.softmax(dim=-1)
+    if k == 0:
+        return dispatch, combine, logits.new_empty(batch, 0, dtype=torch.int64)
+    experts = slots // slots_per_expert
+    scores = combine.view(batch, tokens, experts, slots_per_expert).sum(dim=(1, 3))
+    selected = top_k(scores, k, dim=1)[1].sort(dim=1).values
+    return dispatch, torch.where(kept_slots(selected, experts, slots_per_expert), combine, 0.0), selected
+
+
+def kept_slots(selected: Tensor, num_experts: int, slots_per_expert: int) -> Tensor:
+    """selected (batch, k) int64 -> bool (batch, 1, num_experts * slots_per_expert), True on the kept slots."""
+    keep = torch.zeros(selected.shape[0], num_experts, dtype=torch.bool, device=selected.device)
+    return keep.scatter_(1, selected, True).repeat_interleave(slots_per_expert, dim=1).unsqueeze(1)
+
+
+@routing_softmaxes.register_fake
+def _(logits: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    check_routing_softmaxes(logits, slots_per_expert, k)
+    return torch.empty_like(logits), torch.empty_like(logits), logits.new_empty(logits.shape[0], k, dtype=torch.int64)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _, slots_per_expert, _ = inputs
+    dispatch, combine, selected = output
+    ctx.save_for_backward(inputs[0], dispatch, selected)
+    ctx.slots_per_expert = slots_per_expert
+    ctx.mark_non_differentiable(selected)
+
+
+def _backward(ctx, grad_dispatch: Tensor | None, grad_combine: Tensor | None, _grad_selected):
+    """The softmaxes' gradients; the choice is constant: combine's gradient reaches only the kept slots, through
+    the softmax over every slot."""
+    logits, dispatch, selected = ctx.saved_tensors
+    grad = torch.zeros_like(logits)
+    if grad_dispatch is not None:
+        grad = grad + dispatch * (grad_dispatch - (grad_dispatch * dispatch).sum(dim=1, keepdim=True))
+    if grad_combine is not None:
+        combine = logits.softmax(dim=-1)
+        if selected.shape[1]:
+            keep = kept_slots(selected, logits.shape[2] // ctx.slots_per_expert, ctx.slots_per_expert)
+            grad_combine = torch.where(keep, grad_combine, 0.0)
+        grad = grad + combine * (grad_combine - (grad_combine * combine).sum(dim=-1, keepdim=True))
+    return grad, None, None
+
+
+routing_softmaxes.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,234 @@
+"""softmoe::routing_softmaxes: both softmaxes and Algorithm 1's choice from the logits, in torch's ops everywhere and
+in one Triton kernel on CUDA; and the layer that takes it in CUDA inference (forced here on the CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+import softmoe.layer as layer_module
+from softmoe import SoftMoE, masked_reference_forward, select_experts
+from softmoe.selection import Selector, top_k_by_combine
+
+fused = sys.modules["softmoe.kernels.routing_softmaxes"]  # the package exports the op of that name
+F64 = torch.float64
+# The kernel runs on CUDA, or on the CPU in Triton's interpreter (TRITON_INTERPRET=1 with Triton installed).
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else (
+    "cpu" if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") else None)
+needs_kernel = pytest.mark.skipif(KERNEL_DEVICE is None, reason="needs CUDA, or Triton's interpreter")
+
+
+def slow_reference(logits: torch.Tensor, p: int, k: int):
+    """Both softmaxes and Algorithm 1 written out: per input, per expert, the combine weight summed over tokens and
+    the expert's p slots; the k largest by a Python sort (ties to the lower index); their slots kept."""
+    batch, tokens, slots = logits.shape
+    dispatch, combine = logits.softmax(dim=1), logits.softmax(dim=-1)
+    if k == 0:
+        return dispatch, combine, torch.empty(batch, 0, dtype=torch.int64)
+    kept, chosen = torch.zeros_like(combine), []
+    for b in range(batch):
+        sums = [combine[b, :, e * p:(e + 1) * p].sum().item() for e in range(slots // p)]
+        order = sorted(range(len(sums)), key=lambda e: (-sums[e], e))[:k]
+        chosen.append(sorted(order))
+        for e in order:
+            kept[b, :, e * p:(e + 1) * p] = combine[b, :, e * p:(e + 1) * p]
+    return dispatch, kept, torch.tensor(chosen, dtype=torch.int64)
+
+
+SHAPES = [((3, 7, 8), 1, 2), ((4, 5, 12), 3, 2), ((2, 9, 16), 2, 8), ((5, 1, 6), 1, 5), ((2, 4, 6), 2, 0)]
+
+
+@pytest.mark.parametrize("shape, p, k", SHAPES)
+def test_the_op_equals_the_formulas_in_float64(shape, p, k):
+    logits = torch.randn(*shape, dtype=F64) * 3
+    got = fused.routing_softmaxes(logits, p, k)
+    want = slow_reference(logits, p, k)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-14, atol=1e-15)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-14, atol=1e-15)
+    assert torch.equal(got[2], want[2])
+    if k:
+        assert torch.equal(got[2], top_k_by_combine(logits.softmax(-1).view(*shape[:2], -1, p), k))
+
+
+def test_ties_go_to_the_lower_expert_and_nan_comes_first():
+    logits = torch.zeros(2, 3, 6, dtype=F64)
+    logits[1, 0, 4] = float("nan")  # input 1: every combine weight of token 0 is NaN, so every sum
+    _, combine, selected = fused.routing_softmaxes(logits, 1, 3)
+    assert selected.tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert (combine[0, :, 3:] == 0).all() and (combine[0, :, :3] == 1 / 6).all()
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_opcheck_and_gradcheck(k):
+    logits = (torch.randn(3, 5, 8, dtype=F64) * 2).requires_grad_()
+    torch.library.opcheck(torch.ops.softmoe.routing_softmaxes.default, (logits, 2, k))
+
+    def outputs(z):
+        dispatch, combine, _ = fused.routing_softmaxes(z, 2, k)
+        return dispatch, combine
+
+    torch.autograd.gradcheck(outputs, (logits,))
+    # The choice is a constant: the gradient equals the masked softmax's with the same experts kept.
+    selected = fused.routing_softmaxes(logits, 2, k)[2]
+    keep = fused.kept_slots(selected, 4, 2) if k else torch.ones(1, dtype=torch.bool)
+    weights = torch.randn(2, 3, 5, 8, dtype=F64)
+    got = torch.autograd.grad(sum((w * o).sum() for w, o in zip(weights, outputs(logits))), logits)[0]
+    want_out = (logits.softmax(1), torch.where(keep, logits.softmax(-1), 0.0))
+    want = torch.autograd.grad(sum((w * o).sum() for w, o in zip(weights, want_out)), logits)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_bad_arguments_are_value_errors():
+    with pytest.raises(ValueError, match=r"logits \(batch, tokens, slots\) in float32 or float64, got torch.float16"):
+        fused.routing_softmaxes(torch.zeros(2, 3, 4, dtype=torch.float16), 1, 1)
+    with pytest.raises(ValueError, match="slots_per_expert must divide the 6 slots, got 4"):
+        fused.routing_softmaxes(torch.zeros(2, 3, 6), 4, 1)
+    with pytest.raises(ValueError, match=r"k must lie in \[0, 3\] \(0: no choice\), got 4"):
+        fused.routing_softmaxes(torch.zeros(2, 3, 6), 2, 4)
+
+
+def test_the_kernel_takes_float32_cuda_logits_within_its_tile(monkeypatch):
+    cuda, f32 = torch.device("cuda"), torch.float32
+    monkeypatch.setattr(fused, "triton_available", lambda: False)
+    assert not fused.kernel_applies((2, 197, 8), f32, cuda, 1, 2)
+    monkeypatch.setattr(fused, "triton_available", lambda: True)
+    assert fused.kernel_applies((2, 197, 8), f32, cuda, 1, 2)  # Table 3: 256 x 16
+    assert fused.kernel_applies((128, 196, 128), f32, cuda, 1, 32)  # ViT-S: 256 x 128, 128 experts ranked
+    assert not fused.kernel_applies((2, 197, 8), F64, cuda, 1, 2)
+    assert not fused.kernel_applies((2, 197, 8), f32, torch.device("cpu"), 1, 2)
+    assert not fused.kernel_applies((2, 257, 128), f32, cuda, 1, 0)  # 512 x 128 > MAX_TILE
+    assert fused.kernel_applies((256, 4, 512), f32, cuda, 1, 0)  # MNIST n = 512: softmaxes only
+    assert not fused.kernel_applies((256, 4, 512), f32, cuda, 1, 4)  # 512 experts: not ranked in the kernel
+    assert fused.kernel_applies((256, 4, 512), f32, cuda, 4, 4)  # 128 experts of 4 slots
+
+
+def test_the_layer_takes_the_op_only_in_cuda_inference(monkeypatch):
+    """The logits' shape and dtype (float32 for bfloat16 tokens) reach kernel_applies; CPU tokens, recorded
+    gradients and torch.compile never do."""
+    layer = SoftMoE(8, 4, dtype=torch.bfloat16)
+    phi = layer.phi.reshape(8, 4)
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    asked = []
+    monkeypatch.setattr(fused, "kernel_applies", lambda *args: asked.append(args) or True)
+    assert not fused.fused_routing_applies(x, phi, layer.scale)  # CPU
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    with torch.no_grad():
+        assert fused.fused_routing_applies(x, phi, layer.scale, 2, 1)
+        assert asked == [((2, 3, 4), torch.float32, x.device, 2, 1)]
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not fused.fused_routing_applies(x, phi, layer.scale)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert not fused.fused_routing_applies(x, phi, layer.scale)  # phi and scale record gradients
+    assert len(asked) == 1
+
+
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("plan", ["auto", "dense", "selected"])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_the_layer_runs_algorithm1_from_the_op_as_from_its_selector(monkeypatch, p, plan, renormalize):
+    """The layer's fused path (forced on the CPU: the op's torch implementation stands in for the kernel): the
+    selector's select() is not called, and every plan equals the paper's masked forward; the plain forward too."""
+    monkeypatch.setattr(layer_module, "fused_routing_applies", lambda *args: True)
+    monkeypatch.setattr(Selector, "select", lambda self, combine: pytest.fail("select() called"))
+    torch.manual_seed(0)
+    layer = SoftMoE(12, 6, slots_per_expert=p, expert_hidden=20, dtype=F64).eval()
+    with torch.no_grad():
+        layer.scale.fill_(4.0)
+    x = torch.randn(5, 7, 12, dtype=F64)
+    with torch.no_grad():
+        selected = top_k_by_combine(layer.route(x).combine, 2)
+        want = masked_reference_forward(layer, x, selected, renormalize=renormalize)
+        with select_experts(layer, k=2, plan=plan, renormalize=renormalize):
+            got = layer(x)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(layer(x), layer_module.soft_moe_reference(
+            x, layer.phi, layer.scale, layer.experts, layer.normalize), rtol=1e-12, atol=1e-12)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape, p, k", SHAPES + [((3, 197, 8), 1, 2), ((2, 196, 128), 1, 32), ((3, 4, 40), 5, 3),
+                                                 ((2, 33, 96), 1, 95)])
+def test_the_kernel_equals_torchs_ops(shape, p, k):
+    logits = torch.randn(*shape, device=KERNEL_DEVICE) * 3
+    assert fused.kernel_applies(shape, logits.dtype, logits.device, p, k) or KERNEL_DEVICE == "cpu"
+    from softmoe.kernels.routing_softmaxes_triton import launch
+
+    got = (torch.empty_like(logits), torch.empty_like(logits), torch.empty(shape[0], k, dtype=torch.int64,
+                                                                           device=KERNEL_DEVICE))
+    launch(logits, *got, p, k, choose=k > 0)
+    want = fused.reference_routing_softmaxes(logits, p, k)
+    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-7)
+    assert torch.equal(got[2], want[2])
+
+
+@needs_kernel
+def test_the_kernel_breaks_ties_and_ranks_nan_like_torch():
+    logits = torch.zeros(3, 5, 8, device=KERNEL_DEVICE)
+    logits[1, :, 6] = 2.0  # input 1: expert 6 first, then a tie of the rest
+    logits[2, 0, 3] = float("nan")  # input 2: every sum NaN
+    from softmoe.kernels.routing_softmaxes_triton import launch
+
+    got = (torch.empty_like(logits), torch.empty_like(logits), torch.empty(3, 3, dtype=torch.int64,
+                                                                           device=KERNEL_DEVICE))
+    launch(logits, *got, 1, 3, choose=True)
+    assert got[2].tolist() == [[0, 1, 2], [0, 1, 6], [0, 1, 2]]
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_algorithm1_on_cuda_launches_no_more_kernels_than_every_expert(dtype):
+    """Eager CUDA inference: the dense plan of Algorithm 1 takes the routing kernel's softmaxes and choice, so it
+    launches no more kernels than the plain layer (one fewer: the plain layer's softmaxes are torch's two), and
+    equals the masked reference."""
+    torch.manual_seed(0)
+    exact = SoftMoE(64, 8, expert_hidden=128, dtype=F64).eval()
+    layer = SoftMoE(64, 8, expert_hidden=128).eval()
+    layer.load_state_dict(exact.state_dict())
+    layer = layer.to(device="cuda", dtype=dtype)
+    x64 = torch.randn(4, 20, 64, dtype=F64)
+    x = x64.to("cuda", dtype)
+
+    def kernels(fn) -> int:
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+
+    def algorithm1():
+        with select_experts(layer, k=3, plan="dense"):
+            return layer(x)
+
+    with torch.no_grad():
+        assert kernels(algorithm1) <= kernels(lambda: layer(x))
+        selected = top_k_by_combine(exact.route(x64).combine, 3)
+        want = masked_reference_forward(exact, x64, selected)
+        got = algorithm1()
+    assert ((got.double().cpu() - want).abs().max() / want.abs().max()).item() < (1e-5 if dtype == torch.float32
+                                                                                  else 3e-2)
+
+
+@pytest.mark.parametrize("strategy, options", [("random", {"k": 2}), ("mass", {"tau": 0.5}), ("budget", {"k": 2}),
+                                               ("mask", {})])
+def test_other_strategies_choose_through_their_selector(monkeypatch, strategy, options):
+    """Only Algorithm 1 with a fixed k ("combine") has a top_k; every other strategy keeps calling select()."""
+    monkeypatch.setattr(layer_module, "fused_routing_applies", lambda *args: True)
+    calls = []
+    original = Selector.select
+    monkeypatch.setattr(Selector, "select", lambda self, combine: calls.append(self.top_k) or original(self, combine))
+    layer = SoftMoE(12, 6, expert_hidden=20).eval()
+    x = torch.randn(3, 7, 12)
+    if strategy == "mask":
+        strategy = torch.tensor([[True, False, True, False, False, False]] * 3)
+    with torch.no_grad(), select_experts(layer, strategy=strategy, **options):
+        layer(x)
+    assert calls == [None]
