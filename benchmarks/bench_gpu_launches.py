@@ -12,9 +12,9 @@ Table 2: the layer's time with the router's logits computed by the general path 
 token norms as separate ops, ``softmoe.layer._NormalizedTokenLogits``) against CUDA's path (two fused RMS norms,
 ``softmoe.layer.rms_norm_logits``), in the same process: 5 interleaved rounds of 50 calls each, median per call.
 
-Table 3: inference with the routing's softmaxes and Algorithm 1's choice in torch's ops against the routing kernel
-(``softmoe::routing_softmaxes``, one Triton kernel), same process, same rounds: the plain forward and Algorithm 1 at
-k = n/4 (plan "auto"), kernels per call and time, and Algorithm 1's speed against the plain forward on each path.
+Table 3: inference, same process, same rounds: the plain forward against Algorithm 1 at k = n/4 (plan "auto") with
+its choice in torch's ops and in the routing kernel (``softmoe::routing_softmaxes``, one Triton kernel): kernels per
+call, time, and Algorithm 1's speed against the plain forward.
 """
 
 from __future__ import annotations
@@ -124,14 +124,15 @@ def interleaved(fns: dict[str, object], rounds: int = 5, calls: int = 50) -> dic
 
 
 def routing_kernel_table(dtypes: dict[str, torch.dtype]) -> None:
-    """Table 3 (module doc): torch's ops (``fused_routing_applies`` patched to False) against the routing kernel."""
+    """Table 3 (module doc): the plain forward, and Algorithm 1 with its choice in torch's ops
+    (``fused_routing_applies`` patched to False) and in the routing kernel, timed in turn."""
     shapes = {"MNIST n=8 b256": (256, 4, 196, 8, 98, "relu"), "Table 3 layer b1": (1, 197, 768, 8, 30720, "gelu_tanh"),
               "Table 3 layer b100": (100, 197, 768, 8, 30720, "gelu_tanh"),
               "ViT-S b128": (128, 196, 384, 128, 1536, "relu")}
     applies = layer_module.fused_routing_applies
-    paths = {"torch ops": lambda *args: False, "routing kernel": applies}
-    print("| shape | dtype | call | torch ops: kernels, us | routing kernel: kernels, us | torch / kernel |")
-    print("|---|---|---|---:|---:|---:|")
+    print("| shape | dtype | k | fwd: kernels, us | Algorithm 1, torch's ops: kernels, us, speed vs fwd "
+          "| Algorithm 1, routing kernel: kernels, us, speed vs fwd |")
+    print("|---|---|---:|---:|---:|---:|")
     try:
         for label, (batch, tokens, dim, experts, hidden, activation) in shapes.items():
             for name, dtype in dtypes.items():
@@ -139,35 +140,23 @@ def routing_kernel_table(dtypes: dict[str, torch.dtype]) -> None:
                 with torch.device("cuda"):
                     layer = softmoe.SoftMoE(dim, experts, 1, expert_hidden=hidden, activation=activation).to(dtype)
                 x = torch.randn(batch, tokens, dim, device="cuda", dtype=dtype)
+                k = max(1, experts // 4)
 
-                def plain() -> None:
-                    with torch.no_grad():
+                def call(rule, selection: bool) -> None:
+                    layer_module.fused_routing_applies = rule
+                    with torch.no_grad(), softmoe.select_experts(layer, k=k if selection else None,
+                                                                 strategy="combine" if selection else "all"):
                         layer(x)
 
-                def algorithm1() -> None:
-                    with torch.no_grad(), softmoe.select_experts(layer, k=max(1, experts // 4)):
-                        layer(x)
-
-                results = {}
-                for call_name, fn in (("fwd", plain), (f"Algorithm 1 k={max(1, experts // 4)}", algorithm1)):
-                    counts, variants = {}, {}
-                    for path, rule in paths.items():
-                        layer_module.fused_routing_applies = rule
-                        counts[path] = cuda_kernels(fn)
-
-                        def run(rule=rule, fn=fn) -> None:
-                            layer_module.fused_routing_applies = rule
-                            fn()
-
-                        variants[path] = run
-                    times = interleaved(variants)
-                    results[call_name] = times
-                    ops, kernel = times["torch ops"], times["routing kernel"]
-                    print(f"| {label} | {name} | {call_name} | {counts['torch ops']}, {ops:.0f} | "
-                          f"{counts['routing kernel']}, {kernel:.0f} | {ops / kernel:.2f}x |")
-                (plain_times, selected_times) = results.values()
-                print(f"| {label} | {name} | Algorithm 1 / fwd speed | "
-                      + " | ".join(f"{plain_times[p] / selected_times[p]:.2f}x" for p in paths) + " | |")
+                variants = {"fwd": lambda: call(applies, False),
+                            "torch ops": lambda: call(lambda *args: False, True),
+                            "routing kernel": lambda: call(applies, True)}
+                counts = {path: cuda_kernels(fn) for path, fn in variants.items()}
+                times = interleaved(variants)
+                cells = [f"{counts[path]}, {times[path]:.0f}" + ("" if path == "fwd" else
+                                                                f", {times['fwd'] / times[path]:.2f}x")
+                         for path in variants]
+                print(f"| {label} | {name} | {k} | " + " | ".join(cells) + " |")
     finally:
         layer_module.fused_routing_applies = applies
 

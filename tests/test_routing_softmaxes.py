@@ -3,6 +3,7 @@ in one Triton kernel on CUDA; and the layer that takes it in CUDA inference (for
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -66,6 +67,8 @@ def test_ties_go_to_the_lower_expert_and_nan_comes_first():
 def test_opcheck_and_gradcheck(k):
     logits = (torch.randn(3, 5, 8, dtype=F64) * 2).requires_grad_()
     torch.library.opcheck(torch.ops.softmoe.routing_softmaxes.default, (logits, 2, k))
+    permuted = torch.randn(3, 8, 5, dtype=F64).transpose(1, 2)  # outputs contiguous whatever the logits' strides
+    torch.library.opcheck(torch.ops.softmoe.routing_softmaxes.default, (permuted, 2, k))
 
     def outputs(z):
         dispatch, combine, _ = fused.routing_softmaxes(z, 2, k)
@@ -103,7 +106,8 @@ def test_the_kernel_takes_float32_cuda_logits_within_its_tile(monkeypatch):
     assert not fused.kernel_applies((2, 257, 128), f32, cuda, 1, 0)  # 512 x 128 > MAX_TILE
     assert fused.kernel_applies((256, 4, 512), f32, cuda, 1, 0)  # MNIST n = 512: softmaxes only
     assert not fused.kernel_applies((256, 4, 512), f32, cuda, 1, 4)  # 512 experts: not ranked in the kernel
-    assert fused.kernel_applies((256, 4, 512), f32, cuda, 4, 4)  # 128 experts of 4 slots
+    assert not fused.kernel_applies((256, 4, 512), f32, cuda, 4, 4)  # 128 experts x 512 slots > MAX_TILE
+    assert fused.kernel_applies((256, 4, 256), f32, cuda, 2, 4)  # 128 experts x 256 slots
 
 
 def test_the_layer_takes_the_op_only_in_cuda_inference(monkeypatch):
@@ -149,9 +153,56 @@ def test_the_layer_runs_algorithm1_from_the_op_as_from_its_selector(monkeypatch,
             x, layer.phi, layer.scale, layer.experts, layer.normalize), rtol=1e-12, atol=1e-12)
 
 
+def test_a_kernel_that_cannot_launch_leaves_torchs_ops_for_the_process(monkeypatch):
+    """E.g. Triton installed without a C compiler for its launcher: one warning, the reference's result, and the
+    kernel not tried again."""
+    triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
+    monkeypatch.setattr(fused, "_launch_failure", None)
+    monkeypatch.setattr(fused, "triton_installed", lambda: True)
+    monkeypatch.setattr(fused, "kernel_applies", lambda *args: fused.triton_available())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    launches = []
+
+    def launch(*args, **kwargs):
+        launches.append(args)
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(triton_module, "launch", launch)
+    logits = torch.randn(2, 5, 8)
+    with pytest.warns(RuntimeWarning, match=r"routing kernel \(Triton\) could not run \(RuntimeError: Failed to find"):
+        got = fused.run_routing_softmaxes(logits, 1, 3)
+    want = fused.reference_routing_softmaxes(logits, 1, 3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not fused.triton_available()
+    fused.run_routing_softmaxes(logits, 1, 3)
+    assert len(launches) == 1
+
+
+class _TopKSelector:
+    """A custom selector whose top_k is not a usable k (0 here): the layer must call its select()."""
+
+    renormalize, plan, top_k = False, "auto", 0
+
+    def __init__(self):
+        self.calls = 0
+
+    def select(self, combine):
+        self.calls += 1
+        return top_k_by_combine(combine, 2)
+
+
+def test_a_selector_whose_top_k_is_not_a_k_chooses_through_select(monkeypatch):
+    monkeypatch.setattr(layer_module, "fused_routing_applies", lambda *args: True)
+    layer = SoftMoE(12, 6, expert_hidden=20).eval()
+    layer.selector = _TopKSelector()
+    with torch.no_grad():
+        layer(torch.randn(3, 7, 12))
+    assert layer.selector.calls == 1
+
+
 @needs_kernel
 @pytest.mark.parametrize("shape, p, k", SHAPES + [((3, 197, 8), 1, 2), ((2, 196, 128), 1, 32), ((3, 4, 40), 5, 3),
-                                                 ((2, 33, 96), 1, 95)])
+                                                 ((2, 33, 96), 1, 95), ((3, 7, 8), 1, 8), ((2, 4, 256), 2, 4)])
 def test_the_kernel_equals_torchs_ops(shape, p, k):
     logits = torch.randn(*shape, device=KERNEL_DEVICE) * 3
     assert fused.kernel_applies(shape, logits.dtype, logits.device, p, k) or KERNEL_DEVICE == "cpu"

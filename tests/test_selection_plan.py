@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -204,8 +205,40 @@ def test_auto_runs_the_plan_timed_faster_where_plans_are_timed(monkeypatch, fast
 def test_plans_are_timed_on_eager_cuda_only(monkeypatch):
     cuda = torch.device("cuda")
     assert not plans.plans_are_timed(CPU) and plans.plans_are_timed(cuda)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert not plans.plans_are_timed(cuda)  # the plans round differently: no choice by timing
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not plans.plans_are_timed(cuda)
+
+
+def test_a_plan_that_runs_out_of_memory_loses(monkeypatch):
+    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
+    monkeypatch.setattr(plans, "synchronize", lambda device: None)
+    monkeypatch.setattr(plans, "may_synchronize", lambda device: True)
+    calls = []
+
+    def out_of_memory():
+        calls.append("selected")
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    assert plans.timed_plan("key", {"dense": lambda: None, "selected": out_of_memory}, CPU) == "dense"
+    assert calls == ["selected"]  # not run again once it ran out of memory
+    with pytest.raises(torch.OutOfMemoryError, match="every plan of Algorithm 1 ran out of device memory"):
+        plans.timed_plan("other", {"dense": out_of_memory, "selected": out_of_memory}, CPU)
+
+
+def test_the_plan_key_tells_autocast_backends_and_expert_sizes_apart():
+    layer, wide = make_layer(), SoftMoE(12, 8, expert_hidden=40, dtype=F64)
+    x, selected = torch.randn(2, 5, 12, dtype=F64), torch.tensor([[0, 1], [2, 3]])
+    key = layer._plan_key(x, selected)
+    assert key == layer._plan_key(x, selected) and key != wide._plan_key(x, selected)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer._plan_key(x, selected) != key
+    layer.backend = "reference"
+    assert layer._plan_key(x, selected) != key
+    del layer._expert_shapes  # a layer pickled before the attribute existed
+    assert layer._plan_key(x, selected)[:-1] == (*key[:7], "reference", key[8])
 
 
 def test_a_shape_is_not_timed_where_synchronizing_is_unwelcome(monkeypatch):
@@ -213,6 +246,7 @@ def test_a_shape_is_not_timed_where_synchronizing_is_unwelcome(monkeypatch):
     the cost model's plan), a timed one its plan, without synchronizing."""
     monkeypatch.setattr(plans, "_TIMED_PLANS", {"timed": "selected"})
     monkeypatch.setattr(plans, "synchronize", lambda device: pytest.fail("synchronized"))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # no CUDA here
     runs = {"dense": lambda: None, "selected": lambda: None}
     for debug_mode, capturing in ((2, False), (0, True)):
         monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: debug_mode)

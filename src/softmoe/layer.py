@@ -470,7 +470,7 @@ class SoftMoE(nn.Module):
             _, dispatch, combine = self._route_flat(x, mask)
             return self._mix(x, dispatch, combine)
         phi, k = self.phi.reshape(self.dim, self.num_slots), getattr(self.selector, "top_k", None)
-        plain = k is not None and mask is None and not (self.training and self.noise_std > 0)
+        plain = isinstance(k, int) and k >= 1 and mask is None and not (self.training and self.noise_std > 0)
         if plain and fused_routing_applies(x, phi, self.scale, self.slots_per_expert, k):
             # Algorithm 1 in one kernel with the softmaxes (eager CUDA inference: the op's own code, called without
             # the dispatcher's host time); combine comes back zero outside the kept slots.
@@ -523,10 +523,10 @@ class SoftMoE(nn.Module):
 
     def selected_plan_is_cheaper(self, x: torch.Tensor, selected: torch.Tensor) -> bool:
         """Whether plan "auto" runs only the ``selected`` (batch, k) experts (plan "selected") rather than them all
-        (plan "dense") for x (batch, tokens, dim): on eager CUDA the plan timed faster for this shape where it was
-        timed (:func:`softmoe.selection_plan.timed_plan`), else
-        :func:`softmoe.selection_plan.selected_plan_is_cheaper` with this layer's shape, and the pairs and experts
-        in use counted where host reads are free."""
+        (plan "dense") for x (batch, tokens, dim): on eager CUDA the plan timed faster for this shape once it has
+        been timed (:func:`softmoe.selection_plan.timed_plan`; before its first call, the cost model's answer,
+        which the timing may overturn), else :func:`softmoe.selection_plan.selected_plan_is_cheaper` with this
+        layer's shape, and the pairs and experts in use counted where host reads are free."""
         choice = timed_choice(self._plan_key(x, selected)) if plans_are_timed(x.device) else None
         if choice is not None:
             return choice == "selected"
@@ -543,12 +543,14 @@ class SoftMoE(nn.Module):
 
     def _plan_key(self, x: torch.Tensor, selected: torch.Tensor) -> tuple:
         """What the plans' times depend on, for :func:`softmoe.selection_plan.timed_plan`: the device, dtype and
-        shapes, the experts' kind and weights' shapes (not which experts are kept)."""
+        shapes, autocast, the backend, the experts' kind and weights' shapes (not which experts are kept)."""
         experts = id(self.experts)
-        if self._expert_shapes[0] != experts:  # the weights' shapes, read once per experts module
+        if getattr(self, "_expert_shapes", (0,))[0] != experts:  # read once per experts module
             self._expert_shapes = (experts, tuple(tuple(t.shape) for t in self.experts.parameters()))
+        device = x.device.type
+        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         return (x.device, x.dtype, tuple(x.shape), selected.shape[1], self.num_experts, self.slots_per_expert,
-                type(self.experts), self._expert_shapes[1])
+                autocast, self.backend, type(self.experts), self._expert_shapes[1])
 
     def _selected_forward(
         self,

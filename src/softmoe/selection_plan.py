@@ -43,7 +43,8 @@ at batch 100), and where one turns into the other depends on the GPU, its host a
 There "auto" times both plans (:func:`timed_plan`, as ``torch.backends.cudnn.benchmark`` times convolutions): once
 per shape, at its first call, which synchronizes with the device; later calls of that shape run the faster plan
 without timing. Where a synchronization is unwanted (CUDA's sync debug mode set, a CUDA graph being captured) a
-shape not yet timed takes the dense plan, untimed. On an H200 (docs/performance.md) the timing took the selected plan
+shape not yet timed takes the dense plan, untimed; so does every shape with deterministic algorithms on (the plans
+round differently). A plan that runs out of memory while timed loses. On an H200 (docs/performance.md) the timing took the selected plan
 for one layer of Table 3's stack in float32 at batch 100, k <= 5 (1.03-1.12x as fast as all experts; the dense plan
 0.97-0.98x), and the dense plan everywhere else (the selected plan 0.36-0.84x at batch 1-16, 0.41-0.50x in bfloat16).
 """
@@ -144,29 +145,45 @@ def mask_and_counts(selected: torch.Tensor, num_experts: int) -> tuple[torch.Ten
 
 def plans_are_timed(device: torch.device) -> bool:
     """Whether plan "auto" runs the plan timed faster on ``device`` (module doc): eager CUDA, outside torch.compile
-    and torch.func transforms."""
-    return device.type == "cuda" and not torch.compiler.is_compiling() and not transforms_active()
+    and torch.func transforms, with deterministic algorithms off (the plans round differently, and timings differ
+    from run to run)."""
+    return (
+        device.type == "cuda"
+        and not torch.compiler.is_compiling()
+        and not transforms_active()
+        and not torch.are_deterministic_algorithms_enabled()
+    )
 
 
 def timed_plan(key: Hashable, runs: dict[str, Callable[[], object]], device: torch.device) -> str | None:
     """The name of the fastest of ``runs`` (plan name -> a call running it on ``device``), timed at the first call
     with ``key`` and remembered for the process: one untimed round, then TIMED_ROUNDS rounds of each in turn, each
     call between two synchronizations with the device, without gradients; the fastest call of each plan counts.
-    None where ``key`` was not timed and cannot be now (:func:`may_synchronize`)."""
+    A plan that runs out of device memory is not run again and loses. None where ``key`` was not timed and cannot
+    be now (:func:`may_synchronize`)."""
     if key not in _TIMED_PLANS:
         if not may_synchronize(device):
             return None
         best = dict.fromkeys(runs, float("inf"))
+        failed = set()
         with torch.no_grad():
             for round_ in range(TIMED_ROUNDS + 1):
                 for name, run in runs.items():
+                    if name in failed:
+                        continue
                     synchronize(device)
                     start = time.perf_counter()
-                    run()
+                    try:
+                        run()
+                    except torch.OutOfMemoryError:
+                        failed.add(name)
+                        continue
                     synchronize(device)
                     if round_:
                         best[name] = min(best[name], time.perf_counter() - start)
-        _TIMED_PLANS[key] = min(best, key=best.__getitem__)
+        if len(failed) == len(runs):
+            raise torch.OutOfMemoryError(f"every plan of Algorithm 1 ran out of device memory ({sorted(runs)})")
+        _TIMED_PLANS[key] = min((name for name in runs if name not in failed), key=best.__getitem__)
     return _TIMED_PLANS[key]
 
 
@@ -181,8 +198,12 @@ def forget_timed_plans() -> None:
 
 
 def may_synchronize(device: torch.device) -> bool:
-    """Whether waiting for ``device`` is welcome: CUDA's sync debug mode off and no CUDA graph being captured."""
-    return torch.cuda.get_sync_debug_mode() == 0 and not torch.cuda.is_current_stream_capturing()
+    """Whether waiting for ``device`` is welcome: CUDA's sync debug mode off and no CUDA graph being captured on its
+    current stream."""
+    if torch.cuda.get_sync_debug_mode() != 0:
+        return False
+    with torch.cuda.device(device):
+        return not torch.cuda.is_current_stream_capturing()
 
 
 def synchronize(device: torch.device) -> None:

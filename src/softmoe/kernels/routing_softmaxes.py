@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import warnings
 
 import torch
 from torch import Tensor
@@ -34,17 +35,26 @@ from torch import Tensor
 from softmoe.kernels.modes import needs_grad, plain_eager_mode
 from softmoe.topk import top_k
 
-# The most logits of one input the kernel holds at once (its tokens and slots rounded up to powers of two), and
-# the most experts it ranks (a square of them): larger inputs take torch's ops.
+# The most values of one input's tiles the kernel holds at once: its tokens x slots (each rounded up to a power of
+# two) and, where it chooses, its experts x slots; and the most experts it ranks (a square of them). Larger inputs
+# take torch's ops.
 MAX_TILE = 1 << 15
 MAX_RANKED_EXPERTS = 128
+# Why the kernel failed to launch in this process (it is not tried again), or None.
+_launch_failure: str | None = None
 
 
 @functools.cache
-def triton_available() -> bool:
+def triton_installed() -> bool:
     """Whether Triton can be imported (it comes with torch's CUDA builds) and is not turned off
     (``SOFTMOE_TRITON=0``: torch's ops instead of the kernel)."""
     return os.environ.get("SOFTMOE_TRITON", "1") != "0" and importlib.util.find_spec("triton") is not None
+
+
+def triton_available() -> bool:
+    """Whether the kernel may run: Triton installed and not turned off, and no launch of it failed in this process
+    (Triton compiles a launcher at its first use, which needs a C compiler)."""
+    return _launch_failure is None and triton_installed()
 
 
 def fused_routing_applies(
@@ -63,13 +73,16 @@ def kernel_applies(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slots_per_expert: int, k: int
 ) -> bool:
     """Whether the op runs the Triton kernel for logits of ``shape`` (batch, tokens, slots) and ``dtype`` on
-    ``device``: float32 on CUDA, Triton at hand, one input's logits within MAX_TILE (tokens and slots rounded up
-    to :func:`block_size`) and, where it chooses, at most MAX_RANKED_EXPERTS experts."""
+    ``device``: float32 on CUDA, Triton available, one input's logits within MAX_TILE (tokens and slots rounded up
+    to :func:`block_size`) and, where it chooses, at most MAX_RANKED_EXPERTS experts and experts x slots within
+    MAX_TILE."""
     if not (device.type == "cuda" and dtype == torch.float32 and triton_available()):
         return False
     _, tokens, slots = shape
-    return block_size(tokens) * block_size(slots) <= MAX_TILE and (
-        k == 0 or slots // slots_per_expert <= MAX_RANKED_EXPERTS)
+    experts = slots // slots_per_expert
+    if k and (experts > MAX_RANKED_EXPERTS or block_size(experts) * block_size(slots) > MAX_TILE):
+        return False
+    return block_size(tokens) * block_size(slots) <= MAX_TILE
 
 
 def block_size(n: int) -> int:
@@ -106,9 +119,21 @@ def run_routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -> tupl
         logits = logits.contiguous()
         dispatch, combine = torch.empty_like(logits), torch.empty_like(logits)
         selected = logits.new_empty(batch, k, dtype=torch.int64)
-        launch(logits, dispatch, combine, selected, slots_per_expert, k, choose=k > 0)
-        return dispatch, combine, selected
+        try:
+            with torch.cuda.device(logits.device):  # Triton launches on the current device and its stream
+                launch(logits, dispatch, combine, selected, slots_per_expert, k, choose=k > 0)
+            return dispatch, combine, selected
+        except Exception as error:  # e.g. no C compiler for Triton's launcher: torch's ops from now on
+            _record_launch_failure(error)
     return reference_routing_softmaxes(logits, slots_per_expert, k)
+
+
+def _record_launch_failure(error: Exception) -> None:
+    """Remember that the kernel failed to launch (it is not tried again in this process) and say so once."""
+    global _launch_failure
+    _launch_failure = f"{type(error).__name__}: {error}"
+    warnings.warn(f"softmoe: the routing kernel (Triton) could not run ({_launch_failure}); Algorithm 1 chooses its "
+                  "experts with torch's ops in this process", RuntimeWarning, stacklevel=3)
 
 
 def reference_routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -132,7 +157,8 @@ def kept_slots(selected: Tensor, num_experts: int, slots_per_expert: int) -> Ten
 @routing_softmaxes.register_fake
 def _(logits: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
     check_routing_softmaxes(logits, slots_per_expert, k)
-    return torch.empty_like(logits), torch.empty_like(logits), logits.new_empty(logits.shape[0], k, dtype=torch.int64)
+    shape = logits.shape  # both paths return contiguous tensors, whatever the logits' strides
+    return logits.new_empty(shape), logits.new_empty(shape), logits.new_empty(shape[0], k, dtype=torch.int64)
 
 
 def _setup_context(ctx, inputs, output) -> None:
