@@ -237,8 +237,10 @@ def test_the_plan_key_tells_autocast_backends_and_expert_sizes_apart():
         assert layer._plan_key(x, selected) != key
     layer.backend = "reference"
     assert layer._plan_key(x, selected) != key
-    del layer._expert_shapes  # a layer pickled before the attribute existed
-    assert layer._plan_key(x, selected)[:-1] == (*key[:7], "reference", key[8])
+    reference = layer._plan_key(x, selected)
+    assert reference[:-1] == (*key[:7], "reference", key[8])
+    layer.experts.weight1 = nn.Parameter(torch.zeros(8, 12, 30, dtype=F64))  # a swapped weight of another shape
+    assert layer._plan_key(x, selected) != reference
 
 
 def test_a_shape_is_not_timed_where_synchronizing_is_unwelcome(monkeypatch):

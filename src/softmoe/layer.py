@@ -46,6 +46,7 @@ from softmoe.selection_plan import (
     mask_and_counts,
     plans_are_timed,
     selected_plan_is_cheaper,
+    slot_mask,
     timed_choice,
     timed_plan,
 )
@@ -390,7 +391,6 @@ class SoftMoE(nn.Module):
         self.normalize = check_normalization(normalize)
         self.backend = backend
         self.selector: ExpertSelector | None = None
-        self._expert_shapes: tuple[int, tuple] = (0, ())  # (id of the experts module, its weights' shapes)
         factory = {"device": device, "dtype": dtype}
         self.phi = nn.Parameter(torch.empty(dim, num_experts, slots_per_expert, **factory))
         self.scale = nn.Parameter(torch.ones((), **factory)) if self.normalize != "none" else None
@@ -544,13 +544,11 @@ class SoftMoE(nn.Module):
     def _plan_key(self, x: torch.Tensor, selected: torch.Tensor) -> tuple:
         """What the plans' times depend on, for :func:`softmoe.selection_plan.timed_plan`: the device, dtype and
         shapes, autocast, the backend, the experts' kind and weights' shapes (not which experts are kept)."""
-        experts = id(self.experts)
-        if getattr(self, "_expert_shapes", (0,))[0] != experts:  # read once per experts module
-            self._expert_shapes = (experts, tuple(tuple(t.shape) for t in self.experts.parameters()))
+        weights = tuple(tuple(t.shape) for t in self.experts.parameters())
         device = x.device.type
         autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         return (x.device, x.dtype, tuple(x.shape), selected.shape[1], self.num_experts, self.slots_per_expert,
-                autocast, self.backend, type(self.experts), self._expert_shapes[1])
+                autocast, self.backend, type(self.experts), weights)
 
     def _selected_forward(
         self,
@@ -585,8 +583,7 @@ class SoftMoE(nn.Module):
         zero there already."""
         p = self.slots_per_expert
         if keep is not None:
-            keep = (keep if p == 1 else keep.repeat_interleave(p, dim=1)).unsqueeze(1)  # (batch, 1, n * p)
-            combine = torch.where(keep, combine, 0.0)
+            combine = torch.where(slot_mask(keep, p), combine, 0.0)
         return self._mix(x, dispatch, renormalized(combine) if renormalize else combine)
 
     def _selected_plan(

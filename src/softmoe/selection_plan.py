@@ -44,9 +44,10 @@ There "auto" times both plans (:func:`timed_plan`, as ``torch.backends.cudnn.ben
 per shape, at its first call, which synchronizes with the device; later calls of that shape run the faster plan
 without timing. Where a synchronization is unwanted (CUDA's sync debug mode set, a CUDA graph being captured) a
 shape not yet timed takes the dense plan, untimed; so does every shape with deterministic algorithms on (the plans
-round differently). A plan that runs out of memory while timed loses. On an H200 (docs/performance.md) the timing took the selected plan
-for one layer of Table 3's stack in float32 at batch 100, k <= 5 (1.03-1.12x as fast as all experts; the dense plan
-0.97-0.98x), and the dense plan everywhere else (the selected plan 0.36-0.84x at batch 1-16, 0.41-0.50x in bfloat16).
+round differently). A plan that runs out of memory while timed loses. On an H200 (docs/performance.md) the timing
+took the selected plan for one layer of Table 3's stack in float32 at batch 100, k <= 5 (1.03-1.12x as fast as all
+experts; the dense plan 0.97-0.98x), and the dense plan everywhere else (the selected plan 0.36-0.84x at batch 1-16,
+0.41-0.50x in bfloat16).
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ def mask_from_subsets(selected: torch.Tensor, num_experts: int) -> torch.Tensor:
     keep = torch.zeros(selected.shape[0], num_experts + 1, dtype=torch.bool, device=selected.device)
     # -1 % (n + 1) = n (a floored remainder, as torch.remainder is): unused places land in the dropped column.
     return keep.scatter_(1, selected.remainder(num_experts + 1), True)[:, :num_experts]
+
+
+def slot_mask(keep: torch.Tensor, slots_per_expert: int) -> torch.Tensor:
+    """A mask over experts (batch, n) -> the same over their slots, (batch, 1, n * slots_per_expert)."""
+    return (keep if slots_per_expert == 1 else keep.repeat_interleave(slots_per_expert, dim=1)).unsqueeze(1)
 
 
 def mask_and_counts(selected: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tuple[int, int] | None]:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from softmoe.kernels.modes import needs_grad, plain_eager_mode
+from softmoe.selection_plan import mask_from_subsets, slot_mask
 from softmoe.topk import top_k
 
 # The most values of one input's tiles the kernel holds at once: its tokens x slots (each rounded up to a power of
@@ -150,8 +151,7 @@ def reference_routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -
 
 def kept_slots(selected: Tensor, num_experts: int, slots_per_expert: int) -> Tensor:
     """selected (batch, k) int64 -> bool (batch, 1, num_experts * slots_per_expert), True on the kept slots."""
-    keep = torch.zeros(selected.shape[0], num_experts, dtype=torch.bool, device=selected.device)
-    return keep.scatter_(1, selected, True).repeat_interleave(slots_per_expert, dim=1).unsqueeze(1)
+    return slot_mask(mask_from_subsets(selected, num_experts), slots_per_expert)
 
 
 @routing_softmaxes.register_fake
