@@ -98,17 +98,18 @@ def strategy_arg(strategy, batch, n, k, seed=5):
 
 
 def capture_selections(layers):
-    """Wrap each installed selector's ``select`` to record what it returns (per layer, per call)."""
+    """Record the experts each layer's forward selects (per layer, per call), whether its selector's ``select``
+    chose them or the layer's own kernel did (Algorithm 1 on a float32 CPU layer: softmoe::top_k_combine)."""
     records = {id(layer): [] for layer in layers}
     for layer in layers:
-        original = layer.selector.select
+        original = layer._selected_forward
 
-        def select(combine, _original=original, _record=records[id(layer)]):
-            chosen = _original(combine)
-            _record.append(chosen.clone())
-            return chosen
+        def selected_forward(x, dispatch, combine, selected, *args, _original=original, _record=records[id(layer)],
+                             **kwargs):
+            _record.append(selected.clone())
+            return _original(x, dispatch, combine, selected, *args, **kwargs)
 
-        layer.selector.select = select
+        layer._selected_forward = selected_forward
     return records
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import types
 
 import pytest
 import torch
@@ -169,17 +170,32 @@ def test_timed_plan_takes_the_faster_run_and_remembers_it(monkeypatch):
     assert plans.timed_plan("key", slow_selected, CPU) == "dense"
 
 
+@pytest.mark.parametrize("ratio, chosen", [(0.95, "selected"), (0.975, "dense"), (1.05, "dense")])
+def test_a_timed_plan_beats_the_default_only_by_the_margin(monkeypatch, ratio, chosen):
+    """Each call advances a fake clock by its plan's time: "selected" in `ratio` of "dense"'s time wins only at
+    ratio <= TIMED_MARGIN (0.97)."""
+    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
+    clock = [0.0]
+    monkeypatch.setattr(plans, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def advance(seconds):
+        return lambda: clock.__setitem__(0, clock[0] + seconds)
+
+    assert plans.timed_plan("key", {"dense": advance(1.0), "selected": advance(ratio)}, CPU) == chosen
+
+
 @pytest.mark.parametrize("faster", ["dense", "selected"])
 def test_auto_runs_the_plan_timed_faster_where_plans_are_timed(monkeypatch, faster):
-    """Where plans are timed (eager CUDA; here the CPU standing in), "auto" times both plans at the first call of
-    a shape, runs the faster from then on, with gradients, and the layer reports it; another batch size is
-    another shape."""
+    """Where plans are timed (eager CUDA; here the CPU standing in, every shape worth timing), "auto" times both
+    plans at the first call of a shape, runs the faster from then on, with gradients, and the layer reports it;
+    another batch size is another shape."""
     import softmoe.layer as layer_module
 
     monkeypatch.setattr(plans, "_TIMED_PLANS", {})
     monkeypatch.setattr(plans, "synchronize", lambda device: None)
     monkeypatch.setattr(plans, "may_synchronize", lambda device: True)
     monkeypatch.setattr(layer_module, "plans_are_timed", lambda device: True)
+    monkeypatch.setattr(layer_module, "worth_timing", lambda device, costs: True)
     layer = make_layer()
     x = torch.randn(3, 5, 12, dtype=F64, requires_grad=True)
     selected = torch.tensor([[0, 3], [2, 7], [7, 1]])
@@ -202,14 +218,72 @@ def test_auto_runs_the_plan_timed_faster_where_plans_are_timed(monkeypatch, fast
     assert len(plans._TIMED_PLANS) == 2
 
 
-def test_plans_are_timed_on_eager_cuda_only(monkeypatch):
+def test_plans_are_timed_eagerly_on_cuda_and_cpu(monkeypatch):
     cuda = torch.device("cuda")
-    assert not plans.plans_are_timed(CPU) and plans.plans_are_timed(cuda)
+    assert plans.plans_are_timed(CPU) and plans.plans_are_timed(cuda)
+    assert not plans.plans_are_timed(torch.device("meta"))
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert not plans.plans_are_timed(cuda)  # the plans round differently: no choice by timing
+    assert not plans.plans_are_timed(cuda) and not plans.plans_are_timed(CPU)  # the plans round differently
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not plans.plans_are_timed(cuda)
+    assert not plans.plans_are_timed(cuda) and not plans.plans_are_timed(CPU)
+
+
+def test_only_close_calls_are_worth_timing_on_the_cpu():
+    """On CUDA every shape (no cost model in eager mode); on the CPU those whose selected cost lies within a factor
+    TIMING_BAND of MARGIN times the dense one."""
+    band, margin = plans.TIMING_BAND, plans.MARGIN["cpu"]
+    assert plans.worth_timing(torch.device("cuda"), (1e-9, 1.0)) and plans.worth_timing(torch.device("cuda"), (9.0, 1.0))
+    for ratio, worth in ((1.0, True), (band * 0.99, True), (1.01 / band, True), (band * 1.01, False), (0.99 / band, False),
+                         (0.2, False), (3.0, False)):
+        assert plans.worth_timing(CPU, (ratio * margin * 10.0, 10.0)) is worth, ratio
+
+
+@pytest.mark.parametrize("close", [False, True])
+def test_the_cpu_times_close_calls_and_leaves_clear_ones_to_the_cost_model(monkeypatch, close):
+    """Eager CPU, plan "auto": a close call is timed once (each plan TIMED_ROUNDS + 1 times, then the faster runs),
+    a clear one runs the cost model's plan untimed and remembers nothing; the output is Algorithm 1's either way."""
+    import softmoe.layer as layer_module
+
+    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
+    cheap = plans.MARGIN["cpu"] * (1.0 if close else 0.1)  # the selected plan's cost, the dense one's 1
+    for module in (layer_module, plans):  # the costs the layer weighs and the cost model's
+        monkeypatch.setattr(module, "plan_costs", lambda *args: (cheap, 1.0))
+    layer = make_layer()
+    x = torch.randn(3, 5, 12, dtype=F64)
+    selected = torch.tensor([[0, 3], [2, 7], [7, 1]])
+    runs = []
+    original = layer.experts.forward_selected
+    monkeypatch.setattr(layer.experts, "forward_selected", lambda rows, expert: runs.append(expert) or
+                        original(rows, expert))
+    with torch.no_grad():
+        got = layer.forward_selected(x, selected)
+    torch.testing.assert_close(got, masked_reference_forward(layer, x, selected), atol=1e-12, rtol=1e-12)
+    key = layer._plan_key(x, selected)
+    if close:
+        chose_selected = plans.timed_choice(key) == "selected"
+        assert len(runs) == plans.TIMED_ROUNDS + 1 + chose_selected
+    else:
+        assert plans.timed_choice(key) is None and len(runs) == 1  # the cost model's selected plan, once
+    runs.clear()
+    with torch.no_grad():
+        layer.forward_selected(x, selected)
+    assert len(runs) == (plans.timed_choice(key) == "selected" if close else 1)  # not timed again
+
+
+def test_the_cpu_plan_key_tells_threads_and_instruction_sets_apart(monkeypatch):
+    layer = make_layer()
+    x, selected = torch.randn(2, 5, 12, dtype=F64), torch.tensor([[0, 1], [2, 3]])
+    key = layer._plan_key(x, selected)
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
+    assert layer._plan_key(x, selected) != key
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert layer._plan_key(x, selected) == key
+    import softmoe.layer as layer_module
+
+    monkeypatch.setattr(layer_module, "cpu_isa", lambda: "some other variant")
+    assert layer._plan_key(x, selected) != key
 
 
 def test_a_plan_that_runs_out_of_memory_loses(monkeypatch):
@@ -238,7 +312,7 @@ def test_the_plan_key_tells_autocast_backends_and_expert_sizes_apart():
     layer.backend = "reference"
     assert layer._plan_key(x, selected) != key
     reference = layer._plan_key(x, selected)
-    assert reference[:-1] == (*key[:7], "reference", key[8])
+    assert reference[:7] == key[:7] and reference[7] == "reference" and reference[8:] == key[8:]
     layer.experts.weight1 = nn.Parameter(torch.zeros(8, 12, 30, dtype=F64))  # a swapped weight of another shape
     assert layer._plan_key(x, selected) != reference
 

@@ -37,18 +37,22 @@ from torch import nn
 
 from softmoe.backends import BackendChoice, check_backend
 from softmoe.experts import Experts, MLPExperts, StackedExperts, autocast_device
-from softmoe.kernels import native_routing_applies, needs_grad, onednn_applies, onednn_linear
+from softmoe.kernels import cpu_isa, native_routing_applies, native_top_k_applies, needs_grad, onednn_applies
+from softmoe.kernels import onednn_linear, top_k_combine
 from softmoe.kernels import soft_moe_routing as native_routing
 from softmoe.kernels.modes import host_reads_are_free, transforms_active
 from softmoe.kernels.routing_softmaxes import fused_routing_applies, run_routing_softmaxes
 from softmoe.selection_plan import (
     check_plan,
+    kept_counts,
     mask_and_counts,
+    plan_costs,
     plans_are_timed,
     selected_plan_is_cheaper,
     slot_mask,
     timed_choice,
     timed_plan,
+    worth_timing,
 )
 
 NORM_EPS = 1e-6
@@ -270,11 +274,12 @@ def soft_moe_routing(
 
     ``noise_std * N(0, 1)`` is added to the logits when ``noise_std`` > 0 (the callers pass it in training only).
     Padded tokens (``mask`` False) get zero dispatch and zero combine weight. Without noise or mask, float32 CPU
-    tensors take the native routing (:mod:`softmoe.kernels.soft_moe_routing`: one call forward, one backward),
-    except large inference inputs, whose product oneDNN runs faster (:func:`token_product`).
+    tensors take the native routing (:mod:`softmoe.kernels.soft_moe_routing`: one call forward, one backward; its
+    products in oneDNN where that pays). Large inference inputs too: on an AMD EPYC Zen 5 their routing took
+    0.52-0.91x the time of torch's ops with oneDNN's product (AVX-512; 0.80-1.03x with AVX2) at 8-256 slots,
+    e.g. Table 3's layer at batch 100 (docs/performance.md).
     """
-    large_inference = tokens.numel() >= ONEDNN_MIN_TOKEN_ELEMENTS and onednn_applies(tokens, phi)
-    if mask is None and noise_std == 0 and not large_inference and native_routing_applies(tokens, phi, scale):
+    if mask is None and noise_std == 0 and native_routing_applies(tokens, phi, scale):
         return native_routing(tokens, phi, scale, normalize)
     logits = add_logit_noise(soft_moe_logits(tokens, phi, scale, normalize), noise_std)
     if mask is None:
@@ -479,6 +484,11 @@ class SoftMoE(nn.Module):
             return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize,
                                           self.selector.plan, combine_is_kept=True)
         _, dispatch, combine = self._route_flat(x, mask)
+        if plain and native_top_k_applies(combine):
+            # Algorithm 1's choice and the kept combine weights in one native call (CPU).
+            combine, selected = top_k_combine(combine, self.slots_per_expert, k)
+            return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize,
+                                          self.selector.plan, combine_is_kept=True)
         selected = self.selector.select(combine.view(*x.shape[:2], self.num_experts, self.slots_per_expert))
         return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize, self.selector.plan)
 
@@ -523,9 +533,9 @@ class SoftMoE(nn.Module):
 
     def selected_plan_is_cheaper(self, x: torch.Tensor, selected: torch.Tensor) -> bool:
         """Whether plan "auto" runs only the ``selected`` (batch, k) experts (plan "selected") rather than them all
-        (plan "dense") for x (batch, tokens, dim): on eager CUDA the plan timed faster for this shape once it has
-        been timed (:func:`softmoe.selection_plan.timed_plan`; before its first call, the cost model's answer,
-        which the timing may overturn), else :func:`softmoe.selection_plan.selected_plan_is_cheaper` with this
+        (plan "dense") for x (batch, tokens, dim): on eager CUDA (and eager CPU for close calls) the plan timed faster
+        for this shape once it has been timed (:func:`softmoe.selection_plan.timed_plan`; before its first call, the
+        cost model's answer, which the timing may overturn), else :func:`softmoe.selection_plan.selected_plan_is_cheaper` with this
         layer's shape, and the pairs and experts in use counted where host reads are free."""
         choice = timed_choice(self._plan_key(x, selected)) if plans_are_timed(x.device) else None
         if choice is not None:
@@ -541,14 +551,21 @@ class SoftMoE(nn.Module):
         return selected_plan_is_cheaper(x.shape[0], selected.shape[1], self.num_experts, self.slots_per_expert,
                                         flops_per_row, x.device, kept)
 
+    def _plan_costs(self, x: torch.Tensor, selected: torch.Tensor, kept: tuple[int, int] | None) -> tuple[float, float]:
+        flops_per_row = 2 * self.parameters_per_expert()
+        return plan_costs(x.shape[0], selected.shape[1], self.num_experts, self.slots_per_expert, flops_per_row,
+                          x.device, kept)
+
     def _plan_key(self, x: torch.Tensor, selected: torch.Tensor) -> tuple:
         """What the plans' times depend on, for :func:`softmoe.selection_plan.timed_plan`: the device, dtype and
-        shapes, autocast, the backend, the experts' kind and weights' shapes (not which experts are kept)."""
+        shapes, autocast, the backend, the experts' kind and weights' shapes (not which experts are kept); on the
+        CPU also torch's threads and the native kernels' instruction set."""
         weights = tuple(tuple(t.shape) for t in self.experts.parameters())
         device = x.device.type
         autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        host = (torch.get_num_threads(), cpu_isa()) if device == "cpu" else ()
         return (x.device, x.dtype, tuple(x.shape), selected.shape[1], self.num_experts, self.slots_per_expert,
-                autocast, self.backend, type(self.experts), weights)
+                autocast, self.backend, type(self.experts), weights, *host)
 
     def _selected_forward(
         self,
@@ -565,10 +582,17 @@ class SoftMoE(nn.Module):
         if plan == "selected":
             return self._selected_plan(x, dispatch, combine, selected, renormalize)
         keep, kept = (None, None) if combine_is_kept else mask_and_counts(selected, self.num_experts)
-        if plan == "auto" and plans_are_timed(x.device):
-            runs = {"dense": lambda: self._dense_plan(x, dispatch, combine, keep, renormalize),
-                    "selected": lambda: self._selected_plan(x, dispatch, combine, selected, renormalize)}
-            plan = timed_plan(self._plan_key(x, selected), runs, x.device) or "auto"
+        if plan == "auto":
+            timed = plans_are_timed(x.device)
+            key = self._plan_key(x, selected) if timed else None
+            plan = (timed_choice(key) if timed else None) or "auto"
+        if plan == "auto":
+            if combine_is_kept and host_reads_are_free(selected):
+                kept = kept_counts(selected)  # for the cost model, as mask_and_counts gives them
+            if timed and worth_timing(x.device, self._plan_costs(x, selected, kept)):
+                runs = {"dense": lambda: self._dense_plan(x, dispatch, combine, keep, renormalize),
+                        "selected": lambda: self._selected_plan(x, dispatch, combine, selected, renormalize)}
+                plan = timed_plan(key, runs, x.device) or "auto"
         if plan == "auto":
             plan = "selected" if self._selected_is_cheaper(x, selected, kept) else "dense"
         if plan == "selected":

@@ -44,7 +44,12 @@ There "auto" times both plans (:func:`timed_plan`, as ``torch.backends.cudnn.ben
 per shape, at its first call, which synchronizes with the device; later calls of that shape run the faster plan
 without timing. Where a synchronization is unwanted (CUDA's sync debug mode set, a CUDA graph being captured) a
 shape not yet timed takes the dense plan, untimed; so does every shape with deterministic algorithms on (the plans
-round differently). A plan that runs out of memory while timed loses. On an H200 (docs/performance.md) the timing
+round differently). A plan that runs out of memory while timed loses. Eager CPU calls time the plans the same way
+where the cost model's call is close (:func:`worth_timing`: its selected cost within a factor TIMING_BAND of
+MARGIN times the dense one): its constants, fitted on one host, misjudged such shapes on another (the AMD EPYC
+Zen 5: batch 16, k = 1 with AVX-512, the selected plan 1.08x as fast as all experts and the dense one it chose
+0.96x; batch 100, k = 6 with AVX2, the selected plan it chose 0.93x, the dense one 0.99x), and timing them costs
+8 calls of the layer once per shape, the threads and the kernels' instruction set. On an H200 (docs/performance.md) the timing
 took the selected plan for one layer of Table 3's stack in float32 at batch 100, k <= 5 (1.03-1.12x as fast as all
 experts; the dense plan 0.97-0.98x), and the dense plan everywhere else (the selected plan 0.36-0.84x at batch 1-16,
 0.41-0.50x in bfloat16).
@@ -73,8 +78,16 @@ CALL_FLOPS = 1e7
 HOST_MASK_MAX_PLACES = 256
 
 
-# Timed rounds of each plan after one untimed round, where "auto" times them (eager CUDA); the fastest round counts.
-TIMED_ROUNDS = 3
+# Timed rounds of each plan after one untimed round, where "auto" times them (eager CUDA; eager CPU for close calls);
+# the fastest round counts (with 3, AVX2 on the AMD EPYC Zen 5 took the dense plan for batch 16, k = 6 of Table 3's
+# layer, 0.97x as fast as all experts where the selected one ran 1.04x, in one sweep of four).
+TIMED_ROUNDS = 5
+# On CPU the plans are timed where the selected plan's cost lies within this factor of MARGIN times the dense one's.
+TIMING_BAND = 1.4
+# A timed plan replaces the default (the layer's: "dense", every expert and no more) only in at most this fraction of
+# its time: on a 2-core host, timings of one plan scatter by a few percent (AVX2, batch 1, k = 7 of Table 3's layer:
+# the selected plan, 0.94x as fast as all experts, was timed faster than the dense one, 0.98x, without it).
+TIMED_MARGIN = 0.97
 # The plan found faster per shape: {key: "selected" or "dense"} (see timed_plan).
 _TIMED_PLANS: dict[Hashable, str] = {}
 
@@ -92,6 +105,28 @@ def row_floor(kind: str) -> int:
     return LANES[isa] if isa is not None else ROW_FLOOR[kind]
 
 
+def plan_costs(
+    batch: int,
+    k: int,
+    num_experts: int,
+    slots_per_expert: int,
+    flops_per_row: float,
+    device: torch.device,
+    kept: tuple[int, int] | None = None,
+) -> tuple[float, float]:
+    """The cost model's (selected, dense) costs in FLOPs (module doc), for ``batch`` inputs keeping ``k`` of
+    ``num_experts`` experts each, ``slots_per_expert`` slots per expert, ``flops_per_row`` FLOPs per row per expert
+    (2 x its parameters), on ``device``. ``kept``: the (input, expert) pairs kept and the experts in use, where they
+    are known (else batch * k and min(n, batch * k), their upper bounds)."""
+    kind = "cpu" if device.type == "cpu" else "cuda"
+    pairs, used = kept if kept is not None else (batch * k, min(num_experts, batch * k))
+    floor, overhead = row_floor(kind), ROW_OVERHEAD[kind]
+    rows = pairs * slots_per_expert
+    selected = flops_per_row * (max(rows, used * floor) + used * overhead) + used * CALL_FLOPS
+    dense = flops_per_row * num_experts * (max(batch * slots_per_expert, floor) + overhead)
+    return selected, dense
+
+
 def selected_plan_is_cheaper(
     batch: int,
     k: int,
@@ -101,19 +136,23 @@ def selected_plan_is_cheaper(
     device: torch.device,
     kept: tuple[int, int] | None = None,
 ) -> bool:
-    """Whether the "selected" plan is expected to beat the "dense" one (module doc), for ``batch`` inputs keeping
-    ``k`` of ``num_experts`` experts each, ``slots_per_expert`` slots per expert, ``flops_per_row`` FLOPs per row per
-    expert (2 x its parameters), on ``device``. ``kept``: the (input, expert) pairs kept and the experts in use,
-    where they are known (else batch * k and min(n, batch * k), their upper bounds)."""
+    """Whether the "selected" plan is expected to beat the "dense" one: its cost (:func:`plan_costs`, same
+    arguments) at most MARGIN times the dense one's; on eager CUDA never (the plans are timed there instead)."""
     kind = "cpu" if device.type == "cpu" else "cuda"
     if kind == "cuda" and not torch.compiler.is_compiling():
         return False  # eager CUDA: the dense plan unless the plans were timed (plans_are_timed)
-    pairs, used = kept if kept is not None else (batch * k, min(num_experts, batch * k))
-    floor, overhead = row_floor(kind), ROW_OVERHEAD[kind]
-    rows = pairs * slots_per_expert
-    selected = flops_per_row * (max(rows, used * floor) + used * overhead) + used * CALL_FLOPS
-    dense = flops_per_row * num_experts * (max(batch * slots_per_expert, floor) + overhead)
+    selected, dense = plan_costs(batch, k, num_experts, slots_per_expert, flops_per_row, device, kept)
     return selected <= MARGIN[kind] * dense
+
+
+def worth_timing(device: torch.device, costs: tuple[float, float]) -> bool:
+    """Whether a shape whose plans are not timed yet should be, where :func:`plans_are_timed`: on CUDA always (eager
+    CUDA has no cost model), on CPU where the call is close, the (selected, dense) ``costs`` of :func:`plan_costs`
+    within a factor TIMING_BAND of the margin (module doc)."""
+    if device.type != "cpu":
+        return True
+    selected, dense = costs
+    return dense / TIMING_BAND <= selected / MARGIN["cpu"] <= dense * TIMING_BAND
 
 
 def mask_from_subsets(selected: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -126,6 +165,19 @@ def mask_from_subsets(selected: torch.Tensor, num_experts: int) -> torch.Tensor:
 def slot_mask(keep: torch.Tensor, slots_per_expert: int) -> torch.Tensor:
     """A mask over experts (batch, n) -> the same over their slots, (batch, 1, n * slots_per_expert)."""
     return (keep if slots_per_expert == 1 else keep.repeat_interleave(slots_per_expert, dim=1)).unsqueeze(1)
+
+
+def kept_slots(selected: torch.Tensor, num_experts: int, slots_per_expert: int) -> torch.Tensor:
+    """selected (batch, k) int64, -1 for an unused place -> bool (batch, 1, num_experts * slots_per_expert), True
+    on the kept slots."""
+    return slot_mask(mask_from_subsets(selected, num_experts), slots_per_expert)
+
+
+def kept_counts(selected: torch.Tensor) -> tuple[int, int]:
+    """selected (batch, k) int64, -1 for an unused place, no repeats in a row -> (pairs kept, experts in use), read
+    on the host."""
+    places = [j for j in selected.flatten().tolist() if j >= 0]
+    return len(places), len(set(places))
 
 
 def mask_and_counts(selected: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tuple[int, int] | None]:
@@ -150,11 +202,11 @@ def mask_and_counts(selected: torch.Tensor, num_experts: int) -> tuple[torch.Ten
 
 
 def plans_are_timed(device: torch.device) -> bool:
-    """Whether plan "auto" runs the plan timed faster on ``device`` (module doc): eager CUDA, outside torch.compile
-    and torch.func transforms, with deterministic algorithms off (the plans round differently, and timings differ
-    from run to run)."""
+    """Whether plan "auto" may run the plan timed faster on ``device`` (module doc): eager CUDA or CPU (there for
+    the shapes :func:`worth_timing` names), outside torch.compile and torch.func transforms, with deterministic
+    algorithms off (the plans round differently, and timings differ from run to run)."""
     return (
-        device.type == "cuda"
+        device.type in ("cuda", "cpu")
         and not torch.compiler.is_compiling()
         and not transforms_active()
         and not torch.are_deterministic_algorithms_enabled()
@@ -164,7 +216,8 @@ def plans_are_timed(device: torch.device) -> bool:
 def timed_plan(key: Hashable, runs: dict[str, Callable[[], object]], device: torch.device) -> str | None:
     """The name of the fastest of ``runs`` (plan name -> a call running it on ``device``), timed at the first call
     with ``key`` and remembered for the process: one untimed round, then TIMED_ROUNDS rounds of each in turn, each
-    call between two synchronizations with the device, without gradients; the fastest call of each plan counts.
+    call between two synchronizations with the device, without gradients; the fastest call of each plan counts,
+    and a plan other than the first of ``runs`` (the default) wins only in at most TIMED_MARGIN of its time.
     A plan that runs out of device memory is not run again and loses. None where ``key`` was not timed and cannot
     be now (:func:`may_synchronize`)."""
     if key not in _TIMED_PLANS:
@@ -189,7 +242,12 @@ def timed_plan(key: Hashable, runs: dict[str, Callable[[], object]], device: tor
                         best[name] = min(best[name], time.perf_counter() - start)
         if len(failed) == len(runs):
             raise torch.OutOfMemoryError(f"every plan of Algorithm 1 ran out of device memory ({sorted(runs)})")
-        _TIMED_PLANS[key] = min((name for name in runs if name not in failed), key=best.__getitem__)
+        default = next(iter(runs))
+
+        def weighed(name: str) -> float:  # another plan must beat the default by TIMED_MARGIN
+            return best[name] if name == default else best[name] / TIMED_MARGIN
+
+        _TIMED_PLANS[key] = min((name for name in runs if name not in failed), key=weighed)
     return _TIMED_PLANS[key]
 
 
@@ -204,8 +262,10 @@ def forget_timed_plans() -> None:
 
 
 def may_synchronize(device: torch.device) -> bool:
-    """Whether waiting for ``device`` is welcome: CUDA's sync debug mode off and no CUDA graph being captured on its
-    current stream."""
+    """Whether waiting for ``device`` is welcome: always for the CPU; for CUDA, its sync debug mode off and no CUDA
+    graph being captured on the device's current stream."""
+    if device.type == "cpu":
+        return True
     if torch.cuda.get_sync_debug_mode() != 0:
         return False
     with torch.cuda.device(device):
@@ -213,5 +273,6 @@ def may_synchronize(device: torch.device) -> bool:
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on ``device`` (an accelerator)."""
-    torch.cuda.synchronize(device)
+    """Wait for the work queued on ``device`` (nothing to wait for on the CPU)."""
+    if device.type != "cpu":
+        torch.cuda.synchronize(device)

@@ -647,6 +647,53 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
     return {grad_x.view({B, M, D}), grad_phi, grad_scale};
 }
 
+/* ---- Algorithm 1's choice from the combine weights (softmoe::top_k_combine) ---------------------------------- */
+
+/* For combine (B, M, S) with S = n * p slots (expert j's slots j * p ... j * p + p - 1): per input, each expert's
+ * summed combine weight over tokens and its slots (in double), its k largest (NaN largest, ties to the lower index,
+ * as softmoe.topk.top_k) into selected (B, k) in ascending order, and kept = combine with the slots of the other
+ * experts zeroed. */
+std::tuple<at::Tensor, at::Tensor> top_k_combine(const at::Tensor &combine_in, int64_t p, int64_t k)
+{
+    check_float_cpu(combine_in, "combine", 3);
+    const at::Tensor combine = combine_in.contiguous();
+    const int64_t B = combine.size(0), M = combine.size(1), S = combine.size(2);
+    TORCH_CHECK(p >= 1 && S % p == 0, "softmoe: combine's ", S, " slots are not a multiple of ", p, " per expert");
+    const int64_t n = S / p;
+    TORCH_CHECK(k >= 1 && k <= n, "softmoe: k must be in [1, ", n, "] (the experts), got ", k);
+    at::Tensor kept = at::empty_like(combine), selected = at::empty({B, k}, combine.options().dtype(at::kLong));
+    const float *c = combine.data_ptr<float>();
+    float *out = kept.data_ptr<float>();
+    int64_t *chosen = selected.data_ptr<int64_t>();
+    at::parallel_for(0, B, grain(M * S), [&](int64_t first, int64_t last) {
+        std::vector<double> score(n);
+        std::vector<int64_t> order(n);
+        std::vector<char> keep(n);
+        const auto before = [&](int64_t i, int64_t j) {
+            const bool nan_i = std::isnan(score[i]), nan_j = std::isnan(score[j]);
+            if (nan_i || nan_j) return nan_i && (!nan_j || i < j);
+            return score[i] > score[j] || (score[i] == score[j] && i < j);
+        };
+        for (int64_t b = first; b < last; b++) {
+            const float *cb = c + b * M * S;
+            float *ob = out + b * M * S;
+            std::fill(score.begin(), score.end(), 0.0);
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t j = 0; j < n; j++)
+                    for (int64_t i = 0; i < p; i++) score[j] += cb[m * S + j * p + i];
+            for (int64_t j = 0; j < n; j++) order[j] = j;
+            std::partial_sort(order.begin(), order.begin() + k, order.end(), before);
+            std::sort(order.begin(), order.begin() + k);
+            std::fill(keep.begin(), keep.end(), 0);
+            for (int64_t i = 0; i < k; i++) keep[order[i]] = 1, chosen[b * k + i] = order[i];
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t j = 0; j < n; j++)
+                    for (int64_t i = 0; i < p; i++) ob[m * S + j * p + i] = keep[j] ? cb[m * S + j * p + i] : 0.0f;
+        }
+    });
+    return {kept, selected};
+}
+
 } // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
@@ -665,4 +712,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("soft_moe_mixing_backward", &soft_moe_mixing_backward);
     m.def("soft_moe_routing", &soft_moe_routing);
     m.def("soft_moe_routing_backward", &soft_moe_routing_backward);
+    m.def("top_k_combine", &top_k_combine, pybind11::arg("combine"), pybind11::arg("slots_per_expert"),
+          pybind11::arg("k"));
 }

@@ -16,7 +16,9 @@ Two kinds, each taken only where it applies (float32 CPU tensors), with torch's 
   - ``torch.ops.softmoe.soft_moe_mixing`` (and ``soft_moe_mixing_backward``): the whole Soft MoE mixing of many
     small relu experts in one pass (:mod:`softmoe.kernels.soft_moe_mixing`);
   - ``torch.ops.softmoe.soft_moe_routing`` (and ``soft_moe_routing_backward``): a layer's logits, dispatch and
-    combine weights in one call (:mod:`softmoe.kernels.soft_moe_routing`).
+    combine weights in one call (:mod:`softmoe.kernels.soft_moe_routing`);
+  - ``torch.ops.softmoe.top_k_combine``: Algorithm 1's choice of experts from the combine weights, and the combine
+    weights with the others' slots zeroed, in one call (:mod:`softmoe.kernels.top_k_combine`).
 
   One build serves every x86-64 CPU: each kernel is compiled for AVX-512, AVX2 and the baseline, and the best
   variant this CPU runs is picked at run time (``SOFTMOE_ISA`` to ask for one, :func:`use_isa` in tests,
@@ -65,6 +67,7 @@ from softmoe.kernels.soft_moe_mixing import (
 )
 from softmoe.kernels.routing_softmaxes import fused_routing_applies, routing_softmaxes
 from softmoe.kernels.soft_moe_routing import native_routing_applies, soft_moe_routing
+from softmoe.kernels.top_k_combine import native_top_k_applies, top_k_combine
 
 __all__ = [
     "ISAS",
@@ -89,6 +92,7 @@ __all__ = [
     "native_mixing_applies",
     "native_routing_applies",
     "native_status",
+    "native_top_k_applies",
     "needs_grad",
     "onednn_applies",
     "onednn_linear",
@@ -98,6 +102,7 @@ __all__ = [
     "soft_moe_mixing",
     "soft_moe_routing",
     "supported_isas",
+    "top_k_combine",
     "transforms_active",
     "use_isa",
 ]

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from softmoe.kernels.modes import needs_grad, plain_eager_mode
-from softmoe.selection_plan import mask_from_subsets, slot_mask
+from softmoe.selection_plan import kept_slots
 from softmoe.topk import top_k
 
 # The most values of one input's tiles the kernel holds at once: its tokens x slots (each rounded up to a power of
@@ -147,11 +147,6 @@ def reference_routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -
     scores = combine.view(batch, tokens, experts, slots_per_expert).sum(dim=(1, 3))
     selected = top_k(scores, k, dim=1)[1].sort(dim=1).values
     return dispatch, torch.where(kept_slots(selected, experts, slots_per_expert), combine, 0.0), selected
-
-
-def kept_slots(selected: Tensor, num_experts: int, slots_per_expert: int) -> Tensor:
-    """selected (batch, k) int64 -> bool (batch, 1, num_experts * slots_per_expert), True on the kept slots."""
-    return slot_mask(mask_from_subsets(selected, num_experts), slots_per_expert)
 
 
 @routing_softmaxes.register_fake

@@ -1,0 +1,128 @@
+"""softmoe::top_k_combine: Algorithm 1's choice from the combine weights in one native call, against the torch
+formulation (top_k_by_combine and the dense plan's mask), and the layer's CPU path through it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import softmoe.layer as layer_module
+from softmoe import SoftMoE, masked_reference_forward, select_experts
+from softmoe.kernels import native_available
+from softmoe.kernels.top_k_combine import native_top_k_applies, top_k_combine
+from softmoe.selection import Selector, top_k_by_combine
+from softmoe.selection_plan import kept_slots
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="native kernels not built")
+
+
+def torch_top_k_combine(combine: torch.Tensor, p: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: the selector's choice (its sums in float64, as the kernel's) and torch.where's mask."""
+    batch, tokens, slots = combine.shape
+    selected = top_k_by_combine(combine.double().view(batch, tokens, slots // p, p), k)
+    return torch.where(kept_slots(selected, slots // p, p), combine, 0.0), selected
+
+
+SHAPES = [((1, 1, 1), 1, 1), ((3, 5, 8), 1, 1), ((3, 5, 8), 1, 7), ((4, 197, 8), 1, 2), ((6, 4, 12), 3, 2),
+          ((5, 4, 128), 1, 32), ((2, 7, 260), 2, 129), ((70, 4, 16), 1, 4), ((9, 3, 30), 5, 6)]
+
+
+@pytest.mark.parametrize("shape, p, k", SHAPES)
+def test_the_op_equals_the_selector_and_the_mask(shape, p, k):
+    torch.manual_seed(sum(shape) + p + k)
+    combine = torch.randn(shape).softmax(dim=-1)
+    kept, selected = top_k_combine(combine, p, k)
+    want_kept, want_selected = torch_top_k_combine(combine, p, k)
+    assert selected.dtype == torch.int64 and selected.shape == (shape[0], k)
+    assert torch.equal(selected, want_selected)
+    assert torch.equal(kept, want_kept)  # kept values copied, the rest exactly zero
+
+
+def test_ties_go_to_the_lower_expert_and_nan_comes_first():
+    combine = torch.full((3, 4, 6), 1.0 / 6)
+    combine[1, 2, 4] = math.nan  # expert 4's sum is NaN: kept first
+    combine[2, :, 5] = 0.5  # expert 5 leads; the rest tie
+    kept, selected = top_k_combine(combine, 1, 2)
+    assert selected.tolist() == [[0, 1], [0, 4], [0, 5]]
+    assert torch.isnan(kept[1, 2, 4]) and torch.equal(kept[0, :, 2:], torch.zeros(4, 4))
+    _, pairs = top_k_combine(combine, 2, 1)  # experts of two slots: (0, 1), (2, 3), (4, 5)
+    assert pairs.tolist() == [[0], [2], [2]]
+
+
+def test_a_strided_combine_is_read_as_its_values():
+    torch.manual_seed(1)
+    combine = torch.randn(8, 5, 4).softmax(dim=-1).transpose(0, 1)  # (5, 8, 4), not contiguous
+    kept, selected = top_k_combine(combine, 1, 2)
+    want_kept, want_selected = torch_top_k_combine(combine.contiguous(), 1, 2)
+    assert torch.equal(selected, want_selected) and torch.equal(kept, want_kept)
+
+
+def test_opcheck_and_the_gradient_reaches_the_kept_slots_only():
+    torch.manual_seed(2)
+    combine = torch.randn(4, 3, 6).softmax(dim=-1).requires_grad_()
+    torch.library.opcheck(torch.ops.softmoe.top_k_combine.default, (combine, 2, 2))
+    kept, selected = top_k_combine(combine, 2, 2)
+    assert not selected.requires_grad
+    upstream = torch.randn_like(kept)
+    (grad,) = torch.autograd.grad(kept, combine, upstream)
+    assert torch.equal(grad, torch.where(kept_slots(selected, 3, 2), upstream, 0.0))
+
+
+def test_bad_arguments_are_value_errors_and_other_tensors_are_not_served():
+    combine = torch.rand(2, 3, 6)
+    with pytest.raises(ValueError, match=r"k must be an integer in \[1, 3\] \(the experts\), got 4"):
+        top_k_combine(combine, 2, 4)
+    with pytest.raises(ValueError, match=r"k must be an integer in \[1, 6\] \(the experts\), got 0"):
+        top_k_combine(combine, 1, 0)
+    with pytest.raises(ValueError, match="6 slots are not a whole number of experts of 4 slots"):
+        top_k_combine(combine, 4, 1)
+    assert native_top_k_applies(combine)
+    assert not native_top_k_applies(combine.double())
+    assert not native_top_k_applies(torch.empty(2, 3, 6, device="meta"))
+
+
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("plan", ["auto", "dense", "selected"])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_the_layer_runs_algorithm1_through_the_op_on_the_cpu(monkeypatch, p, plan, renormalize):
+    """A float32 CPU layer with strategy "combine": the op chooses (the selector's select() is never called), and
+    every plan equals the paper's masked forward, as the selector's choice does."""
+    calls = []
+    monkeypatch.setattr(layer_module, "top_k_combine", lambda *args: calls.append(args) or top_k_combine(*args))
+    monkeypatch.setattr(Selector, "select", lambda self, combine: pytest.fail("select() called"))
+    torch.manual_seed(3)
+    layer = SoftMoE(12, 6, slots_per_expert=p, expert_hidden=20).eval()
+    with torch.no_grad():
+        layer.scale.fill_(4.0)
+    x = torch.randn(5, 7, 12)
+    with torch.no_grad():
+        selected = top_k_by_combine(layer.route(x).combine.double(), 2)
+        want = masked_reference_forward(layer, x, selected, renormalize=renormalize)
+        with select_experts(layer, k=2, plan=plan, renormalize=renormalize):
+            got = layer(x)
+    assert len(calls) == 1 and calls[0][1:] == (p, 2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_flow_through_the_layers_choice(monkeypatch):
+    """Training through Algorithm 1 on the CPU (the op's autograd): the same gradients as the selector's path."""
+    torch.manual_seed(4)
+    layer = SoftMoE(12, 6, expert_hidden=20)
+    x = torch.randn(3, 5, 12, requires_grad=True)
+    calls = []
+    monkeypatch.setattr(layer_module, "top_k_combine", lambda *args: calls.append(args) or top_k_combine(*args))
+
+    def gradients():
+        with select_experts(layer, k=3):
+            out = layer(x)
+        return torch.autograd.grad(out.square().sum(), (x, layer.phi, layer.experts.weight1))
+
+    through_op = gradients()
+    assert len(calls) == 1
+    monkeypatch.setattr(layer_module, "native_top_k_applies", lambda combine: False)
+    through_selector = gradients()
+    assert len(calls) == 1
+    for got, want in zip(through_op, through_selector, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
