@@ -196,7 +196,7 @@ def test_auto_runs_the_plan_timed_faster_where_plans_are_timed(monkeypatch, fast
     monkeypatch.setattr(plans, "may_synchronize", lambda device: True)
     monkeypatch.setattr(layer_module, "plans_are_timed", lambda device: True)
     monkeypatch.setattr(layer_module, "worth_timing", lambda device, costs: True)
-    layer = make_layer()
+    layer = make_layer().eval()
     x = torch.randn(3, 5, 12, dtype=F64, requires_grad=True)
     selected = torch.tensor([[0, 3], [2, 7], [7, 1]])
     key = layer._plan_key(layer.slot_inputs(x), selected)
@@ -249,7 +249,7 @@ def test_the_cpu_times_close_calls_and_leaves_clear_ones_to_the_cost_model(monke
     cheap = plans.MARGIN["cpu"] * (1.0 if close else 0.1)  # the selected plan's cost, the dense one's 1
     for module in (layer_module, plans):  # the costs the layer weighs and the cost model's
         monkeypatch.setattr(module, "plan_costs", lambda *args: (cheap, 1.0))
-    layer = make_layer()
+    layer = make_layer().eval()
     x = torch.randn(3, 5, 12, dtype=F64)
     selected = torch.tensor([[0, 3], [2, 7], [7, 1]])
     runs = []
@@ -269,6 +269,58 @@ def test_the_cpu_times_close_calls_and_leaves_clear_ones_to_the_cost_model(monke
     with torch.no_grad():
         layer.forward_selected(x, selected)
     assert len(runs) == (plans.timed_choice(key) == "selected" if close else 1)  # not timed again
+
+
+def test_a_timed_shape_does_not_overrule_the_cost_model_for_a_clear_call(monkeypatch):
+    """The timing key is the shape; the kept counts vary from batch to batch (-1 places, adaptive strategies). A
+    close call (7 of 8 experts kept per input) is timed and remembered; a later batch of that shape keeping 1 of 8
+    is a clear call: the cost model's selected plan runs, not the plan timed for the close one."""
+    import softmoe.layer as layer_module
+
+    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
+    timings = []
+
+    def timed_plan(key, runs, device):  # remember "dense" for the key without running anything
+        timings.append(key)
+        plans._TIMED_PLANS[key] = "dense"
+        return "dense"
+
+    monkeypatch.setattr(layer_module, "timed_plan", timed_plan)
+    torch.manual_seed(0)
+    layer = SoftMoE(128, 8, slots_per_expert=2, expert_hidden=1024).eval()
+    x = torch.randn(64, 3, 128)
+    most = torch.arange(8).repeat(64, 1)
+    most[:, 7] = -1  # 7 of 8 kept: selected cost 1.2x the margin's, a close call
+    few = torch.full((64, 8), -1)
+    few[:, 0] = torch.arange(64) % 8  # 1 of 8 kept: 0.33x, a clear one
+    assert layer._plan_key(x, most) == layer._plan_key(x, few)
+    runs = []
+    original = layer.experts.forward_selected
+    monkeypatch.setattr(layer.experts, "forward_selected", lambda rows, expert: runs.append(1) or original(rows, expert))
+    with torch.no_grad():
+        layer.forward_selected(x, most)
+        assert len(timings) == 1 and runs == [] and not layer.selected_plan_is_cheaper(x, most)
+        torch.testing.assert_close(layer.forward_selected(x, few), masked_reference_forward(layer, x, few),
+                                   rtol=1e-5, atol=1e-5)
+    assert runs == [1] and len(timings) == 1 and layer.selected_plan_is_cheaper(x, few)
+
+
+def test_nothing_is_timed_in_training_mode(monkeypatch):
+    """Timing runs the experts again, which in training would draw their dropout anew: a training layer takes the
+    cost model's plan, untimed, even for a close call."""
+    import softmoe.layer as layer_module
+
+    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
+    monkeypatch.setattr(plans, "timed_plan", lambda *args: pytest.fail("timed in training mode"))
+    monkeypatch.setattr(layer_module, "timed_plan", lambda *args: pytest.fail("timed in training mode"))
+    for module in (layer_module, plans):
+        monkeypatch.setattr(module, "plan_costs", lambda *args: (plans.MARGIN["cpu"], 1.0))  # a close call
+    layer = make_layer().train()
+    x, selected = torch.randn(3, 5, 12, dtype=F64), torch.tensor([[0, 3], [2, 7], [7, 1]])
+    with torch.no_grad():
+        torch.testing.assert_close(layer.forward_selected(x, selected), masked_reference_forward(layer, x, selected),
+                                   atol=1e-12, rtol=1e-12)
+    assert layer.selected_plan_is_cheaper(x, selected) and plans._TIMED_PLANS == {}
 
 
 def test_the_cpu_plan_key_tells_threads_and_instruction_sets_apart(monkeypatch):

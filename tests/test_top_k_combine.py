@@ -126,3 +126,52 @@ def test_gradients_flow_through_the_layers_choice(monkeypatch):
     assert len(calls) == 1
     for got, want in zip(through_op, through_selector, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_selector_chooses_as_the_layer_on_float32_cpu_tensors():
+    """top_k_by_combine takes the op for float32 CPU combine weights, so a selector's select() and the layer agree
+    even where float32 sums in torch's order would tie: here the experts' sums are 1 and 1 + 2^-24."""
+    combine = torch.tensor([[[1.0, 1.0], [0.0, 2.0**-24]]])
+    assert combine.sum(dim=1).tolist() == [[1.0, 1.0]]  # tied in float32
+    assert top_k_combine(combine, 1, 1)[1].tolist() == [[1]]
+    assert top_k_by_combine(combine.unsqueeze(-1), 1).tolist() == [[1]]
+    assert top_k_by_combine(combine.double().unsqueeze(-1), 1).tolist() == [[1]]
+
+
+@pytest.mark.parametrize("case", ["mask", "noise", "float64"])
+def test_masks_noise_and_float64_choose_through_the_selector(monkeypatch, case):
+    monkeypatch.setattr(layer_module, "top_k_combine", lambda *args: pytest.fail("the op ran"))
+    torch.manual_seed(5)
+    dtype = torch.float64 if case == "float64" else torch.float32
+    layer = SoftMoE(12, 6, expert_hidden=20, noise_std=0.5 if case == "noise" else 0.0, dtype=dtype)
+    layer.train(case == "noise")
+    x = torch.randn(3, 5, 12, dtype=dtype)
+    mask = torch.ones(3, 5, dtype=torch.bool) if case == "mask" else None
+    chosen = []
+    original = Selector.select
+    monkeypatch.setattr(Selector, "select", lambda self, combine: chosen.append(1) or original(self, combine))
+    with torch.no_grad(), select_experts(layer, k=2):
+        layer(x, mask)
+    assert chosen == [1]
+
+
+def test_the_layers_choice_compiles_with_the_op_in_its_graph():
+    torch.manual_seed(6)
+    layer = SoftMoE(12, 6, expert_hidden=20).eval()
+    x = torch.randn(3, 5, 12)
+
+    def run(x):
+        with select_experts(layer, k=2, plan="dense"):
+            return layer(x)
+
+    targets = []
+
+    def backend(graph_module, example_inputs):
+        targets.extend(str(node.target) for node in graph_module.graph.nodes)
+        return graph_module.forward
+
+    with torch.no_grad():
+        eager = run(x)
+        compiled = torch.compile(run, fullgraph=True, backend=backend)(x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    assert any("top_k_combine" in target for target in targets)

@@ -330,7 +330,8 @@ class ExpertSelector(Protocol):
     """What a layer consults, when set as ``layer.selector``, to pick each input's experts (see softmoe.selection).
 
     An optional attribute ``top_k`` (an int) says that :meth:`select` keeps each input's k experts of largest
-    summed combine weight (Algorithm 1): the layer may then choose them inside its routing kernel instead."""
+    summed combine weight (Algorithm 1): the layer may then choose them itself instead, inside its routing kernel
+    (eager CUDA inference) or in one native call after the routing (float32 CPU), without calling :meth:`select`."""
 
     renormalize: bool
     plan: str  # one of SELECTION_PLANS
@@ -533,14 +534,15 @@ class SoftMoE(nn.Module):
 
     def selected_plan_is_cheaper(self, x: torch.Tensor, selected: torch.Tensor) -> bool:
         """Whether plan "auto" runs only the ``selected`` (batch, k) experts (plan "selected") rather than them all
-        (plan "dense") for x (batch, tokens, dim): on eager CUDA (and eager CPU for close calls) the plan timed faster
-        for this shape once it has been timed (:func:`softmoe.selection_plan.timed_plan`; before its first call, the
+        (plan "dense") for x (batch, tokens, dim): in eval mode on eager CUDA (and on an eager CPU for a close call)
+        the plan timed faster for this shape once it has been timed (:func:`softmoe.selection_plan.timed_plan`; before its first call, the
         cost model's answer, which the timing may overturn), else :func:`softmoe.selection_plan.selected_plan_is_cheaper` with this
         layer's shape, and the pairs and experts in use counted where host reads are free."""
-        choice = timed_choice(self._plan_key(x, selected)) if plans_are_timed(x.device) else None
+        kept = mask_and_counts(selected, self.num_experts)[1]
+        choice = timed_choice(self._plan_key(x, selected)) if self._timing_decides(x, selected, kept) else None
         if choice is not None:
             return choice == "selected"
-        return self._selected_is_cheaper(x, selected, mask_and_counts(selected, self.num_experts)[1])
+        return self._selected_is_cheaper(x, selected, kept)
 
     def parameters_per_expert(self) -> float:
         """The experts' parameter count over n (a multiply-add per parameter per row: the cost of one row)."""
@@ -555,6 +557,15 @@ class SoftMoE(nn.Module):
         flops_per_row = 2 * self.parameters_per_expert()
         return plan_costs(x.shape[0], selected.shape[1], self.num_experts, self.slots_per_expert, flops_per_row,
                           x.device, kept)
+
+    def _timing_decides(self, x: torch.Tensor, selected: torch.Tensor, kept: tuple[int, int] | None) -> bool:
+        """Whether plan "auto" runs the plan timed faster for this call (timing the shape if it is not yet): in eval
+        mode (timing runs the experts again: a training forward would draw their dropout anew), where
+        :func:`softmoe.selection_plan.plans_are_timed`, for a call :func:`softmoe.selection_plan.worth_timing` (on
+        the CPU a close one, judged with this call's kept counts: a shape timed once does not overrule the cost
+        model for a batch that keeps far fewer or more experts)."""
+        return (not self.training and plans_are_timed(x.device)
+                and worth_timing(x.device, self._plan_costs(x, selected, kept)))
 
     def _plan_key(self, x: torch.Tensor, selected: torch.Tensor) -> tuple:
         """What the plans' times depend on, for :func:`softmoe.selection_plan.timed_plan`: the device, dtype and
@@ -582,17 +593,12 @@ class SoftMoE(nn.Module):
         if plan == "selected":
             return self._selected_plan(x, dispatch, combine, selected, renormalize)
         keep, kept = (None, None) if combine_is_kept else mask_and_counts(selected, self.num_experts)
-        if plan == "auto":
-            timed = plans_are_timed(x.device)
-            key = self._plan_key(x, selected) if timed else None
-            plan = (timed_choice(key) if timed else None) or "auto"
-        if plan == "auto":
-            if combine_is_kept and host_reads_are_free(selected):
-                kept = kept_counts(selected)  # for the cost model, as mask_and_counts gives them
-            if timed and worth_timing(x.device, self._plan_costs(x, selected, kept)):
-                runs = {"dense": lambda: self._dense_plan(x, dispatch, combine, keep, renormalize),
-                        "selected": lambda: self._selected_plan(x, dispatch, combine, selected, renormalize)}
-                plan = timed_plan(key, runs, x.device) or "auto"
+        if plan == "auto" and combine_is_kept and host_reads_are_free(selected):
+            kept = kept_counts(selected, self.num_experts)  # for the cost model, as mask_and_counts gives them
+        if plan == "auto" and self._timing_decides(x, selected, kept):
+            runs = {"dense": lambda: self._dense_plan(x, dispatch, combine, keep, renormalize),
+                    "selected": lambda: self._selected_plan(x, dispatch, combine, selected, renormalize)}
+            plan = timed_plan(self._plan_key(x, selected), runs, x.device) or "auto"
         if plan == "auto":
             plan = "selected" if self._selected_is_cheaper(x, selected, kept) else "dense"
         if plan == "selected":

@@ -37,6 +37,8 @@ from torch import nn
 
 from softmoe.kernels.modes import host_reads_are_free
 from softmoe.layer import SoftMoE
+from softmoe.kernels.top_k_combine import native_top_k_applies
+from softmoe.kernels.top_k_combine import top_k_combine as native_top_k_combine
 from softmoe.selection_plan import check_plan, mask_from_subsets
 from softmoe.topk import top_k, top_k_list
 
@@ -79,7 +81,13 @@ def top_k_by_combine(combine: torch.Tensor, k: int) -> torch.Tensor:
     and there are at least TOPK_MIN_SCORES scores, ``torch.topk`` (2.5x faster than the stable sort for 256 x 128
     scores) gives the set when no row has such a tie. With fewer scores the sort's 2 ops beat that path's 10, and up
     to HOST_TOPK_MAX_SCORES (where reads are free) a sort on the host (:func:`softmoe.topk.top_k_list`) beats both.
+    A float32 CPU combine takes the native op (:func:`softmoe.kernels.top_k_combine`, its sums in float64), as the
+    layer does for Algorithm 1: the selector and the layer choose alike.
     """
+    batch, tokens, num_experts, slots_per_expert = combine.shape
+    if native_top_k_applies(combine):
+        flat = combine.reshape(batch, tokens, num_experts * slots_per_expert)
+        return native_top_k_combine(flat, slots_per_expert, k)[1]
     scores = combine_scores(combine)
     on_host = host_reads_are_free(scores)
     if on_host and scores.numel() <= HOST_TOPK_MAX_SCORES:
@@ -175,8 +183,8 @@ class Selector:
     @property
     def top_k(self) -> int | None:
         """k where this selector keeps each input's k experts of largest summed combine weight (Algorithm 1, a
-        fixed k), else None: a layer may then choose them inside its routing kernel
-        (:mod:`softmoe.kernels.routing_softmaxes`) instead of calling :meth:`select`."""
+        fixed k), else None: a layer may then choose them itself (:mod:`softmoe.kernels.routing_softmaxes` on
+        CUDA, :mod:`softmoe.kernels.top_k_combine` on the CPU) instead of calling :meth:`select`."""
         return self.k if isinstance(self.strategy, str) and self.strategy == "combine" else None
 
     def generator_on(self, device: torch.device) -> torch.Generator:

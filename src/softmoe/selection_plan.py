@@ -44,12 +44,15 @@ There "auto" times both plans (:func:`timed_plan`, as ``torch.backends.cudnn.ben
 per shape, at its first call, which synchronizes with the device; later calls of that shape run the faster plan
 without timing. Where a synchronization is unwanted (CUDA's sync debug mode set, a CUDA graph being captured) a
 shape not yet timed takes the dense plan, untimed; so does every shape with deterministic algorithms on (the plans
-round differently). A plan that runs out of memory while timed loses. Eager CPU calls time the plans the same way
-where the cost model's call is close (:func:`worth_timing`: its selected cost within a factor TIMING_BAND of
-MARGIN times the dense one): its constants, fitted on one host, misjudged such shapes on another (the AMD EPYC
-Zen 5: batch 16, k = 1 with AVX-512, the selected plan 1.08x as fast as all experts and the dense one it chose
-0.96x; batch 100, k = 6 with AVX2, the selected plan it chose 0.93x, the dense one 0.99x), and timing them costs
-8 calls of the layer once per shape, the threads and the kernels' instruction set. On an H200 (docs/performance.md) the timing
+round differently). A plan that runs out of memory while timed loses, and the selected plan replaces the dense
+one only where it took at most TIMED_MARGIN of its time. Eager CPU calls time the plans the same way where the
+cost model's call is close (:func:`worth_timing`: its selected cost, from the call's own kept counts, within a
+factor TIMING_BAND of MARGIN times the dense one): its constants, fitted on one host, misjudged such shapes on
+another (the AMD EPYC Zen 5: batch 16, k = 1 with AVX-512, the selected plan 1.08x as fast as all experts and the
+dense one it chose 0.96x; batch 100, k = 6 with AVX2, the selected plan it chose 0.93x, the dense one 0.99x), and
+timing them costs 12 runs of the plans once per shape, threads and instruction set of the kernels. Timing runs the
+experts again, so a layer times only in eval mode (in training a forward would draw the experts' dropout anew);
+the plans agree to rounding, so where they are timed the output may differ in its last bits from run to run. On an H200 (docs/performance.md) the timing
 took the selected plan for one layer of Table 3's stack in float32 at batch 100, k <= 5 (1.03-1.12x as fast as all
 experts; the dense plan 0.97-0.98x), and the dense plan everywhere else (the selected plan 0.36-0.84x at batch 1-16,
 0.41-0.50x in bfloat16).
@@ -173,9 +176,12 @@ def kept_slots(selected: torch.Tensor, num_experts: int, slots_per_expert: int) 
     return slot_mask(mask_from_subsets(selected, num_experts), slots_per_expert)
 
 
-def kept_counts(selected: torch.Tensor) -> tuple[int, int]:
+def kept_counts(selected: torch.Tensor, num_experts: int) -> tuple[int, int]:
     """selected (batch, k) int64, -1 for an unused place, no repeats in a row -> (pairs kept, experts in use), read
-    on the host."""
+    on the host (from the mask's column sums above HOST_MASK_MAX_PLACES places, as :func:`mask_and_counts`)."""
+    if selected.numel() > HOST_MASK_MAX_PLACES:
+        per_expert = mask_from_subsets(selected, num_experts).sum(0).tolist()
+        return sum(per_expert), sum(1 for count in per_expert if count)
     places = [j for j in selected.flatten().tolist() if j >= 0]
     return len(places), len(set(places))
 
@@ -203,8 +209,9 @@ def mask_and_counts(selected: torch.Tensor, num_experts: int) -> tuple[torch.Ten
 
 def plans_are_timed(device: torch.device) -> bool:
     """Whether plan "auto" may run the plan timed faster on ``device`` (module doc): eager CUDA or CPU (there for
-    the shapes :func:`worth_timing` names), outside torch.compile and torch.func transforms, with deterministic
-    algorithms off (the plans round differently, and timings differ from run to run)."""
+    the calls :func:`worth_timing` names; a layer only in eval mode), outside torch.compile and torch.func
+    transforms, with deterministic algorithms off (the plans round differently, and timings differ from run to
+    run)."""
     return (
         device.type in ("cuda", "cpu")
         and not torch.compiler.is_compiling()

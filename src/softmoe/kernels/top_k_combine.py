@@ -7,11 +7,13 @@
         tokens and the expert's p slots), ascending (NaN largest, ties to the lower index: softmoe.topk.top_k's rule;
         the sums in float64)
 
-The same choice as ``softmoe.selection.top_k_by_combine`` followed by the dense plan's mask, which in torch's ops
-are a sum, a sort or a host read, a mask built from the choice and a ``torch.where``: 0.2 ms per layer call in
-Table 3's layer at batch 16 (197 tokens, 8 slots; AMD EPYC Zen 5), where every expert then runs in 8.5 ms. The op
-has a fake and an autograd registration (``kept``'s gradient is the upstream gradient on the kept slots;
-``selected`` is not differentiable), so it composes with torch.compile and autograd.
+``softmoe.selection.top_k_by_combine`` takes this op for float32 CPU tensors, so a selector and the layer choose
+alike; elsewhere it sums in the tensor's precision with torch's ops, where two experts whose sums differ only by
+rounding may rank the other way. In torch's ops the choice and the dense plan's mask were a sum, a sort or a host
+read, a mask built from the choice and a ``torch.where``: 0.2 ms per layer call in Table 3's layer at batch 16
+(197 tokens, 8 slots; AMD EPYC Zen 5), where every expert then runs in 8.5 ms. The op has a fake and an autograd
+registration (``kept``'s gradient is the upstream gradient on the kept slots; ``selected`` is not differentiable),
+so it composes with torch.compile and autograd.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ def top_k_combine_op(combine: Tensor, slots_per_expert: int, k: int) -> tuple[Te
 def _(combine: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor]:
     torch._check(combine.dim() == 3 and combine.dtype == torch.float32,
                  lambda: "combine must be a (batch, tokens, slots) float32 tensor")
-    torch._check(combine.shape[2] % slots_per_expert == 0, lambda: "slots must be a multiple of slots_per_expert")
+    torch._check(slots_per_expert >= 1 and combine.shape[2] % slots_per_expert == 0,
+                 lambda: "slots must be a whole number of experts of slots_per_expert >= 1 slots")
+    torch._check(1 <= k <= combine.shape[2] // slots_per_expert, lambda: "k must lie in [1, the experts]")
     kept = combine.new_empty(combine.shape)
     return kept, combine.new_empty((combine.shape[0], k), dtype=torch.int64)
 
