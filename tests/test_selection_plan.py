@@ -13,10 +13,15 @@ from torch import nn
 import softmoe.selection_plan as plans
 from softmoe import SoftMoE, select_experts
 from softmoe.selection import masked_reference_forward
-from softmoe.selection_plan import ROW_OVERHEAD, selected_plan_is_cheaper
+from softmoe.selection_plan import ROW_OVERHEAD, plan_costs
 
 F64 = torch.float64
 CPU = torch.device("cpu")
+
+
+def cheaper(*shape, kept=None):
+    """The cost model's answer for (batch, k, n, p, flops per row, device) and the kept counts."""
+    return plans.selected_plan_is_cheaper(plan_costs(*shape, kept=kept), shape[-1])
 
 
 def make_layer(n=8, p=1, custom=False, seed=0):
@@ -86,16 +91,16 @@ def test_cost_model_golden_values(monkeypatch):
     monkeypatch.setattr(plans, "cpu_isa", lambda: "avx512")
     assert (plans.row_floor("cpu"), ROW_OVERHEAD["cpu"], plans.MARGIN["cpu"]) == (16, 2, 0.85)
     f = 1e9
-    assert selected_plan_is_cheaper(1, 2, 8, 1, f, CPU)
-    assert selected_plan_is_cheaper(1, 6, 8, 1, f, CPU)
-    assert not selected_plan_is_cheaper(1, 7, 8, 1, f, CPU)
-    assert selected_plan_is_cheaper(4, 2, 8, 1, f, CPU, kept=(8, 6))
-    assert not selected_plan_is_cheaper(4, 2, 8, 1, f, CPU, kept=(8, 8))
-    assert not selected_plan_is_cheaper(4, 2, 8, 1, f, CPU)
-    assert selected_plan_is_cheaper(16, 1, 8, 1, f, CPU, kept=(16, 6))
-    assert not selected_plan_is_cheaper(16, 2, 8, 1, f, CPU, kept=(32, 8))
-    assert selected_plan_is_cheaper(100, 6, 8, 1, f, CPU)
-    assert not selected_plan_is_cheaper(100, 7, 8, 1, f, CPU)
+    assert cheaper(1, 2, 8, 1, f, CPU)
+    assert cheaper(1, 6, 8, 1, f, CPU)
+    assert not cheaper(1, 7, 8, 1, f, CPU)
+    assert cheaper(4, 2, 8, 1, f, CPU, kept=(8, 6))
+    assert not cheaper(4, 2, 8, 1, f, CPU, kept=(8, 8))
+    assert not cheaper(4, 2, 8, 1, f, CPU)
+    assert cheaper(16, 1, 8, 1, f, CPU, kept=(16, 6))
+    assert not cheaper(16, 2, 8, 1, f, CPU, kept=(32, 8))
+    assert cheaper(100, 6, 8, 1, f, CPU)
+    assert not cheaper(100, 7, 8, 1, f, CPU)
 
 
 def test_cost_model_golden_values_with_avx2(monkeypatch):
@@ -110,26 +115,26 @@ def test_cost_model_golden_values_with_avx2(monkeypatch):
     monkeypatch.setattr(plans, "cpu_isa", lambda: "avx2")
     assert plans.row_floor("cpu") == 8 and plans.row_floor("cuda") == 0
     f = 1e9
-    assert selected_plan_is_cheaper(16, 1, 8, 1, f, CPU, kept=(16, 8))
-    assert selected_plan_is_cheaper(16, 5, 8, 1, f, CPU, kept=(80, 8))
-    assert not selected_plan_is_cheaper(16, 7, 8, 1, f, CPU, kept=(112, 8))
-    assert not selected_plan_is_cheaper(4, 3, 8, 1, f, CPU, kept=(12, 8))
+    assert cheaper(16, 1, 8, 1, f, CPU, kept=(16, 8))
+    assert cheaper(16, 5, 8, 1, f, CPU, kept=(80, 8))
+    assert not cheaper(16, 7, 8, 1, f, CPU, kept=(112, 8))
+    assert not cheaper(4, 3, 8, 1, f, CPU, kept=(12, 8))
     monkeypatch.setattr(plans, "cpu_isa", lambda: None)
     assert plans.row_floor("cpu") == plans.ROW_FLOOR["cpu"] == 16
-    assert not selected_plan_is_cheaper(16, 1, 8, 1, f, CPU, kept=(16, 8))
+    assert not cheaper(16, 1, 8, 1, f, CPU, kept=(16, 8))
 
 
 def test_small_experts_run_dense_because_each_group_costs_a_call():
     """The paper's MNIST layer (n = 128 experts of hidden 6 on 196 dims): a group's bookkeeping (CALL_FLOPS) is
     worth thousands of its rows, so even k = 1 runs dense; a Table 3 expert (768 x 6144) at k = 1 runs selected."""
     mnist = 2 * (196 * 6 + 6 * 196)
-    assert not selected_plan_is_cheaper(256, 1, 128, 1, mnist, CPU)
+    assert not cheaper(256, 1, 128, 1, mnist, CPU)
     table3 = 2 * (768 * 6144 * 2)
-    assert selected_plan_is_cheaper(256, 1, 8, 1, table3, CPU)
+    assert cheaper(256, 1, 8, 1, table3, CPU)
 
 
 def test_eager_cuda_runs_dense():
-    assert not selected_plan_is_cheaper(1, 1, 8, 1, 1e9, torch.device("cuda"))
+    assert not cheaper(1, 1, 8, 1, 1e9, torch.device("cuda"))
 
 
 def test_compiled_cuda_selects_where_it_was_measured_faster(monkeypatch):
@@ -137,9 +142,9 @@ def test_compiled_cuda_selects_where_it_was_measured_faster(monkeypatch):
     1.16-1.23x as fast as all experts at batch 1, k = 2, but not faster at k = 4 or 6, nor at batch 100."""
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     cuda, table3 = torch.device("cuda"), 2 * (768 * 30720 * 2)
-    assert selected_plan_is_cheaper(1, 2, 8, 1, table3, cuda)
-    assert not any(selected_plan_is_cheaper(1, k, 8, 1, table3, cuda) for k in (4, 6))
-    assert not any(selected_plan_is_cheaper(100, k, 8, 1, table3, cuda) for k in (2, 4, 6))
+    assert cheaper(1, 2, 8, 1, table3, cuda)
+    assert not any(cheaper(1, k, 8, 1, table3, cuda) for k in (4, 6))
+    assert not any(cheaper(100, k, 8, 1, table3, cuda) for k in (2, 4, 6))
 
 
 def test_timed_plan_takes_the_faster_run_and_remembers_it(monkeypatch):

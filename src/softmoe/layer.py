@@ -549,9 +549,7 @@ class SoftMoE(nn.Module):
         return sum(t.numel() for t in self.experts.parameters()) / self.num_experts
 
     def _selected_is_cheaper(self, x: torch.Tensor, selected: torch.Tensor, kept: tuple[int, int] | None) -> bool:
-        flops_per_row = 2 * self.parameters_per_expert()
-        return selected_plan_is_cheaper(x.shape[0], selected.shape[1], self.num_experts, self.slots_per_expert,
-                                        flops_per_row, x.device, kept)
+        return selected_plan_is_cheaper(self._plan_costs(x, selected, kept), x.device)
 
     def _plan_costs(self, x: torch.Tensor, selected: torch.Tensor, kept: tuple[int, int] | None) -> tuple[float, float]:
         flops_per_row = 2 * self.parameters_per_expert()

@@ -130,21 +130,14 @@ def plan_costs(
     return selected, dense
 
 
-def selected_plan_is_cheaper(
-    batch: int,
-    k: int,
-    num_experts: int,
-    slots_per_expert: int,
-    flops_per_row: float,
-    device: torch.device,
-    kept: tuple[int, int] | None = None,
-) -> bool:
-    """Whether the "selected" plan is expected to beat the "dense" one: its cost (:func:`plan_costs`, same
-    arguments) at most MARGIN times the dense one's; on eager CUDA never (the plans are timed there instead)."""
+def selected_plan_is_cheaper(costs: tuple[float, float], device: torch.device) -> bool:
+    """Whether the "selected" plan is expected to beat the "dense" one on ``device``, given their ``costs`` from
+    :func:`plan_costs`: the selected one's at most MARGIN times the dense one's; on eager CUDA never (the plans are
+    timed there instead)."""
     kind = "cpu" if device.type == "cpu" else "cuda"
     if kind == "cuda" and not torch.compiler.is_compiling():
         return False  # eager CUDA: the dense plan unless the plans were timed (plans_are_timed)
-    selected, dense = plan_costs(batch, k, num_experts, slots_per_expert, flops_per_row, device, kept)
+    selected, dense = costs
     return selected <= MARGIN[kind] * dense
 
 
