@@ -238,9 +238,10 @@ def test_only_close_calls_are_worth_timing_on_the_cpu():
     """On CUDA every shape (no cost model in eager mode); on the CPU those whose selected cost lies within a factor
     TIMING_BAND of MARGIN times the dense one."""
     band, margin = plans.TIMING_BAND, plans.MARGIN["cpu"]
-    assert plans.worth_timing(torch.device("cuda"), (1e-9, 1.0)) and plans.worth_timing(torch.device("cuda"), (9.0, 1.0))
-    for ratio, worth in ((1.0, True), (band * 0.99, True), (1.01 / band, True), (band * 1.01, False), (0.99 / band, False),
-                         (0.2, False), (3.0, False)):
+    cuda = torch.device("cuda")
+    assert plans.worth_timing(cuda, (1e-9, 1.0)) and plans.worth_timing(cuda, (9.0, 1.0))
+    for ratio, worth in ((1.0, True), (band * 0.99, True), (1.01 / band, True), (band * 1.01, False),
+                         (0.99 / band, False), (0.2, False), (3.0, False)):
         assert plans.worth_timing(CPU, (ratio * margin * 10.0, 10.0)) is worth, ratio
 
 
@@ -301,7 +302,8 @@ def test_a_timed_shape_does_not_overrule_the_cost_model_for_a_clear_call(monkeyp
     assert layer._plan_key(x, most) == layer._plan_key(x, few)
     runs = []
     original = layer.experts.forward_selected
-    monkeypatch.setattr(layer.experts, "forward_selected", lambda rows, expert: runs.append(1) or original(rows, expert))
+    monkeypatch.setattr(layer.experts, "forward_selected",
+                        lambda rows, expert: runs.append(1) or original(rows, expert))
     with torch.no_grad():
         layer.forward_selected(x, most)
         assert len(timings) == 1 and runs == [] and not layer.selected_plan_is_cheaper(x, most)

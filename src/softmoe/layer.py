@@ -535,9 +535,10 @@ class SoftMoE(nn.Module):
     def selected_plan_is_cheaper(self, x: torch.Tensor, selected: torch.Tensor) -> bool:
         """Whether plan "auto" runs only the ``selected`` (batch, k) experts (plan "selected") rather than them all
         (plan "dense") for x (batch, tokens, dim): in eval mode on eager CUDA (and on an eager CPU for a close call)
-        the plan timed faster for this shape once it has been timed (:func:`softmoe.selection_plan.timed_plan`; before its first call, the
-        cost model's answer, which the timing may overturn), else :func:`softmoe.selection_plan.selected_plan_is_cheaper` with this
-        layer's shape, and the pairs and experts in use counted where host reads are free."""
+        the plan timed faster for this shape once it has been timed (:func:`softmoe.selection_plan.timed_plan`;
+        before its first call, the cost model's answer, which the timing may overturn), else
+        :func:`softmoe.selection_plan.selected_plan_is_cheaper` on this layer's
+        :func:`~softmoe.selection_plan.plan_costs`, the pairs and experts in use counted where host reads are free."""
         kept = mask_and_counts(selected, self.num_experts)[1]
         choice = timed_choice(self._plan_key(x, selected)) if self._timing_decides(x, selected, kept) else None
         if choice is not None:

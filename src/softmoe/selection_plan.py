@@ -52,10 +52,11 @@ another (the AMD EPYC Zen 5: batch 16, k = 1 with AVX-512, the selected plan 1.0
 dense one it chose 0.96x; batch 100, k = 6 with AVX2, the selected plan it chose 0.93x, the dense one 0.99x), and
 timing them costs 12 runs of the plans once per shape, threads and instruction set of the kernels. Timing runs the
 experts again, so a layer times only in eval mode (in training a forward would draw the experts' dropout anew);
-the plans agree to rounding, so where they are timed the output may differ in its last bits from run to run. On an H200 (docs/performance.md) the timing
-took the selected plan for one layer of Table 3's stack in float32 at batch 100, k <= 5 (1.03-1.12x as fast as all
-experts; the dense plan 0.97-0.98x), and the dense plan everywhere else (the selected plan 0.36-0.84x at batch 1-16,
-0.41-0.50x in bfloat16).
+the plans agree to rounding, so where they are timed the output may differ in its last bits from run to run.
+
+On an H200 (docs/performance.md) the timing took the selected plan for one layer of Table 3's stack in float32 at
+batch 100, k <= 5 (1.03-1.12x as fast as all experts; the dense plan 0.97-0.98x), and the dense plan everywhere
+else (the selected plan 0.36-0.84x at batch 1-16, 0.41-0.50x in bfloat16).
 """
 
 from __future__ import annotations
