@@ -84,7 +84,7 @@ HOST_MASK_MAX_PLACES = 256
 
 # Timed rounds of each plan after one untimed round, where "auto" times them (eager CUDA; eager CPU for close calls);
 # the fastest round counts (with 3, AVX2 on the AMD EPYC Zen 5 took the dense plan for batch 16, k = 6 of Table 3's
-# layer, 0.97x as fast as all experts where the selected one ran 1.04x, in one sweep of four).
+# layer, 0.97x as fast as all experts where the selected one ran 1.04x, in one of five sweeps).
 TIMED_ROUNDS = 5
 # On CPU the plans are timed where the selected plan's cost lies within this factor of MARGIN times the dense one's.
 TIMING_BAND = 1.4
