@@ -44,7 +44,6 @@ from softmoe.kernels.modes import host_reads_are_free, transforms_active
 from softmoe.kernels.routing_softmaxes import fused_routing_applies, run_routing_softmaxes
 from softmoe.selection_plan import (
     check_plan,
-    kept_counts,
     mask_and_counts,
     plan_costs,
     plans_are_timed,
@@ -593,7 +592,7 @@ class SoftMoE(nn.Module):
             return self._selected_plan(x, dispatch, combine, selected, renormalize)
         keep, kept = (None, None) if combine_is_kept else mask_and_counts(selected, self.num_experts)
         if plan == "auto" and combine_is_kept and host_reads_are_free(selected):
-            kept = kept_counts(selected, self.num_experts)  # for the cost model, as mask_and_counts gives them
+            kept = mask_and_counts(selected, self.num_experts)[1]  # the cost model's counts
         if plan == "auto" and self._timing_decides(x, selected, kept):
             runs = {"dense": lambda: self._dense_plan(x, dispatch, combine, keep, renormalize),
                     "selected": lambda: self._selected_plan(x, dispatch, combine, selected, renormalize)}

@@ -170,16 +170,6 @@ def kept_slots(selected: torch.Tensor, num_experts: int, slots_per_expert: int) 
     return slot_mask(mask_from_subsets(selected, num_experts), slots_per_expert)
 
 
-def kept_counts(selected: torch.Tensor, num_experts: int) -> tuple[int, int]:
-    """selected (batch, k) int64, -1 for an unused place, no repeats in a row -> (pairs kept, experts in use), read
-    on the host (from the mask's column sums above HOST_MASK_MAX_PLACES places, as :func:`mask_and_counts`)."""
-    if selected.numel() > HOST_MASK_MAX_PLACES:
-        per_expert = mask_from_subsets(selected, num_experts).sum(0).tolist()
-        return sum(per_expert), sum(1 for count in per_expert if count)
-    places = [j for j in selected.flatten().tolist() if j >= 0]
-    return len(places), len(set(places))
-
-
 def mask_and_counts(selected: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tuple[int, int] | None]:
     """selected (batch, k) int64, -1 for an unused place -> (the bool mask (batch, n) of :func:`mask_from_subsets`,
     (pairs kept, experts in use)), the counts None where host reads are not free (CPU, eager)."""
