@@ -219,6 +219,86 @@ def test_the_kernel_equals_torchs_ops(shape, p, k):
 
 
 @needs_kernel
+def test_a_compiled_kernel_called_again_equals_torchs_ops():
+    """The second launch of a shape calls the kernel compiled at the first (with Triton 3.6 on CUDA) on new logits;
+    logits one float off a 16-byte boundary take a kernel compiled without that alignment."""
+    from softmoe.kernels.routing_softmaxes_triton import launch
+
+    storage = torch.randn(2 * 3 * 40 * 24 + 1, device=KERNEL_DEVICE) * 3
+    for logits in (torch.randn(3, 40, 24, device=KERNEL_DEVICE) * 3, storage[:3 * 40 * 24].view(3, 40, 24),
+                   storage[1:1 + 3 * 40 * 24].view(3, 40, 24), storage[1 + 3 * 40 * 24:].view(3, 40, 24)):
+        for p, k in ((2, 5), (2, 0), (1, 3)):
+            got = (torch.empty_like(logits), torch.empty_like(logits),
+                   torch.empty(3, k, dtype=torch.int64, device=KERNEL_DEVICE))
+            launch(logits, *got, p, k, choose=k > 0)
+            want = fused.reference_routing_softmaxes(logits, p, k)
+            torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-7)
+            torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-7)
+            assert torch.equal(got[2], want[2])
+
+
+class _FakeCompiled:
+    """Stands for a kernel Triton compiled: records the grid and arguments of each call."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *args: self.calls.append(("compiled", grid, args))
+
+
+class _FakeJit:
+    """Stands for the JIT kernel: each launch records its arguments and returns a new compiled kernel."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.calls.append(("jit", grid, args, meta))
+            return _FakeCompiled(self.calls)
+        return run
+
+
+def test_a_compiled_kernel_is_called_directly_per_shape_and_alignment(monkeypatch):
+    """The launch logic without a GPU: the first launch of a key goes through the JIT kernel, later ones call what
+    it compiled with every argument (the constexprs in the kernel's order); another shape, k, choice or
+    alignment of a pointer is another key; with DIRECT_LAUNCH off (before Triton 3.6) every launch is the JIT's."""
+    triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
+    jit = _FakeJit()
+    monkeypatch.setattr(triton_module, "routing_softmaxes_kernel", jit)
+    monkeypatch.setattr(triton_module, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(triton_module, "_COMPILED", {})
+    storage = torch.zeros(2 * 20 * 12 + 4)
+    logits = storage[:2 * 20 * 12].view(2, 20, 12)
+
+    def launch(logits, p=2, k=3, choose=True):
+        outputs = torch.empty_like(logits), torch.empty_like(logits), torch.empty(2, k, dtype=torch.int64)
+        triton_module.launch(logits, *outputs, p, k, choose)
+        return outputs
+
+    out = launch(logits)
+    assert [c[0] for c in jit.calls] == ["jit"]
+    assert jit.calls[0][3] == dict(BLOCK_T=32, BLOCK_S=16, BLOCK_E=16, CHOOSE=True, num_warps=4)
+    out = launch(logits)
+    kind, grid, args = jit.calls[1]
+    assert kind == "compiled" and grid == (2, 1, 1)
+    assert args[:4] == (logits, *out) and args[4:] == (20, 12, 2, 6, 3, 32, 16, 16, True)
+    launch(logits, k=4)
+    launch(logits, p=1)
+    launch(logits, k=0, choose=False)
+    launch(storage[1:1 + 2 * 20 * 12].view(2, 20, 12))  # 4 bytes off: another specialization
+    launch(storage[4:].view(2, 20, 12))  # 16 bytes off: aligned like the first
+    assert [c[0] for c in jit.calls[2:]] == ["jit", "jit", "jit", "jit", "compiled"]
+    assert jit.calls[4][2][3] is jit.calls[4][2][1]  # without a choice the kernel gets dispatch for selected
+    monkeypatch.setattr(triton_module, "DIRECT_LAUNCH", False)
+    monkeypatch.setattr(triton_module, "_COMPILED", {})
+    launch(logits)
+    launch(logits)
+    assert [c[0] for c in jit.calls[7:]] == ["jit", "jit"]
+
+
+@needs_kernel
 def test_the_kernel_breaks_ties_and_ranks_nan_like_torch():
     logits = torch.zeros(3, 5, 8, device=KERNEL_DEVICE)
     logits[1, :, 6] = 2.0  # input 1: expert 6 first, then a tie of the rest

@@ -562,19 +562,22 @@ class SoftMoE(nn.Module):
         :func:`softmoe.selection_plan.plans_are_timed`, for a call :func:`softmoe.selection_plan.worth_timing` (on
         the CPU a close one, judged with this call's kept counts: a shape timed once does not overrule the cost
         model for a batch that keeps far fewer or more experts)."""
-        return (not self.training and plans_are_timed(x.device)
-                and worth_timing(x.device, self._plan_costs(x, selected, kept)))
+        if self.training or not plans_are_timed(x.device):
+            return False
+        return x.device.type != "cpu" or worth_timing(self._plan_costs(x, selected, kept))
 
     def _plan_key(self, x: torch.Tensor, selected: torch.Tensor) -> tuple:
         """What the plans' times depend on, for :func:`softmoe.selection_plan.timed_plan`: the device, dtype and
         shapes, autocast, the backend, the experts' kind and weights' shapes (not which experts are kept); on the
         CPU also torch's threads and the native kernels' instruction set."""
-        weights = tuple(tuple(t.shape) for t in self.experts.parameters())
+        experts = self.experts
+        # Each module's own parameters: cheaper per call than parameters(), which also drops duplicates.
+        weights = tuple(t.shape for module in experts.modules() for t in module._parameters.values() if t is not None)
         device = x.device.type
         autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         host = (torch.get_num_threads(), cpu_isa()) if device == "cpu" else ()
         return (x.device, x.dtype, tuple(x.shape), selected.shape[1], self.num_experts, self.slots_per_expert,
-                autocast, self.backend, type(self.experts), weights, *host)
+                autocast, self.backend, type(experts), weights, *host)
 
     def _selected_forward(
         self,

@@ -55,8 +55,8 @@ experts again, so a layer times only in eval mode (in training a forward would d
 the plans agree to rounding, so where they are timed the output may differ in its last bits from run to run.
 
 On an H200 (docs/performance.md) the timing took the selected plan for one layer of Table 3's stack in float32 at
-batch 100, k <= 5 (1.03-1.12x as fast as all experts; the dense plan 0.97-0.98x), and the dense plan everywhere
-else (the selected plan 0.36-0.84x at batch 1-16, 0.41-0.50x in bfloat16).
+batch 100, k <= 5 (1.17-1.46x as fast as all experts; the dense plan 0.99x), and the dense plan everywhere else
+(the selected plan 0.41-0.84x at batch 1-16, 0.43-0.53x in bfloat16).
 """
 
 from __future__ import annotations
@@ -142,12 +142,10 @@ def selected_plan_is_cheaper(costs: tuple[float, float], device: torch.device) -
     return selected <= MARGIN[kind] * dense
 
 
-def worth_timing(device: torch.device, costs: tuple[float, float]) -> bool:
-    """Whether a shape whose plans are not timed yet should be, where :func:`plans_are_timed`: on CUDA always (eager
-    CUDA has no cost model), on CPU where the call is close, the (selected, dense) ``costs`` of :func:`plan_costs`
-    within a factor TIMING_BAND of the margin (module doc)."""
-    if device.type != "cpu":
-        return True
+def worth_timing(costs: tuple[float, float]) -> bool:
+    """Whether an eager CPU shape whose plans are not timed yet should be (eager CUDA, which has no cost model,
+    times every shape): the call is close, its (selected, dense) ``costs`` of :func:`plan_costs` within a factor
+    TIMING_BAND of the margin (module doc)."""
     selected, dense = costs
     return dense / TIMING_BAND <= selected / MARGIN["cpu"] <= dense * TIMING_BAND
 

@@ -115,18 +115,22 @@ def run_routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -> tupl
     check_routing_softmaxes(logits, slots_per_expert, k)
     batch, tokens, slots = logits.shape
     if kernel_applies(logits.shape, logits.dtype, logits.device, slots_per_expert, k):
-        from softmoe.kernels.routing_softmaxes_triton import launch
-
         logits = logits.contiguous()
         dispatch, combine = torch.empty_like(logits), torch.empty_like(logits)
         selected = logits.new_empty(batch, k, dtype=torch.int64)
         try:
             with torch.cuda.device(logits.device):  # Triton launches on the current device and its stream
-                launch(logits, dispatch, combine, selected, slots_per_expert, k, choose=k > 0)
+                _triton_module().launch(logits, dispatch, combine, selected, slots_per_expert, k, choose=k > 0)
             return dispatch, combine, selected
         except Exception as error:  # e.g. no C compiler for Triton's launcher: torch's ops from now on
             _record_launch_failure(error)
     return reference_routing_softmaxes(logits, slots_per_expert, k)
+
+
+@functools.cache
+def _triton_module():
+    """:mod:`softmoe.kernels.routing_softmaxes_triton`, imported at the kernel's first use (it imports Triton)."""
+    return importlib.import_module("softmoe.kernels.routing_softmaxes_triton")
 
 
 def _record_launch_failure(error: Exception) -> None:

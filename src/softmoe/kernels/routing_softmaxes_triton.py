@@ -5,10 +5,13 @@ module defines no kernel (and the op never asks for one: ``triton_available``). 
 holds that input's (tokens x slots) logits and writes both softmaxes; with ``CHOOSE`` it also sums the combine
 weights over tokens and each expert's slots, ranks the experts (NaN first, then the largest, ties to the lower
 index: :func:`softmoe.topk.top_k`'s rule), zeroes the combine weights of the slots outside the k first and writes
-their indices in ascending order.
+their indices in ascending order. :func:`launch` compiles it through Triton's JIT at the first launch of a shape and
+calls the compiled kernel directly after that.
 """
 
 from __future__ import annotations
+
+import re
 
 from softmoe.kernels.routing_softmaxes import block_size
 
@@ -59,14 +62,32 @@ if triton is not None:
     routing_softmaxes_kernel = triton.jit(routing_softmaxes_kernel)
 
 
+# Whether a compiled kernel is called directly (below): from Triton 3.6, the version tested, its call takes every
+# argument, the constexprs too (older launchers took fewer).
+DIRECT_LAUNCH = triton is not None and tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2]) >= (3, 6)
+# The kernel compiled for each device, shape and alignment of the pointers (what Triton specializes it on), once
+# launched: later launches call it directly, without the argument binding and cache lookup of Triton's JIT dispatch.
+# Between a layer's other launches on an H200 machine, the JIT's launch cost 18-20 us of host time, the compiled
+# kernel's 11-13 us, torch's two softmaxes 14 us (docs/performance.md).
+_COMPILED: dict[tuple, object] = {}
+
+
 def launch(logits, dispatch, combine, selected, slots_per_expert: int, k: int, choose: bool) -> None:
     """Run the kernel over ``logits`` (batch, tokens, slots) float32 contiguous into the outputs (same shapes;
-    selected (batch, k) int64, not written unless ``choose``), one program per input."""
+    selected (batch, k) int64, not written unless ``choose``), one program per input, on the current device."""
     batch, tokens, slots = logits.shape
     num_experts = slots // slots_per_expert
     block_t, block_s, block_e = block_size(tokens), block_size(slots), block_size(num_experts)
+    args = (logits, dispatch, combine, selected if choose else dispatch, tokens, slots, slots_per_expert,
+            num_experts, k)
+    key = (logits.device.index, *args[4:], choose, *(t.data_ptr() % 16 == 0 for t in args[:4]))
+    compiled = _COMPILED.get(key)
+    if compiled is not None:
+        compiled[(batch, 1, 1)](*args, block_t, block_s, block_e, choose)
+        return
     warps = 8 if block_t * block_s >= 8192 else 4
-    routing_softmaxes_kernel[(batch,)](
-        logits, dispatch, combine, selected if choose else dispatch, tokens, slots, slots_per_expert, num_experts, k,
-        BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_E=block_e, CHOOSE=choose, num_warps=warps,
+    compiled = routing_softmaxes_kernel[(batch,)](
+        *args, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_E=block_e, CHOOSE=choose, num_warps=warps,
     )
+    if compiled is not None and DIRECT_LAUNCH:  # None from Triton's interpreter, which compiles nothing
+        _COMPILED[key] = compiled
