@@ -12,9 +12,10 @@ Table 2: the layer's time with the router's logits computed by the general path 
 token norms as separate ops, ``softmoe.layer._NormalizedTokenLogits``) against CUDA's path (two fused RMS norms,
 ``softmoe.layer.rms_norm_logits``), in the same process: 5 interleaved rounds of 50 calls each, median per call.
 
-Table 3: inference, same process, same rounds: the plain forward against Algorithm 1 at k = n/4 (plan "auto") with
-its choice in torch's ops and in the routing kernel (``softmoe::routing_softmaxes``, one Triton kernel): kernels per
-call, time, and Algorithm 1's speed against the plain forward.
+Table 3: inference (eval mode), same process, same rounds: the plain forward against Algorithm 1 at k = n/4 (plan
+"auto", which times its plans in eval mode) with its choice in torch's ops and in the routing kernel
+(``softmoe::routing_softmaxes``, one Triton kernel): kernels per call, time, and Algorithm 1's speed against the
+plain forward.
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ def routing_kernel_table(dtypes: dict[str, torch.dtype]) -> None:
             for name, dtype in dtypes.items():
                 torch.manual_seed(0)
                 with torch.device("cuda"):
-                    layer = softmoe.SoftMoE(dim, experts, 1, expert_hidden=hidden, activation=activation).to(dtype)
+                    layer = softmoe.SoftMoE(dim, experts, 1, expert_hidden=hidden,
+                                            activation=activation).to(dtype).eval()
                 x = torch.randn(batch, tokens, dim, device="cuda", dtype=dtype)
                 k = max(1, experts // 4)
 
