@@ -8,8 +8,9 @@
 # eager, bench_latency.py), sweep-bf16 and sweep-fp32 (Algorithm 1 at every k < n against every expert, eager),
 # layer-bf16 and layer-fp32 (bench_gpu.py's layer table), selection-bf16 (bench_gpu.py's selection table at ViT-S
 # batch 128, eager and compiled: about 3 minutes); on request also launches (bench_gpu_launches.py: kernels per
-# eager call, the logits' and the routing kernel's A/B), layer-compiled (the bf16 layer table at three shapes with the layer
-# and the dense MLP compiled with CUDA graphs) and t3-compiled (Table 3 at batch 1 in bf16 with CUDA graphs).
+# eager call, the logits' and the routing kernel's A/B), layer-compiled (the bf16 layer table at three shapes with
+# the layer and the dense MLP compiled with CUDA graphs) and t3-compiled (Table 3 at batch 1 in bf16 with CUDA
+# graphs).
 # The published peers are timed where they import (``make peers``, or a folder of them on PYTHONPATH).
 # softmoe's native CPU kernels are not built (SOFTMOE_NATIVE=0): nothing here runs them.
 set -u
