@@ -4,6 +4,7 @@ slot, and where the layer takes it."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -113,6 +114,73 @@ def test_the_threads_scratch_serves_larger_and_smaller_calls_in_turn(isa, thread
         assert_matches_float64(shape, bias=True)
 
 
+def kept_combine_inputs(shape, seed):
+    """Inputs without gradients whose combine weights are zero outside a random subset of experts per input, as
+    Algorithm 1's dense plan leaves them (some inputs keep none)."""
+    x, dispatch, combine, w1, b1, w2, b2 = (t.detach() for t in random_inputs(*shape, bias=True, seed=seed))
+    batch, experts, p = shape[0], shape[3], shape[4]
+    keep = torch.rand(batch, experts, generator=torch.Generator().manual_seed(seed)) < 0.4
+    combine = torch.where(keep.repeat_interleave(p, dim=1)[:, None, :], combine, 0.0)
+    return x, dispatch, combine, w1, b1, w2, b2
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kept_combine", [False, True], ids=["as they come", "grouped"])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_inference_skips_idle_slots_and_matches_float64(isa, shape, kept_combine, threads):
+    """Without gradients the op's code runs directly, skipping the slots whose combine weights are zero for a whole
+    group of inputs (with kept_combine, the inputs first grouped by the slots they keep): the output is exact."""
+    inputs = kept_combine_inputs(shape, seed=sum(shape))
+    with torch.no_grad():
+        out = soft_moe_mixing(*inputs, kept_combine=kept_combine)
+    assert relative_error(out, mixing_reference(*(t.double() for t in inputs))) < 1e-5
+
+
+def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):
+    """An expert with a NaN bias, kept by every third input: run for a group, it makes every output of the group NaN
+    (its outputs enter the combine at weight 0). Grouped by kept experts (48 inputs: two full groups of those that do
+    not keep it at every lane count) the others' outputs stay finite and exact; as they come (each group holds an
+    input that keeps it) they do not; with gradients (the op: every slot runs, its records are kept) none do."""
+    x, dispatch, combine, w1, b1, w2, b2 = (t.detach() for t in random_inputs(48, 4, 8, 4, 1, 3, bias=True))
+    b2[3] = math.nan
+    users = torch.arange(48) % 3 == 2
+    combine[:, :, 3] = torch.where(users[:, None], combine[:, :, 3], 0.0)
+    inputs = (x, dispatch, combine, w1, b1, w2, b2)
+    with torch.no_grad():
+        grouped = soft_moe_mixing(*inputs, kept_combine=True)
+        as_they_come = soft_moe_mixing(*inputs)
+    others = ~users
+    assert grouped[users].isnan().all() and grouped[others].isfinite().all()
+    rows = (t[others].double() for t in (x, dispatch, combine))
+    want = mixing_reference(*rows, w1.double(), b1.double(), w2.double(), b2.nan_to_num().double())
+    assert relative_error(grouped[others], want) < 1e-5
+    assert as_they_come[others].isnan().all()
+    assert soft_moe_mixing(x.requires_grad_(), *inputs[1:], kept_combine=True).isnan().all()
+
+
+def test_the_profiler_and_dispatch_modes_see_the_ops_in_inference(library):
+    """The direct call skips the dispatcher only where nothing watches it: under the profiler or a
+    TorchDispatchMode (FlopCounterMode here) the layer's inference calls go through torch.ops as in training."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    layer = SoftMoE(24, 8, expert_hidden=5, activation="relu").eval()
+    x = torch.randn(3, 4, 24)
+    with torch.no_grad():
+        assert {"softmoe::soft_moe_routing", "softmoe::soft_moe_mixing"} <= kernels_called(lambda: layer(x))
+        with Recorder() as recorder:
+            layer(x)
+    assert {"softmoe.soft_moe_routing", "softmoe.soft_moe_mixing"} <= recorder.ops
+
+
 def test_empty_batch(isa):
     x, dispatch, combine, w1, b1, w2, b2 = random_inputs(0, 4, 8, 3, 1, 2, bias=True)
     out = soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2)
@@ -133,9 +201,9 @@ def test_too_many_tokens_is_refused(library):
 def count_mixing_calls(monkeypatch) -> list[tuple[int, ...]]:
     calls = []
 
-    def counted(x, *rest):
+    def counted(x, *rest, **options):
         calls.append(tuple(x.shape))
-        return soft_moe_mixing(x, *rest)
+        return soft_moe_mixing(x, *rest, **options)
 
     monkeypatch.setattr(experts_module, "soft_moe_mixing", counted)
     return calls

@@ -419,10 +419,10 @@ def test_a_bad_plan_is_a_value_error():
 
 
 @pytest.mark.parametrize("host", [True, False], ids=["host", "torch"])
-def test_mask_and_counts_on_the_host_and_in_torch_agree(monkeypatch, host):
-    """Small selections become masks on the host, larger ones through mask_from_subsets; both give the mask, the
-    pairs kept and the experts in use (unused places -1 counted nowhere)."""
-    monkeypatch.setattr(plans, "HOST_MASK_MAX_PLACES", 10**9 if host else 0)
+def test_mask_and_counts_in_python_and_in_torch_agree(monkeypatch, host):
+    """Small selections are counted in Python, larger ones with torch's bincount; both give the pairs kept and the
+    experts in use (unused places -1 counted nowhere), beside the mask."""
+    monkeypatch.setattr(plans, "HOST_COUNT_MAX_PLACES", 10**9 if host else 0)
     selected = torch.tensor([[0, 3, -1], [3, 5, 6], [-1, -1, 1], [6, 0, 3]])
     keep, kept = plans.mask_and_counts(selected, 8)
     want = torch.zeros(4, 8, dtype=torch.bool)
@@ -432,5 +432,6 @@ def test_mask_and_counts_on_the_host_and_in_torch_agree(monkeypatch, host):
                 want[b, j] = True
     assert torch.equal(keep, want)
     assert kept == (9, 5)  # experts 0, 1, 3, 5, 6
+    assert plans.kept_counts(selected.t().contiguous().t(), 8) == (9, 5)  # a strided view
     empty, counts = plans.mask_and_counts(torch.zeros(0, 2, dtype=torch.int64), 8)
     assert empty.shape == (0, 8) and counts == (0, 0)

@@ -51,6 +51,20 @@ def test_ties_go_to_the_lower_expert_and_nan_comes_first():
     assert pairs.tolist() == [[0], [2], [2]]
 
 
+@pytest.mark.parametrize("p", [1, 2])
+def test_many_ties_signed_zeros_infinities_and_nans_rank_as_the_selector_ranks(p):
+    """The kernel ranks by a key per expert and a selection of its k-th largest (no sort): sums drawn from a few
+    values (+0 and -0 equal, infinities, NaNs from inf - inf and NaN entries) tie in many ways, at every k."""
+    gen = torch.Generator().manual_seed(p)
+    values = torch.tensor([0.0, -0.0, 0.25, 0.25, 1.0, math.inf, -math.inf, math.nan])
+    combine = values[torch.randint(len(values), (16, 2, 24), generator=gen)]
+    for k in range(1, 24 // p + 1):
+        kept, selected = top_k_combine(combine, p, k)
+        want_kept, want_selected = torch_top_k_combine(combine, p, k)
+        assert torch.equal(selected, want_selected), k
+        assert torch.equal(kept.isnan(), want_kept.isnan()) and torch.equal(kept.nan_to_num(), want_kept.nan_to_num())
+
+
 def test_a_strided_combine_is_read_as_its_values():
     torch.manual_seed(1)
     combine = torch.randn(8, 5, 4).softmax(dim=-1).transpose(0, 1)  # (5, 8, 4), not contiguous
@@ -104,6 +118,23 @@ def test_the_layer_runs_algorithm1_through_the_op_on_the_cpu(monkeypatch, p, pla
             got = layer(x)
     assert len(calls) == 1 and calls[0][1:] == (p, 2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch", [1, 37])
+@pytest.mark.parametrize("k", [1, 3])
+def test_algorithm1_on_the_fused_small_experts_equals_the_masked_forward(batch, k):
+    """The paper's kind of layer (4 tokens, small relu experts: the fused native mixing): in inference the dense
+    plan runs the mixing with the inputs grouped by their kept experts and idle slots skipped, exactly."""
+    torch.manual_seed(batch + k)
+    layer = SoftMoE(20, 8, expert_hidden=6, activation="relu").eval()
+    x = torch.randn(batch, 4, 20)
+    assert layer.backend_for(x).name == "native"
+    with torch.no_grad():
+        selected = top_k_by_combine(layer.route(x).combine.double(), k)
+        want = masked_reference_forward(layer, x, selected)
+        for plan in ("auto", "dense"):
+            with select_experts(layer, k=k, plan=plan):
+                torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
 
 
 def test_gradients_flow_through_the_layers_choice(monkeypatch):

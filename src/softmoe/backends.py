@@ -69,5 +69,7 @@ class ReferenceOnly:
             raise unsupported(backend, f"{self.reference_reason}, the 'reference' backend only")
         return BackendChoice("reference", self.reference_reason)
 
-    def mix(self, backend: str, x, dispatch, combine, slots_per_expert: int) -> torch.Tensor:
+    def mix(
+        self, backend: str, x, dispatch, combine, slots_per_expert: int, kept_combine: bool = False
+    ) -> torch.Tensor:
         raise unsupported(backend, f"{self.reference_reason}, the 'reference' backend only")

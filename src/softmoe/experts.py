@@ -95,10 +95,12 @@ class Experts(Protocol):
         ...
 
     def mix(
-        self, backend: str, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, slots_per_expert: int
+        self, backend: str, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, slots_per_expert: int,
+        kept_combine: bool = False,
     ) -> torch.Tensor:
         """C f(D^T X) with a backend other than "reference": x (batch, tokens, dim), dispatch and combine
-        (batch, tokens, n * p) -> (batch, tokens, out_dim)."""
+        (batch, tokens, n * p) -> (batch, tokens, out_dim). ``kept_combine``: combine is zero outside the slots of
+        the experts each input keeps (Algorithm 1's dense plan), which a backend may use to skip work."""
         ...
 
 
@@ -251,10 +253,13 @@ class MLPExperts(nn.Module):
         return BackendChoice("slots", "CPU cost model: the slot formulation")
 
     def mix(
-        self, backend: str, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, slots_per_expert: int
+        self, backend: str, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, slots_per_expert: int,
+        kept_combine: bool = False,
     ) -> torch.Tensor:
         """C f(D^T X) with the "slots", "tokens" or "native" backend: x (batch, tokens, dim), dispatch and combine
-        (batch, tokens, n * p) float32 or wider -> (batch, tokens, out_dim)."""
+        (batch, tokens, n * p) float32 or wider -> (batch, tokens, out_dim). With ``kept_combine`` (combine zero
+        outside each input's kept experts) the fused native mixing groups the inputs by their kept experts in
+        inference (:func:`~softmoe.kernels.soft_moe_mixing`)."""
         dispatch, combine = dispatch.to(x.dtype), combine.to(x.dtype)
         if backend == "tokens":
             shape = (*x.shape[:2], self.num_experts, slots_per_expert)
@@ -263,7 +268,7 @@ class MLPExperts(nn.Module):
         if backend == "slots":
             return _SlotMixing.apply(x, dispatch, combine, *weights, slots_per_expert, self.activation)
         if self._fused_native_applies(x):
-            return soft_moe_mixing(x, dispatch, combine, *weights)
+            return soft_moe_mixing(x, dispatch, combine, *weights, kept_combine=kept_combine)
         rows = _expert_rows(torch.bmm(dispatch.transpose(1, 2), x), self.num_experts, slots_per_expert)
         if needs_grad(rows, self.weight1, self.bias1):
             h = self.act(expert_matmul(rows, self.weight1, self.bias1))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
@@ -44,6 +45,8 @@ from softmoe.kernels.modes import host_reads_are_free, transforms_active
 from softmoe.kernels.routing_softmaxes import fused_routing_applies, run_routing_softmaxes
 from softmoe.selection_plan import (
     check_plan,
+    counts_decide,
+    kept_counts,
     mask_and_counts,
     plan_costs,
     plans_are_timed,
@@ -492,12 +495,15 @@ class SoftMoE(nn.Module):
         selected = self.selector.select(combine.view(*x.shape[:2], self.num_experts, self.slots_per_expert))
         return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize, self.selector.plan)
 
-    def _mix(self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
-        """C f(D^T X) with every expert, on the backend :meth:`backend_for` names."""
+    def _mix(
+        self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, kept_combine: bool = False
+    ) -> torch.Tensor:
+        """C f(D^T X) with every expert, on the backend :meth:`backend_for` names; ``kept_combine``: combine is
+        zero outside each input's kept experts (the dense plan), which the backend may use to skip work."""
         backend = self.backend_for(x).name
         if backend == "reference":
             return combine_slots(combine, self.run_experts(dispatch_slots(x, dispatch)))
-        return self.experts.mix(backend, x, dispatch, combine, self.slots_per_expert)
+        return self.experts.mix(backend, x, dispatch, combine, self.slots_per_expert, kept_combine)
 
     def forward_selected(
         self,
@@ -538,46 +544,67 @@ class SoftMoE(nn.Module):
         before its first call, the cost model's answer, which the timing may overturn), else
         :func:`softmoe.selection_plan.selected_plan_is_cheaper` on this layer's
         :func:`~softmoe.selection_plan.plan_costs`, the pairs and experts in use counted where host reads are free."""
-        kept = mask_and_counts(selected, self.num_experts)[1]
-        choice = timed_choice(self._plan_key(x, selected)) if self._timing_decides(x, selected, kept) else None
-        if choice is not None:
-            return choice == "selected"
-        return self._selected_is_cheaper(x, selected, kept)
+        flops = 2 * self.parameters_per_expert()  # per row through an expert: the cost model's unit
+        return self._auto_plan(x, selected, kept_counts(selected, self.num_experts), flops) == "selected"
 
     def parameters_per_expert(self) -> float:
         """The experts' parameter count over n (a multiply-add per parameter per row: the cost of one row)."""
-        return sum(t.numel() for t in self.experts.parameters()) / self.num_experts
+        return sum(t.numel() for t in self._expert_tensors()) / self.num_experts
 
-    def _selected_is_cheaper(self, x: torch.Tensor, selected: torch.Tensor, kept: tuple[int, int] | None) -> bool:
-        return selected_plan_is_cheaper(self._plan_costs(x, selected, kept), x.device)
+    def _expert_tensors(self) -> list[torch.Tensor]:
+        """The experts' parameters, each module's own in turn: cheaper per call than ``parameters()`` (1 us against
+        3 for MLPExperts), which also drops tensors shared between modules."""
+        return [t for module in self.experts.modules() for t in module._parameters.values() if t is not None]
 
-    def _plan_costs(self, x: torch.Tensor, selected: torch.Tensor, kept: tuple[int, int] | None) -> tuple[float, float]:
-        flops_per_row = 2 * self.parameters_per_expert()
+    def _plan_costs(
+        self, x: torch.Tensor, selected: torch.Tensor, kept: tuple[int, int] | None, flops_per_row: float
+    ) -> tuple[float, float]:
         return plan_costs(x.shape[0], selected.shape[1], self.num_experts, self.slots_per_expert, flops_per_row,
                           x.device, kept)
 
-    def _timing_decides(self, x: torch.Tensor, selected: torch.Tensor, kept: tuple[int, int] | None) -> bool:
-        """Whether plan "auto" runs the plan timed faster for this call (timing the shape if it is not yet): in eval
-        mode (timing runs the experts again: a training forward would draw their dropout anew), where
+    def _counts_decide(self, x: torch.Tensor, selected: torch.Tensor, flops_per_row: float) -> bool:
+        """For Algorithm 1's top k (batch * k pairs, no unused place, at least k experts in use): whether counting the
+        experts in use can change plan "auto"'s call (:func:`softmoe.selection_plan.counts_decide`; on the CPU,
+        where the cost model counts them, 1-20 us a call)."""
+        if not host_reads_are_free(selected):
+            return False
+        batch, k = selected.shape
+        fewest = self._plan_costs(x, selected, (batch * k, k), flops_per_row)
+        return counts_decide(fewest, self._plan_costs(x, selected, None, flops_per_row))
+
+    def _auto_plan(
+        self, x: torch.Tensor, selected: torch.Tensor, kept: tuple[int, int] | None, flops_per_row: float,
+        runs: Callable[[], dict[str, Callable[[], object]]] | None = None,
+    ) -> str:
+        """The plan ("selected" or "dense") that plan "auto" runs for this call, ``kept`` the call's
+        :func:`~softmoe.selection_plan.kept_counts`: the plan timed faster for its shape where timing decides, i.e.
+        in eval mode (timing runs the experts again: a training forward would draw their dropout anew), where
         :func:`softmoe.selection_plan.plans_are_timed`, for a call :func:`softmoe.selection_plan.worth_timing` (on
         the CPU a close one, judged with this call's kept counts: a shape timed once does not overrule the cost
-        model for a batch that keeps far fewer or more experts)."""
-        if self.training or not plans_are_timed(x.device):
-            return False
-        return x.device.type != "cpu" or worth_timing(self._plan_costs(x, selected, kept))
+        model for a batch that keeps far fewer or more experts), the shape timed now where ``runs`` (a function
+        giving the plans' calls by name) is given, else only an earlier timing counts. Otherwise the cost model's
+        answer."""
+        costs = None
+        if not self.training and plans_are_timed(x.device):
+            # eager CUDA times every shape without the cost model's costs (host time per call)
+            if x.device.type != "cpu" or worth_timing(costs := self._plan_costs(x, selected, kept, flops_per_row)):
+                key = self._plan_key(x, selected)
+                choice = timed_choice(key) if runs is None else timed_plan(key, runs(), x.device)
+                if choice is not None:
+                    return choice
+        costs = costs or self._plan_costs(x, selected, kept, flops_per_row)
+        return "selected" if selected_plan_is_cheaper(costs, x.device) else "dense"
 
     def _plan_key(self, x: torch.Tensor, selected: torch.Tensor) -> tuple:
         """What the plans' times depend on, for :func:`softmoe.selection_plan.timed_plan`: the device, dtype and
         shapes, autocast, the backend, the experts' kind and weights' shapes (not which experts are kept); on the
         CPU also torch's threads and the native kernels' instruction set."""
-        experts = self.experts
-        # Each module's own parameters: cheaper per call than parameters(), which also drops duplicates.
-        weights = tuple(t.shape for module in experts.modules() for t in module._parameters.values() if t is not None)
+        weights = tuple(t.shape for t in self._expert_tensors())
         device = x.device.type
         autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         host = (torch.get_num_threads(), cpu_isa()) if device == "cpu" else ()
         return (x.device, x.dtype, tuple(x.shape), selected.shape[1], self.num_experts, self.slots_per_expert,
-                autocast, self.backend, type(experts), weights, *host)
+                autocast, self.backend, type(self.experts), weights, *host)
 
     def _selected_forward(
         self,
@@ -593,15 +620,18 @@ class SoftMoE(nn.Module):
         zero on the slots of unselected experts (the dense plan then needs no mask)."""
         if plan == "selected":
             return self._selected_plan(x, dispatch, combine, selected, renormalize)
-        keep, kept = (None, None) if combine_is_kept else mask_and_counts(selected, self.num_experts)
-        if plan == "auto" and combine_is_kept and host_reads_are_free(selected):
-            kept = mask_and_counts(selected, self.num_experts)[1]  # the cost model's counts
-        if plan == "auto" and self._timing_decides(x, selected, kept):
-            runs = {"dense": lambda: self._dense_plan(x, dispatch, combine, keep, renormalize),
-                    "selected": lambda: self._selected_plan(x, dispatch, combine, selected, renormalize)}
-            plan = timed_plan(self._plan_key(x, selected), runs, x.device) or "auto"
+        flops = 2 * self.parameters_per_expert() if plan == "auto" else 0.0  # per row through an expert
+        if combine_is_kept:
+            keep, kept = None, None
+            if plan == "auto" and self._counts_decide(x, selected, flops):
+                kept = kept_counts(selected, self.num_experts)
+        else:
+            keep, kept = mask_and_counts(selected, self.num_experts)
         if plan == "auto":
-            plan = "selected" if self._selected_is_cheaper(x, selected, kept) else "dense"
+            plan = self._auto_plan(x, selected, kept, flops, lambda: {
+                "dense": lambda: self._dense_plan(x, dispatch, combine, keep, renormalize),
+                "selected": lambda: self._selected_plan(x, dispatch, combine, selected, renormalize),
+            })
         if plan == "selected":
             return self._selected_plan(x, dispatch, combine, selected, renormalize)
         return self._dense_plan(x, dispatch, combine, keep, renormalize)
@@ -615,7 +645,7 @@ class SoftMoE(nn.Module):
         p = self.slots_per_expert
         if keep is not None:
             combine = torch.where(slot_mask(keep, p), combine, 0.0)
-        return self._mix(x, dispatch, renormalized(combine) if renormalize else combine)
+        return self._mix(x, dispatch, renormalized(combine) if renormalize else combine, kept_combine=True)
 
     def _selected_plan(
         self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, selected: torch.Tensor,

@@ -5,7 +5,10 @@ Both plans give the same output (Algorithm 1's: unselected experts contribute no
     "selected"  each expert runs on the slots of the inputs that keep it, grouped by expert
                 (``MLPExperts.forward_selected``); an unselected (input, expert) pair costs nothing.
     "dense"     every expert runs on every slot, as in the plain forward, and the slots of unselected experts get
-                zero combine weight: no work saved, but the plain forward's kernels.
+                zero combine weight: the plain forward's kernels, and no work saved but in one case: in inference
+                the CPU's fused kernel for small relu experts (``softmoe.kernels.soft_moe_mixing``) groups the
+                inputs by the experts they keep and skips, for each group of vector lanes, the experts none of its
+                inputs keeps (at batch 1 all the unselected ones).
 
 Skipping work pays only when enough of it is skipped. An expert product of r rows costs about as much as
 max(r, floor) + ROW_OVERHEAD rows at full speed: below `floor` rows it is bound by reading the weight, which
@@ -77,9 +80,9 @@ ROW_FLOOR = {"cpu": 16, "cuda": 0}
 ROW_OVERHEAD = {"cpu": 2, "cuda": 256}
 MARGIN = {"cpu": 0.85, "cuda": 0.4}
 CALL_FLOPS = 1e7
-# Selections of at most this many places become masks on the host where reads are free: one read, a few lists and
-# one tensor cost less than the mask's and the count's six ops right after the expert products (docs/performance.md).
-HOST_MASK_MAX_PLACES = 256
+# Selections of at most this many places are counted in Python where host reads are free (one read and a set: 1-7 us
+# up to 256 places on an AMD EPYC Zen 5), larger ones with torch's bincount (7 us at any size).
+HOST_COUNT_MAX_PLACES = 256
 
 
 # Timed rounds of each plan after one untimed round, where "auto" times them (eager CUDA; eager CPU for close calls);
@@ -150,6 +153,16 @@ def worth_timing(costs: tuple[float, float]) -> bool:
     return dense / TIMING_BAND <= selected / MARGIN["cpu"] <= dense * TIMING_BAND
 
 
+def counts_decide(fewest: tuple[float, float], most: tuple[float, float]) -> bool:
+    """Whether the kept counts of a CPU call can change what plan "auto" does (the cost model's answer, or timing the
+    call as a close one), given the (selected, dense) costs of :func:`plan_costs` at the fewest and at the most
+    experts the selection may keep in use: not where even the fewest leave the selected plan's cost above
+    :func:`worth_timing`'s band, nor where even the most leave it below."""
+    above = not worth_timing(fewest) and not selected_plan_is_cheaper(fewest, torch.device("cpu"))
+    below = not worth_timing(most) and selected_plan_is_cheaper(most, torch.device("cpu"))
+    return not (above or below)
+
+
 def mask_from_subsets(selected: torch.Tensor, num_experts: int) -> torch.Tensor:
     """selected (batch, k) int64, -1 for an unused place -> bool mask (batch, n)."""
     keep = torch.zeros(selected.shape[0], num_experts + 1, dtype=torch.bool, device=selected.device)
@@ -168,25 +181,22 @@ def kept_slots(selected: torch.Tensor, num_experts: int, slots_per_expert: int) 
     return slot_mask(mask_from_subsets(selected, num_experts), slots_per_expert)
 
 
+def kept_counts(selected: torch.Tensor, num_experts: int) -> tuple[int, int] | None:
+    """selected (batch, k) int64, -1 for an unused place -> (pairs kept, experts in use), what the cost model
+    counts; None where host reads are not free (then :func:`plan_costs` takes their bounds)."""
+    if not host_reads_are_free(selected):
+        return None
+    if selected.numel() > HOST_COUNT_MAX_PLACES:
+        per_expert = torch.bincount(selected.flatten() + 1, minlength=num_experts + 1)[1:]
+        return int(per_expert.sum()), int(per_expert.count_nonzero())
+    places = [j for j in selected.flatten().tolist() if j >= 0]
+    return len(places), len(set(places))
+
+
 def mask_and_counts(selected: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tuple[int, int] | None]:
     """selected (batch, k) int64, -1 for an unused place -> (the bool mask (batch, n) of :func:`mask_from_subsets`,
-    (pairs kept, experts in use)), the counts None where host reads are not free (CPU, eager)."""
-    if not host_reads_are_free(selected):
-        return mask_from_subsets(selected, num_experts), None
-    if selected.numel() > HOST_MASK_MAX_PLACES:
-        keep = mask_from_subsets(selected, num_experts)
-        per_expert = keep.sum(0).tolist()
-    else:
-        rows = selected.tolist()
-        flags = [[False] * num_experts for _ in rows]
-        per_expert = [0] * num_experts
-        for row, kept in zip(rows, flags):
-            for j in row:
-                if j >= 0:
-                    kept[j] = True
-                    per_expert[j] += 1
-        keep = torch.tensor(flags, dtype=torch.bool).view(len(rows), num_experts)
-    return keep, (sum(per_expert), sum(1 for count in per_expert if count))
+    :func:`kept_counts`)."""
+    return mask_from_subsets(selected, num_experts), kept_counts(selected, num_experts)
 
 
 def plans_are_timed(device: torch.device) -> bool:

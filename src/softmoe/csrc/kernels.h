@@ -17,7 +17,8 @@
     int soft_moe_small_lanes();                                                                                       \
     int soft_moe_small_forward(const float *x, const float *dispatch, const float *combine, const float *w1,         \
                                const float *b1, const float *w2, const float *b2, float *out, float *saved, long B,   \
-                               long M, long S, long P, long Hd, long Dm, int keep, int threads);                      \
+                               long M, long S, long P, long Hd, long Dm, int keep, int skip_idle,                     \
+                               const long *order, int threads);                                                      \
     int soft_moe_small_backward(const float *grad_out, const float *x, const float *dispatch, const float *combine,  \
                                 const float *w1, const float *w2, const float *b2, const float *saved,               \
                                 float *grad_x, float *grad_dispatch, float *grad_combine,                           \

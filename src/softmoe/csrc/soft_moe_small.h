@@ -243,16 +243,21 @@ INLINE void forward_slots(vec *RESTRICT y, vec *RESTRICT y2, slot_t q, slot_t q2
 
 /* ---- layouts ------------------------------------------------------------------------------------------------ */
 
-/* Group g holds inputs LANES * g ... LANES * g + lanes - 1 (lanes < LANES only in the last group). */
+/* Group g holds places LANES * g ... LANES * g + lanes - 1 (lanes < LANES only in the last group) of the inputs in
+ * order: order[place] (an input's index; NULL: the inputs as they come, place = index). */
 typedef struct {
     long first, lanes;
+    const long *order;
 } group_t;
 
-static group_t group_of(long g, long B)
+static group_t group_of(long g, long B, const long *order)
 {
-    const group_t grp = {g * LANES, B - g * LANES < LANES ? B - g * LANES : LANES};
+    const group_t grp = {g * LANES, B - g * LANES < LANES ? B - g * LANES : LANES, order};
     return grp;
 }
+
+/* The input in lane l of a group */
+INLINE long input_of(group_t grp, long l) { return grp.order ? grp.order[grp.first + l] : grp.first + l; }
 
 typedef float uvec __attribute__((vector_size(LANES * 4), aligned(4))); /* a vector at any float address */
 
@@ -276,7 +281,7 @@ INLINE void transpose_block(vec *v)
     }
 }
 
-/* Between the routing layout and vectors of a group: v[(s - s0) * M + t][l] = routing[((grp.first + l) * M + t) *
+/* Between the routing layout and vectors of a group: v[(s - s0) * M + t][l] = routing[(input_of(grp, l) * M + t) *
  * S + s] for slots s0 <= s < s0 + count and t < M, one vector per (slot, token); `gather` copies the routing
  * weights into v (zero in lanes past the group's inputs), otherwise v's gradients go back into routing. A full
  * group's rows move LANES slots at a time, transposed in registers; the rest one float at a time. */
@@ -287,24 +292,24 @@ static void move_slots(vec *RESTRICT v, float *RESTRICT routing, group_t grp, lo
     if (grp.lanes == LANES)
         for (; done + LANES <= count; done += LANES)
             for (long t = 0; t < M; t++) {
-                float *rows = routing + (grp.first * M + t) * S + s0 + done;
+                float *rows = routing + t * S + s0 + done;
                 vec block[LANES];
 #pragma GCC unroll 16
                 for (long i = 0; i < LANES; i++)
-                    block[i] = gather ? *(uvec *)(rows + i * M * S) : v[(done + i) * M + t];
+                    block[i] = gather ? *(uvec *)(rows + input_of(grp, i) * M * S) : v[(done + i) * M + t];
                 transpose_block(block);
 #pragma GCC unroll 16
                 for (long i = 0; i < LANES; i++) {
                     if (gather)
                         v[(done + i) * M + t] = block[i];
                     else
-                        *(uvec *)(rows + i * M * S) = block[i];
+                        *(uvec *)(rows + input_of(grp, i) * M * S) = block[i];
                 }
             }
     if (gather && grp.lanes < LANES) memset(v + done * M, 0, (count - done) * M * sizeof(vec));
     for (long l = 0; l < grp.lanes; l++)
         for (long t = 0; t < M; t++) {
-            float *row = routing + ((grp.first + l) * M + t) * S + s0;
+            float *row = routing + (input_of(grp, l) * M + t) * S + s0;
             for (long s = done; s < count; s++) {
                 if (gather)
                     v[s * M + t][l] = row[s];
@@ -324,7 +329,7 @@ static void scatter_slots(float *routing, vec *v, group_t grp, long s0, long cou
     move_slots(v, routing, grp, s0, count, M, S, 0);
 }
 
-/* v[e][l] = rows[(grp.first + l) * count + e] for e < count: a group's inputs (rows of `count` floats) as vectors. */
+/* v[e][l] = rows[input_of(grp, l) * count + e] for e < count: a group's inputs (rows of `count` floats) as vectors. */
 static void gather_rows(vec *v, const float *rows, group_t grp, long count)
 {
     move_slots(v, (float *)rows, grp, 0, count, 1, count, 1);
@@ -337,14 +342,29 @@ static void scatter_rows(float *rows, vec *v, group_t grp, long count)
 
 #define SLOT_CHUNK 64 /* slots whose routing weights are gathered (and gradients scattered) together */
 
+/* Whether a slot's M combine weights cs are zero (of either sign) in every lane: its outputs reach no token. */
+INLINE int slot_idle(const vec *RESTRICT cs, long M)
+{
+    ivec bits = {0};
+    for (long t = 0; t < M; t++) bits |= (ivec)cs[t];
+    bits &= 0x7fffffff;
+    for (int l = 0; l < LANES; l++)
+        if (bits[l]) return 0;
+    return 1;
+}
+
 /* All slots of one group, outputs to og; the group's saved records (W vectors per slot: Hd pre-activations, then
  * with keep its Dm slot outputs) to sg. Without keep ys holds SPREAD_SLOTS slot outputs until they are combined.
  * pairs: slots two at a time (Hd <= PAIR_MAX_HIDDEN); a constant, so that the code of the others has no trace of it
- * (with the choice made per slot, one slot at a time took 1.02-1.05x the time at hidden 3-24). */
+ * (with the choice made per slot, one slot at a time took 1.02-1.05x the time at hidden 3-24). skip_idle: slots
+ * idle in the whole group (slot_idle; of a pair, one alone) are not run, their outputs taken as zeros and their records
+ * left unwritten (for a call without a backward pass: Algorithm 1's unselected experts cost nothing where no input
+ * of the group keeps them). */
 INLINE void forward_group(vec *RESTRICT og, vec *RESTRICT sg, const vec *RESTRICT xg, const float *dispatch,
                           const float *combine, group_t grp, const float *w1, const float *b1, const float *w2,
                           const float *b2, vec *RESTRICT buf, vec *RESTRICT a, vec *RESTRICT ds, vec *RESTRICT cs,
-                          vec *RESTRICT ys, long M, long S, long P, long Hd, long Dm, long W, int keep, const int pairs)
+                          vec *RESTRICT ys, long M, long S, long P, long Hd, long Dm, long W, int keep, int skip_idle,
+                          const int pairs)
 {
     memset(og, 0, M * Dm * sizeof(vec));
     for (long s0 = 0; s0 < S; s0 += SLOT_CHUNK) {
@@ -357,10 +377,15 @@ INLINE void forward_group(vec *RESTRICT og, vec *RESTRICT sg, const vec *RESTRIC
             const slot_t q = slot_at(s, s0, P, M, Hd, Dm, W, w1, b1, w2, b2, ds, cs, sg);
             const slot_t q2 = pair ? slot_at(s + 1, s0, P, M, Hd, Dm, W, w1, b1, w2, b2, ds, cs, sg) : q;
             vec *y = keep ? q.record + Hd : ys + pending * Dm, *y2 = keep ? q2.record + Hd : y + Dm;
-            if (pair)
+            const int idle = skip_idle && slot_idle(q.cs, M), idle2 = pair && skip_idle && slot_idle(q2.cs, M);
+            if (idle) memset(y, 0, Dm * sizeof(vec));
+            if (idle2) memset(y2, 0, Dm * sizeof(vec));
+            if (pair && !idle && !idle2) {
                 forward_slots(y, y2, q, q2, xg, buf, a, M, Hd, Dm, 1);
-            else
-                forward_slots(y, y2, q, q2, xg, buf, a, M, Hd, Dm, 0);
+            } else {
+                if (!idle) forward_slots(y, y, q, q, xg, buf, a, M, Hd, Dm, 0);
+                if (pair && !idle2) forward_slots(y2, y2, q2, q2, xg, buf, a, M, Hd, Dm, 0);
+            }
             s += pair;
             const long done = pending + pair; /* the last slot's place among the pending ones */
             if (done == SPREAD_SLOTS - 1 || s == s0 + count - 1)
@@ -374,10 +399,14 @@ INLINE void forward_group(vec *RESTRICT og, vec *RESTRICT sg, const vec *RESTRIC
  * (keep 0) or Hd + Dm (keep 1): per group and slot the pre-activations, then with keep the slot's outputs (the
  * backward pass reads them instead of running the second layer again), lane l of group g for input LANES * g + l.
  * Weights as the layer holds them: w1 (n, Dm, Hd), b1 (n, Hd), w2 (n, Hd, Dm), b2 (n, Dm); b1 and b2 may be NULL.
- * Returns 0, or 1 when M is outside 1..MAX_TOKENS (nothing is written then). */
+ * skip_idle: the slots whose combine weights are zero for every input of a group are not run there (forward_group;
+ * saved then holds no record of them: for calls without a backward pass). order (B input indices, or NULL for the
+ * inputs as they come): the inputs in the order they are grouped in, LANES at a time (saved's groups too). Returns
+ * 0, or 1 when M is outside 1..MAX_TOKENS (nothing is written then). */
 int soft_moe_small_forward(const float *x, const float *dispatch, const float *combine, const float *w1,
                            const float *b1, const float *w2, const float *b2, float *out, float *saved, long B,
-                           long M, long S, long P, long Hd, long Dm, int keep, int threads)
+                           long M, long S, long P, long Hd, long Dm, int keep, int skip_idle, const long *order,
+                           int threads)
 {
     const long W = keep ? Hd + Dm : Hd;
     const long G = (B + LANES - 1) / LANES;
@@ -393,21 +422,21 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
         vec *ys = cs + SLOT_CHUNK * M;
         const long t = omp_get_thread_num(), count = omp_get_num_threads();
         for (long g = G * t / count; g < G * (t + 1) / count; g++) {
-            const group_t grp = group_of(g, B);
+            const group_t grp = group_of(g, B, order);
             vec *sg = (vec *)saved + g * S * W;
             gather_rows(xg, x, grp, M * Dm);
 #if PAIR_MAX_HIDDEN > 0
             if (M == 4 && Hd <= PAIR_MAX_HIDDEN)
                 forward_group(og, sg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, ds, cs, ys, 4, S, P, Hd, Dm,
-                              W, keep, 1);
+                              W, keep, skip_idle, 1);
             else
 #endif
             if (M == 4)
                 forward_group(og, sg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, ds, cs, ys, 4, S, P, Hd, Dm,
-                              W, keep, 0);
+                              W, keep, skip_idle, 0);
             else
                 forward_group(og, sg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, ds, cs, ys, M, S, P, Hd, Dm,
-                              W, keep, 0);
+                              W, keep, skip_idle, 0);
             scatter_rows(out, og, grp, M * Dm);
         }
         softmoe_scratch_release(0);
@@ -789,7 +818,7 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
     for (long g0 = 0; g0 < G; g0 += GROUP_BLOCK) {
         const long ng = G - g0 < GROUP_BLOCK ? G - g0 : GROUP_BLOCK;
         for (long gi = 0; gi < ng; gi++) {
-            const group_t grp = group_of(g0 + gi, B);
+            const group_t grp = group_of(g0 + gi, B, NULL);
             gather_rows(xg + gi * MD, x, grp, MD);
             gather_rows(gog + gi * MD, grad_out, grp, MD);
         }
@@ -797,8 +826,8 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
         for (long s0 = first * P; s0 < last * P; s0 += SLOT_CHUNK) {
             const long count = last * P - s0 < SLOT_CHUNK ? last * P - s0 : SLOT_CHUNK, chunk = count * M;
             for (long gi = 0; gi < ng; gi++) {
-                gather_slots(ds + gi * chunk, dispatch, group_of(g0 + gi, B), s0, count, M, S);
-                gather_slots(cs + gi * chunk, combine, group_of(g0 + gi, B), s0, count, M, S);
+                gather_slots(ds + gi * chunk, dispatch, group_of(g0 + gi, B, NULL), s0, count, M, S);
+                gather_slots(cs + gi * chunk, combine, group_of(g0 + gi, B, NULL), s0, count, M, S);
             }
             for (long s = s0; s < s0 + count; s++) {
                 const long at = (s - s0) * M, pending = (s - s0) % SPREAD_SLOTS;
@@ -833,11 +862,11 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
                 s += pair;
             }
             for (long gi = 0; gi < ng; gi++) {
-                scatter_slots(grad_dispatch, gds_all + gi * chunk, group_of(g0 + gi, B), s0, count, M, S);
-                scatter_slots(grad_combine, gcs_all + gi * chunk, group_of(g0 + gi, B), s0, count, M, S);
+                scatter_slots(grad_dispatch, gds_all + gi * chunk, group_of(g0 + gi, B, NULL), s0, count, M, S);
+                scatter_slots(grad_combine, gcs_all + gi * chunk, group_of(g0 + gi, B, NULL), s0, count, M, S);
             }
         }
-        for (long gi = 0; gi < ng; gi++) scatter_rows(gx, gxg + gi * MD, group_of(g0 + gi, B), MD);
+        for (long gi = 0; gi < ng; gi++) scatter_rows(gx, gxg + gi * MD, group_of(g0 + gi, B, NULL), MD);
     }
     softmoe_scratch_release(0);
     for (long j = first; j < last; j++)

@@ -1,5 +1,5 @@
-"""The execution modes the kernels' dispatch rules look at: gradients, torch.func transforms, torch.compile and
-autocast."""
+"""The execution modes the kernels' dispatch rules look at: gradients, torch.func transforms, torch.compile,
+autocast, and what watches the dispatcher."""
 
 from __future__ import annotations
 
@@ -30,4 +30,18 @@ def plain_eager_mode(device_type: str) -> bool:
         not torch.compiler.is_compiling()
         and not transforms_active()
         and not torch.is_autocast_enabled(device_type)
+    )
+
+
+def direct_call_ok(device_type: str, *tensors: torch.Tensor | None) -> bool:
+    """Whether an op's code may be called directly, without the dispatcher's host time (13-40 us per call on the CPU
+    machines of docs/performance.md): plain eager mode for ``device_type`` (:func:`plain_eager_mode`), no gradient
+    recorded for ``tensors``, and nothing that watches the dispatcher (a TorchDispatchMode or TorchFunctionMode, e.g.
+    ``FlopCounterMode``, or the profiler), which would miss the call."""
+    return (
+        plain_eager_mode(device_type)
+        and not needs_grad(*tensors)
+        and not torch._C._len_torch_dispatch_stack()
+        and not torch._C._is_torch_function_mode_enabled()
+        and not torch._C._autograd._profiler_enabled()
     )

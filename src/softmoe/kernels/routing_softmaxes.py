@@ -32,7 +32,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from softmoe.kernels.modes import needs_grad, plain_eager_mode
+from softmoe.kernels.modes import direct_call_ok
 from softmoe.selection_plan import kept_slots
 from softmoe.topk import top_k
 
@@ -62,9 +62,10 @@ def fused_routing_applies(
     tokens: Tensor, phi: Tensor, scale: Tensor | None, slots_per_expert: int = 1, k: int = 0
 ) -> bool:
     """Whether a layer routing ``tokens`` (batch, tokens, dim) with ``phi`` (dim, slots) and ``scale`` takes this
-    op for its softmaxes (and, with k > 0, Algorithm 1's choice) rather than torch's ops: inference in plain eager
-    mode where the op runs its kernel on the logits (:func:`kernel_applies`)."""
-    if not (tokens.is_cuda and plain_eager_mode("cuda") and not needs_grad(tokens, phi, scale)):
+    op for its softmaxes (and, with k > 0, Algorithm 1's choice) rather than torch's ops: inference where the op's
+    code may be called directly (:func:`~softmoe.kernels.modes.direct_call_ok`) and runs its kernel on the logits
+    (:func:`kernel_applies`)."""
+    if not (tokens.is_cuda and direct_call_ok("cuda", tokens, phi, scale)):
         return False
     dtype = torch.promote_types(torch.promote_types(tokens.dtype, phi.dtype), torch.float32)
     return kernel_applies((*tokens.shape[:2], phi.shape[1]), dtype, tokens.device, slots_per_expert, k)

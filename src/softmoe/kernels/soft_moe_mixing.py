@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from softmoe.kernels.build import LANES, native_available, native_module, required_isa
-from softmoe.kernels.modes import needs_grad, transforms_active
+from softmoe.kernels.modes import direct_call_ok, needs_grad, transforms_active
 
 # The fused kernel serves inputs of at most MIXING_MAX_TOKENS tokens (their routing weights stay in registers) and
 # experts whose two weight matrices (2 dim hidden floats) take at most MIXING_MAX_WEIGHT_BYTES_PER_LANE per vector
@@ -69,7 +69,7 @@ def soft_moe_mixing_op(
 ) -> tuple[Tensor, Tensor]:
     """The fused mixing with the ``isa`` variant of the native kernel: (out, saved) (see the module docstring)."""
     out, saved = native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs,
-                                                 isa)
+                                                 False, False, isa)
     return out, saved
 
 
@@ -150,6 +150,7 @@ def soft_moe_mixing(
     bias1: Tensor | None,
     weight2: Tensor,
     bias2: Tensor | None,
+    kept_combine: bool = False,
 ) -> Tensor:
     """The Soft MoE mixing C relu-MLP(D^T X) of small experts in one native pass, differentiable in every input.
 
@@ -157,12 +158,22 @@ def soft_moe_mixing(
     belonging to expert s // slots_per_expert; weight1 (experts, dim, hidden), bias1 (experts, hidden), weight2
     (experts, hidden, dim), bias2 (experts, dim) -> (batch, tokens, dim). No (batch, slots, dim) tensor is written:
     each thread takes 16 (AVX-512; 8 with AVX2) inputs at a time, one per vector lane, and runs dispatch, both
-    expert layers and the combine of a slot back to back in its cache. Only where :func:`native_mixing_applies`;
+    expert layers and the combine of a slot back to back in its cache. In inference (where
+    :func:`~softmoe.kernels.modes.direct_call_ok`) the op's code is called directly and a slot whose combine weights
+    are zero for all the inputs of a group is not run for it: Algorithm 1's dense plan then skips the experts that no
+    input of a group keeps (at batch 1, all it does not keep); with ``kept_combine`` (combine zero outside the slots
+    of each input's kept experts) the inputs are grouped by the slots they keep, so that each group runs few experts.
+    Only where :func:`native_mixing_applies`;
     other dtypes, devices, more than MIXING_MAX_TOKENS tokens or inconsistent shapes raise a ValueError. Runs
     ``softmoe::soft_moe_mixing`` with the variant :func:`~softmoe.kernels.cpu_isa` names.
     """
     _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2)
     isa = required_isa()
+    if direct_call_ok("cpu", x, dispatch, combine, weight1, bias1, weight2, bias2):
+        # inference: the op's code without the dispatcher, slots idle in a group of inputs skipped (no backward
+        # reads their records)
+        return native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, False, True,
+                                               kept_combine, isa)[0]
     # the outputs are kept only for a backward pass: none under no_grad or for inputs without gradients
     keep = weight1.shape[2] >= MIXING_KEEP_OUTPUTS_MIN_HIDDEN and needs_grad(
         x, dispatch, combine, weight1, bias1, weight2, bias2

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from softmoe.kernels.build import native_available, native_module, required_isa
-from softmoe.kernels.modes import transforms_active
+from softmoe.kernels.modes import direct_call_ok, transforms_active
 from softmoe.kernels.onednn import onednn_pays
 
 # The layer's normalize argument -> the kernel's mode (ROUTING_* in bindings.cpp).
@@ -46,10 +46,14 @@ def soft_moe_routing_op(
     x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str, isa: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The routing with the ``isa`` variant of the native kernel: (logits, dispatch, combine, r)."""
-    logits, dispatch, combine, r = native_module().soft_moe_routing(
-        x, phi, scale, ROUTING_MODES[normalize], isa, _products_in_onednn(x, phi)
-    )
-    return logits, dispatch, combine, r
+    return _run_routing(x, phi, scale, normalize, isa)
+
+
+def _run_routing(
+    x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str, isa: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The op's code, called directly where no dispatcher is needed (:func:`soft_moe_routing`)."""
+    return native_module().soft_moe_routing(x, phi, scale, ROUTING_MODES[normalize], isa, _products_in_onednn(x, phi))
 
 
 def _products_in_onednn(x: Tensor, phi: Tensor) -> bool:
@@ -150,8 +154,8 @@ def soft_moe_routing(x: Tensor, phi: Tensor, scale: Tensor | None, normalize: st
     if x.dim() != 3 or phi.dim() != 2 or x.shape[2] != phi.shape[0]:
         raise ValueError(f"x must be (batch, tokens, dim) and phi (dim, slots), got {tuple(x.shape)} and "
                          f"{tuple(phi.shape)}")
-    isa = required_isa()
-    logits, dispatch, combine, _ = torch.ops.softmoe.soft_moe_routing(
-        x, phi, scale if normalize != "none" else None, normalize, isa
-    )
+    isa, scale = required_isa(), scale if normalize != "none" else None
+    # inference: the op's code without the dispatcher's host time
+    route = _run_routing if direct_call_ok("cpu", x, phi, scale) else torch.ops.softmoe.soft_moe_routing
+    logits, dispatch, combine, _ = route(x, phi, scale, normalize, isa)
     return logits, dispatch, combine

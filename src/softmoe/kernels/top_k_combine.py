@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from softmoe.kernels.build import native_available, native_module
-from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
+from softmoe.kernels.modes import direct_call_ok, transforms_active
 from softmoe.selection_plan import kept_slots
 
 
@@ -72,14 +72,14 @@ def native_top_k_applies(combine: Tensor) -> bool:
 
 def top_k_combine(combine: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor]:
     """Algorithm 1 on combine (batch, tokens, n * p): (combine with the unselected experts' slots zeroed, the
-    selected experts (batch, k) int64 ascending), by ``softmoe::top_k_combine`` (in plain eager mode without
-    gradients its code, called directly). Only where :func:`native_top_k_applies`; a ValueError for a k outside
-    [1, n] or slots that are not n * p."""
+    selected experts (batch, k) int64 ascending), by ``softmoe::top_k_combine`` (its code called directly where
+    :func:`~softmoe.kernels.modes.direct_call_ok`). Only where :func:`native_top_k_applies`; a ValueError for a k
+    outside [1, n] or slots that are not n * p."""
     slots = combine.shape[-1]
     if slots_per_expert < 1 or slots % slots_per_expert:
         raise ValueError(f"combine's {slots} slots are not a whole number of experts of {slots_per_expert} slots")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= slots // slots_per_expert:
         raise ValueError(f"k must be an integer in [1, {slots // slots_per_expert}] (the experts), got {k!r}")
-    if plain_eager_mode("cpu") and not needs_grad(combine):  # the op's code without the dispatcher's 40 us
+    if direct_call_ok("cpu", combine):  # the op's code without the dispatcher's host time
         return native_module().top_k_combine(combine, slots_per_expert, k)
     return torch.ops.softmoe.top_k_combine(combine, slots_per_expert, k)
