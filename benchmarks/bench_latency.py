@@ -17,6 +17,7 @@ FLOP/s and bandwidth measured in this run.
     python benchmarks/bench_latency.py --sweep --preset small   # one layer, every k < n at batch 1, 4, 16, 100,
                                                                 # each plan forced too (is the cost model right?)
     python benchmarks/bench_latency.py --sweep --device cuda --dtype bfloat16   # the same on a GPU (eager)
+    python benchmarks/bench_latency.py --sweep --mnist-experts 8    # the paper's MNIST layer (small relu experts)
 
 On a GPU the limits are a bf16 or fp32 8192^3 matmul and a 1 GiB copy, and the header names the GPU. On the CPU
 ``--isa`` (default: the host's best) and ``--allocator`` (default: tuned, as the training CLI runs) choose the
@@ -48,6 +49,8 @@ from common import (  # noqa: E402
 )
 
 import softmoe  # noqa: E402
+from softmoe import SoftMoE  # noqa: E402
+from softmoe.models.mnist import expert_hidden_for  # noqa: E402
 from softmoe_repro.latency import (  # noqa: E402
     DIM,
     EXPERTS,
@@ -63,20 +66,39 @@ from softmoe.kernels.grouped_mm import uses_grouped_gemm  # noqa: E402
 
 
 SWEEP_BATCHES = (1, 4, 16, 100)
+# The paper's MNIST layer (softmoe.models.mnist): 4 tokens of dim 196 (7 x 7 patches of 28 x 28 images), relu experts
+# of hidden 784 / n; batches below, at and above one group of the fused kernel's vector lanes, and the paper's 256.
+MNIST_DIM, MNIST_TOKENS = 196, 4
+MNIST_SWEEP_BATCHES = (1, 4, 16, 64, 256)
 # A k whose median time exceeds every expert's by more than this is reported as slower (same-run noise is ~3%).
 SLOWER_TOLERANCE = 0.03
 
 
-def sweep(preset: dict, repeats: int, warmup: int, device: torch.device, dtype: torch.dtype) -> dict:
-    """One layer of the stack: Algorithm 1 (plan "auto") at every k < n against every expert, at SWEEP_BATCHES;
-    each plan forced ("selected", "dense") is timed in the same rounds, to check the cost model's choice."""
+def sweep_layer(preset: dict | None, mnist_experts: int | None, device: torch.device,
+                dtype: torch.dtype) -> tuple[softmoe.SoftMoE, int, list[int], tuple[int, ...], str]:
+    """The layer a sweep times (one of Table 3's stack, or with ``mnist_experts`` the paper's MNIST layer of that
+    many experts), its tokens, the k it tries (every k < n; for the MNIST layer 1, 2, n/8, n/4, n/2, n - 1), the
+    batches and its name."""
     torch.manual_seed(0)
     with torch.no_grad(), device:
-        layer = MoEStack(preset["hidden"], layers=1).layers[0].eval().to(dtype=dtype)
+        if mnist_experts is None:
+            layer = MoEStack(preset["hidden"], layers=1).layers[0].eval().to(dtype=dtype)
+            return layer, TOKENS, list(range(1, EXPERTS)), SWEEP_BATCHES, \
+                f"one layer of Table 3's stack (hidden {preset['hidden']})"
+        n = mnist_experts
+        layer = SoftMoE(MNIST_DIM, n, expert_hidden=expert_hidden_for(MNIST_DIM, n), activation="relu")
+        ks = sorted({k for k in (1, 2, n // 8, n // 4, n // 2, n - 1) if 1 <= k < n})
+        return layer.eval().to(dtype=dtype), MNIST_TOKENS, ks, MNIST_SWEEP_BATCHES, \
+            f"the paper's MNIST layer ({n} experts of hidden {expert_hidden_for(MNIST_DIM, n)})"
+
+
+def sweep(layer: softmoe.SoftMoE, tokens: int, ks: list[int], batches: tuple[int, ...], repeats: int, warmup: int,
+          device: torch.device, dtype: torch.dtype) -> dict:
+    """Algorithm 1 (plan "auto") at each of ``ks`` against every expert, at each of ``batches``; each plan forced
+    ("selected", "dense") is timed in the same rounds, to check the cost model's choice."""
     results, rows, forced_rows, slower, mischosen = {}, [], [], [], []
-    ks = range(1, EXPERTS)
-    for batch in SWEEP_BATCHES:
-        x = torch.randn(batch, TOKENS, DIM, device=device, dtype=dtype)
+    for batch in batches:
+        x = torch.randn(batch, tokens, layer.dim, device=device, dtype=dtype)
 
         def timed(k: int | None, plan: str = "auto"):
             def run() -> None:
@@ -135,6 +157,9 @@ def main() -> None:
                         "(fullgraph; on a GPU in bf16 with CUDA graphs, mode reduce-overhead)")
     parser.add_argument("--sweep", action="store_true", help="one layer, every k < n at batch "
                         f"{', '.join(map(str, SWEEP_BATCHES))}, against every expert (Algorithm 1 never slower)")
+    parser.add_argument("--mnist-experts", type=int, metavar="N", help="with --sweep: the paper's MNIST layer of N "
+                        f"experts instead (4 tokens of dim {MNIST_DIM}, relu experts of hidden 784 / N), at batch "
+                        f"{', '.join(map(str, MNIST_SWEEP_BATCHES))}")
     add_process_arguments(parser)
     parser.set_defaults(allocator="tuned")
     argv = sys.argv[1:]
@@ -144,6 +169,8 @@ def main() -> None:
         parser.error("--device cuda: torch sees no CUDA device here")
     if args.sweep and args.compile:
         parser.error("--sweep times eager calls only; leave out --compile")
+    if args.mnist_experts is not None and not (args.sweep and args.mnist_experts >= 2):
+        parser.error("--mnist-experts N takes --sweep and N >= 2")
     if device.type == "cpu" and run_children(parser, args, argv):
         return
     preset = PRESETS[args.preset]
@@ -153,10 +180,11 @@ def main() -> None:
     if args.sweep:
         env = environment()
         where = env["cpu"] if device.type == "cpu" else f"{torch.cuda.get_device_name(device)} (host {env['cpu']})"
-        print(f"# Algorithm 1 against every expert, one layer of Table 3's stack (hidden {preset['hidden']}), "
+        layer, tokens, ks, batches, name = sweep_layer(preset, args.mnist_experts, device, dtype)
+        print(f"# Algorithm 1 against every expert, {name}, "
               f"{where} | {env['isa']} | {env['torch_threads']} threads | {args.dtype} | {env['date']} | {allocator}")
         results = {"environment": env | {"device": str(device), "dtype": args.dtype}, "preset": args.preset,
-                   "sweep": sweep(preset, repeats, warmup, device, dtype)}
+                   "layer": name, "sweep": sweep(layer, tokens, ks, batches, repeats, warmup, device, dtype)}
         write_results(args, results)
         return
     torch.manual_seed(0)
