@@ -419,19 +419,83 @@ def test_a_bad_plan_is_a_value_error():
 
 
 @pytest.mark.parametrize("host", [True, False], ids=["host", "torch"])
-def test_mask_and_counts_in_python_and_in_torch_agree(monkeypatch, host):
+def test_kept_counts_in_python_and_in_torch_agree_beside_the_mask(monkeypatch, host):
     """Small selections are counted in Python, larger ones with torch's bincount; both give the pairs kept and the
-    experts in use (unused places -1 counted nowhere), beside the mask."""
+    experts in use (unused places -1 counted nowhere), as the mask says."""
     monkeypatch.setattr(plans, "HOST_COUNT_MAX_PLACES", 10**9 if host else 0)
     selected = torch.tensor([[0, 3, -1], [3, 5, 6], [-1, -1, 1], [6, 0, 3]])
-    keep, kept = plans.mask_and_counts(selected, 8)
     want = torch.zeros(4, 8, dtype=torch.bool)
     for b, row in enumerate(selected.tolist()):
         for j in row:
             if j >= 0:
                 want[b, j] = True
-    assert torch.equal(keep, want)
-    assert kept == (9, 5)  # experts 0, 1, 3, 5, 6
+    assert torch.equal(plans.mask_from_subsets(selected, 8), want)
+    assert plans.kept_counts(selected, 8) == (int(want.sum()), int(want.any(0).sum())) == (9, 5)  # 0, 1, 3, 5, 6
     assert plans.kept_counts(selected.t().contiguous().t(), 8) == (9, 5)  # a strided view
-    empty, counts = plans.mask_and_counts(torch.zeros(0, 2, dtype=torch.int64), 8)
-    assert empty.shape == (0, 8) and counts == (0, 0)
+    assert plans.kept_counts(torch.zeros(0, 2, dtype=torch.int64), 8) == (0, 0)
+
+
+def test_counts_decide_only_between_the_bands_edges():
+    """The experts in use matter to the CPU's call only where the selected plan's costs at the fewest and at the
+    most of them do not both lie above the timing band, or both below it."""
+    margin, band = plans.MARGIN["cpu"], plans.TIMING_BAND
+    dense = 100.0
+
+    def costs(ratio):  # selected / (margin * dense)
+        return ratio * margin * dense, dense
+
+    assert not plans.counts_decide(costs(band * 1.1), costs(band * 3))  # dense either way
+    assert not plans.counts_decide(costs(0.1), costs(0.9 / band))  # selected either way
+    assert plans.counts_decide(costs(0.5), costs(2.0))  # selected at the fewest, dense at the most
+    assert plans.counts_decide(costs(1.0), costs(1.0))  # a close call: timed on the counts' word
+
+
+def test_algorithm1s_plan_is_remembered_per_layer_and_call(monkeypatch):
+    """Algorithm 1's top k through a layer decides its plan once per shape and setting where the experts in use
+    cannot change it; another k, batch, thread count or training mode, or forget_timed_plans, decides again;
+    where the counts can change it, once per counts."""
+    decided = []
+    original = SoftMoE._auto_plan
+
+    def counted(self, *args, **kwargs):
+        decided.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(SoftMoE, "_auto_plan", counted)
+    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
+    torch.manual_seed(0)
+    layer, x = SoftMoE(12, 8, expert_hidden=16).eval(), torch.randn(3, 5, 12)  # float32: the native top k
+    with torch.no_grad():
+        with select_experts(layer, k=2):
+            want = layer(x)
+            for _ in range(3):
+                assert torch.equal(layer(x), want)
+            assert len(decided) == 1
+            layer(x[:2])
+            assert len(decided) == 2
+            plans.forget_timed_plans()
+            layer(x)
+            assert len(decided) == 3
+            threads = torch.get_num_threads()
+            monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
+            layer(x)
+            assert len(decided) == 4
+            layer.train()
+            layer(x)
+            layer(x)
+            assert len(decided) == 5
+            layer.eval()
+        with select_experts(layer, k=3):
+            layer(x)
+            assert len(decided) == 6
+        import softmoe.layer as layer_module
+
+        monkeypatch.setattr(layer_module, "counts_decide", lambda *args: True)
+        with select_experts(layer, k=4):
+            layer(x)
+            layer(x)
+            assert len(decided) == 7  # remembered for the counts too
+            monkeypatch.setattr(layer_module, "kept_counts", lambda selected, n: (12, 5))  # other counts
+            layer(x)
+            layer(x)
+            assert len(decided) == 8

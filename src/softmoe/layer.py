@@ -47,13 +47,14 @@ from softmoe.selection_plan import (
     check_plan,
     counts_decide,
     kept_counts,
-    mask_and_counts,
+    mask_from_subsets,
     plan_costs,
     plans_are_timed,
     selected_plan_is_cheaper,
     slot_mask,
     timed_choice,
     timed_plan,
+    timings_forgotten,
     worth_timing,
 )
 
@@ -399,6 +400,7 @@ class SoftMoE(nn.Module):
         self.normalize = check_normalization(normalize)
         self.backend = backend
         self.selector: ExpertSelector | None = None
+        self._plans: dict[tuple, str] = {}  # plan "auto"'s plans for Algorithm 1's top k, by call (_top_k_plan)
         factory = {"device": device, "dtype": dtype}
         self.phi = nn.Parameter(torch.empty(dim, num_experts, slots_per_expert, **factory))
         self.scale = nn.Parameter(torch.ones((), **factory)) if self.normalize != "none" else None
@@ -545,7 +547,7 @@ class SoftMoE(nn.Module):
         :func:`softmoe.selection_plan.selected_plan_is_cheaper` on this layer's
         :func:`~softmoe.selection_plan.plan_costs`, the pairs and experts in use counted where host reads are free."""
         flops = 2 * self.parameters_per_expert()  # per row through an expert: the cost model's unit
-        return self._auto_plan(x, selected, kept_counts(selected, self.num_experts), flops) == "selected"
+        return self._auto_plan(x, selected, kept_counts(selected, self.num_experts), flops)[0] == "selected"
 
     def parameters_per_expert(self) -> float:
         """The experts' parameter count over n (a multiply-add per parameter per row: the cost of one row)."""
@@ -562,21 +564,48 @@ class SoftMoE(nn.Module):
         return plan_costs(x.shape[0], selected.shape[1], self.num_experts, self.slots_per_expert, flops_per_row,
                           x.device, kept)
 
-    def _counts_decide(self, x: torch.Tensor, selected: torch.Tensor, flops_per_row: float) -> bool:
-        """For Algorithm 1's top k (batch * k pairs, no unused place, at least k experts in use): whether counting the
-        experts in use can change plan "auto"'s call (:func:`softmoe.selection_plan.counts_decide`; on the CPU,
-        where the cost model counts them, 1-20 us a call)."""
-        if not host_reads_are_free(selected):
-            return False
+    def _top_k_plan(self, x: torch.Tensor, selected: torch.Tensor, runs: Callable[[], dict]) -> str:
+        """Plan "auto"'s plan for Algorithm 1's top k (batch * k pairs, no unused place; ``runs`` as for
+        :meth:`_auto_plan`), remembered per layer for the call's shape and settings, and where the experts in use
+        can change it (:func:`softmoe.selection_plan.counts_decide`) for their counts too: a repeated call then
+        costs a lookup (and the count) instead of the cost model and the timing's key (15-20 us a call on the AMD
+        EPYC Zen 5, where the plain MNIST layer's call takes 50-100). A plan remembered for experts since replaced
+        or reshaped in place is only slower, never wrong: both plans give the same output."""
+        key = known = None
+        if not torch.compiler.is_compiling() and not transforms_active():
+            device = x.device.type
+            host = (torch.get_num_threads(), cpu_isa()) if device == "cpu" else ()
+            key = (tuple(x.shape), selected.shape[1], x.dtype, x.device, self.training, self.backend,
+                   id(self.experts), torch.is_autocast_enabled(device), torch.are_deterministic_algorithms_enabled(),
+                   timings_forgotten(), *host)
+            known = self._plans.get(key)  # a plan, or "counted": look it up with the counts
+            if known in ("selected", "dense"):
+                return known
+        flops = 2 * self.parameters_per_expert()  # per row through an expert: the cost model's unit
+        # batch * k pairs of k to min(n, batch * k) experts in use, counted (1-20 us a call on the CPU) only where
+        # that can change the call; then the plan is remembered for the counts too
         batch, k = selected.shape
-        fewest = self._plan_costs(x, selected, (batch * k, k), flops_per_row)
-        return counts_decide(fewest, self._plan_costs(x, selected, None, flops_per_row))
+        fewest, most = (batch * k, k), (batch * k, min(self.num_experts, batch * k))
+        counted = known == "counted" or (fewest != most and host_reads_are_free(selected) and counts_decide(
+            self._plan_costs(x, selected, fewest, flops), self._plan_costs(x, selected, most, flops)))
+        kept = kept_counts(selected, self.num_experts) if counted else most
+        if counted and key is not None:
+            self._plans[key] = "counted"
+            key = (*key, kept)
+            plan = self._plans.get(key)
+            if plan is not None:
+                return plan
+        plan, settled = self._auto_plan(x, selected, kept, flops, runs)
+        if key is not None and settled:
+            self._plans[key] = plan
+        return plan
 
     def _auto_plan(
         self, x: torch.Tensor, selected: torch.Tensor, kept: tuple[int, int] | None, flops_per_row: float,
         runs: Callable[[], dict[str, Callable[[], object]]] | None = None,
-    ) -> str:
-        """The plan ("selected" or "dense") that plan "auto" runs for this call, ``kept`` the call's
+    ) -> tuple[str, bool]:
+        """The plan ("selected" or "dense") that plan "auto" runs for this call, and whether that is settled for the
+        call's shape (not where a timing it wants was not done: a later call may time it), ``kept`` the call's
         :func:`~softmoe.selection_plan.kept_counts`: the plan timed faster for its shape where timing decides, i.e.
         in eval mode (timing runs the experts again: a training forward would draw their dropout anew), where
         :func:`softmoe.selection_plan.plans_are_timed`, for a call :func:`softmoe.selection_plan.worth_timing` (on
@@ -584,16 +613,17 @@ class SoftMoE(nn.Module):
         model for a batch that keeps far fewer or more experts), the shape timed now where ``runs`` (a function
         giving the plans' calls by name) is given, else only an earlier timing counts. Otherwise the cost model's
         answer."""
-        costs = None
+        costs, settled = None, True
         if not self.training and plans_are_timed(x.device):
             # eager CUDA times every shape without the cost model's costs (host time per call)
             if x.device.type != "cpu" or worth_timing(costs := self._plan_costs(x, selected, kept, flops_per_row)):
                 key = self._plan_key(x, selected)
                 choice = timed_choice(key) if runs is None else timed_plan(key, runs(), x.device)
                 if choice is not None:
-                    return choice
+                    return choice, True
+                settled = False
         costs = costs or self._plan_costs(x, selected, kept, flops_per_row)
-        return "selected" if selected_plan_is_cheaper(costs, x.device) else "dense"
+        return "selected" if selected_plan_is_cheaper(costs, x.device) else "dense", settled
 
     def _plan_key(self, x: torch.Tensor, selected: torch.Tensor) -> tuple:
         """What the plans' times depend on, for :func:`softmoe.selection_plan.timed_plan`: the device, dtype and
@@ -618,20 +648,17 @@ class SoftMoE(nn.Module):
     ) -> torch.Tensor:
         """Algorithm 1's mixing on the ``plan`` given or found cheaper; ``combine_is_kept``: combine is already
         zero on the slots of unselected experts (the dense plan then needs no mask)."""
-        if plan == "selected":
-            return self._selected_plan(x, dispatch, combine, selected, renormalize)
-        flops = 2 * self.parameters_per_expert() if plan == "auto" else 0.0  # per row through an expert
-        if combine_is_kept:
-            keep, kept = None, None
-            if plan == "auto" and self._counts_decide(x, selected, flops):
-                kept = kept_counts(selected, self.num_experts)
-        else:
-            keep, kept = mask_and_counts(selected, self.num_experts)
+        keep = None if combine_is_kept or plan == "selected" else mask_from_subsets(selected, self.num_experts)
         if plan == "auto":
-            plan = self._auto_plan(x, selected, kept, flops, lambda: {
-                "dense": lambda: self._dense_plan(x, dispatch, combine, keep, renormalize),
-                "selected": lambda: self._selected_plan(x, dispatch, combine, selected, renormalize),
-            })
+            def runs() -> dict[str, Callable[[], torch.Tensor]]:  # the plans' calls, for a timing
+                return {"dense": lambda: self._dense_plan(x, dispatch, combine, keep, renormalize),
+                        "selected": lambda: self._selected_plan(x, dispatch, combine, selected, renormalize)}
+
+            if combine_is_kept:
+                plan = self._top_k_plan(x, selected, runs)
+            else:
+                plan = self._auto_plan(x, selected, kept_counts(selected, self.num_experts),
+                                       2 * self.parameters_per_expert(), runs)[0]
         if plan == "selected":
             return self._selected_plan(x, dispatch, combine, selected, renormalize)
         return self._dense_plan(x, dispatch, combine, keep, renormalize)

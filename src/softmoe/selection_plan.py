@@ -97,6 +97,8 @@ TIMING_BAND = 1.4
 TIMED_MARGIN = 0.97
 # The plan found faster per shape: {key: "selected" or "dense"} (see timed_plan).
 _TIMED_PLANS: dict[Hashable, str] = {}
+# How many times forget_timed_plans has run: plans remembered elsewhere for a timing (a layer's) name it.
+_FORGOTTEN = 0
 
 
 def check_plan(plan: str) -> None:
@@ -193,12 +195,6 @@ def kept_counts(selected: torch.Tensor, num_experts: int) -> tuple[int, int] | N
     return len(places), len(set(places))
 
 
-def mask_and_counts(selected: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tuple[int, int] | None]:
-    """selected (batch, k) int64, -1 for an unused place -> (the bool mask (batch, n) of :func:`mask_from_subsets`,
-    :func:`kept_counts`)."""
-    return mask_from_subsets(selected, num_experts), kept_counts(selected, num_experts)
-
-
 def plans_are_timed(device: torch.device) -> bool:
     """Whether plan "auto" may run the plan timed faster on ``device`` (module doc): eager CUDA or CPU (there for
     the calls :func:`worth_timing` names; a layer only in eval mode), outside torch.compile and torch.func
@@ -256,8 +252,16 @@ def timed_choice(key: Hashable) -> str | None:
 
 
 def forget_timed_plans() -> None:
-    """Drop every plan :func:`timed_plan` remembers: the next call of each shape times them again."""
+    """Drop every plan :func:`timed_plan` remembers (and what layers remember of them): the next call of each shape
+    times them again."""
+    global _FORGOTTEN
     _TIMED_PLANS.clear()
+    _FORGOTTEN += 1
+
+
+def timings_forgotten() -> int:
+    """How many times :func:`forget_timed_plans` has run (a plan remembered with an older count is stale)."""
+    return _FORGOTTEN
 
 
 def may_synchronize(device: torch.device) -> bool:
