@@ -128,8 +128,8 @@ def kept_combine_inputs(shape, seed):
 @pytest.mark.parametrize("kept_combine", [False, True], ids=["as they come", "grouped"])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 def test_inference_skips_idle_slots_and_matches_float64(isa, shape, kept_combine, threads):
-    """Without gradients the op's code runs directly, skipping the slots whose combine weights are zero for a whole
-    group of inputs (with kept_combine, the inputs first grouped by the slots they keep): the output is exact."""
+    """Without gradients the op's code runs directly; with kept_combine the inputs are grouped by the slots they
+    keep and the slots whose combine weights are zero for a whole group are skipped: the output is exact."""
     inputs = kept_combine_inputs(shape, seed=sum(shape))
     with torch.no_grad():
         out = soft_moe_mixing(*inputs, kept_combine=kept_combine)
@@ -138,9 +138,9 @@ def test_inference_skips_idle_slots_and_matches_float64(isa, shape, kept_combine
 
 def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):
     """An expert with a NaN bias, kept by every third input: run for a group, it makes every output of the group NaN
-    (its outputs enter the combine at weight 0). Grouped by kept experts (48 inputs: two full groups of those that do
-    not keep it at every lane count) the others' outputs stay finite and exact; as they come (each group holds an
-    input that keeps it) they do not; with gradients (the op: every slot runs, its records are kept) none do."""
+    (its outputs enter the combine at weight 0). With kept_combine (48 inputs: two full groups of those that do not
+    keep it at every lane count) the others' outputs stay finite and exact; without it (nothing skipped) they do not,
+    nor with gradients (the op: every slot runs, its records are kept)."""
     x, dispatch, combine, w1, b1, w2, b2 = (t.detach() for t in random_inputs(48, 4, 8, 4, 1, 3, bias=True))
     b2[3] = math.nan
     users = torch.arange(48) % 3 == 2
@@ -156,6 +156,32 @@ def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):
     assert relative_error(grouped[others], want) < 1e-5
     assert as_they_come[others].isnan().all()
     assert soft_moe_mixing(x.requires_grad_(), *inputs[1:], kept_combine=True).isnan().all()
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore:`torch.jit:DeprecationWarning")
+def test_nothing_that_watches_the_ops_is_bypassed(library):
+    """The direct call is refused under torch.jit.trace, forward-mode AD and for tensor subclasses with their own
+    __torch_function__: a trace made under no_grad computes on the inputs it is given, not on the traced ones."""
+    import torch.autograd.forward_ad as fwAD
+
+    from softmoe.kernels.modes import direct_call_ok
+
+    x = torch.randn(3, 4, 24)
+    assert direct_call_ok("cpu", x)
+    with fwAD.dual_level():
+        assert not direct_call_ok("cpu", fwAD.make_dual(x, torch.ones_like(x)))
+
+    class Watched(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    assert not direct_call_ok("cpu", x.as_subclass(Watched))
+    layer = SoftMoE(24, 8, expert_hidden=5, activation="relu").eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(layer, x, check_trace=False)
+        other = torch.randn(3, 4, 24)
+        torch.testing.assert_close(traced(other), layer(other))
 
 
 def test_the_profiler_and_dispatch_modes_see_the_ops_in_inference(library):

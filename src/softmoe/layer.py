@@ -59,6 +59,9 @@ from softmoe.selection_plan import (
 )
 
 NORM_EPS = 1e-6
+# Plans a layer remembers for Algorithm 1's calls (SoftMoE._top_k_plan) before it forgets them all: one per shape and
+# setting (and kept counts where those decide), so only a stream of ever new batch sizes reaches it.
+MAX_REMEMBERED_PLANS = 4096
 NORMALIZATIONS = ("router", "inputs", "none")
 # Inference inputs of at least this many elements compute their logits with oneDNN (see soft_moe_logits).
 ONEDNN_MIN_TOKEN_ELEMENTS = 1 << 20
@@ -505,7 +508,9 @@ class SoftMoE(nn.Module):
         backend = self.backend_for(x).name
         if backend == "reference":
             return combine_slots(combine, self.run_experts(dispatch_slots(x, dispatch)))
-        return self.experts.mix(backend, x, dispatch, combine, self.slots_per_expert, kept_combine)
+        if kept_combine:  # by keyword, and only then: experts written for the five-argument mix keep working
+            return self.experts.mix(backend, x, dispatch, combine, self.slots_per_expert, kept_combine=True)
+        return self.experts.mix(backend, x, dispatch, combine, self.slots_per_expert)
 
     def forward_selected(
         self,
@@ -554,9 +559,10 @@ class SoftMoE(nn.Module):
         return sum(t.numel() for t in self._expert_tensors()) / self.num_experts
 
     def _expert_tensors(self) -> list[torch.Tensor]:
-        """The experts' parameters, each module's own in turn: cheaper per call than ``parameters()`` (1 us against
-        3 for MLPExperts), which also drops tensors shared between modules."""
-        return [t for module in self.experts.modules() for t in module._parameters.values() if t is not None]
+        """The experts' parameters, each once: cheaper per call than ``parameters()`` (1 us against 3 for
+        MLPExperts)."""
+        tensors = {id(t): t for module in self.experts.modules() for t in module._parameters.values() if t is not None}
+        return list(tensors.values())
 
     def _plan_costs(
         self, x: torch.Tensor, selected: torch.Tensor, kept: tuple[int, int] | None, flops_per_row: float
@@ -575,10 +581,13 @@ class SoftMoE(nn.Module):
         if not torch.compiler.is_compiling() and not transforms_active():
             device = x.device.type
             host = (torch.get_num_threads(), cpu_isa()) if device == "cpu" else ()
+            autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
             key = (tuple(x.shape), selected.shape[1], x.dtype, x.device, self.training, self.backend,
-                   id(self.experts), torch.is_autocast_enabled(device), torch.are_deterministic_algorithms_enabled(),
-                   timings_forgotten(), *host)
-            known = self._plans.get(key)  # a plan, or "counted": look it up with the counts
+                   id(self.experts), autocast, torch.are_deterministic_algorithms_enabled(), timings_forgotten(), *host)
+            plans = self.__dict__.setdefault("_plans", {})  # (a layer pickled before it had them: none)
+            if len(plans) > MAX_REMEMBERED_PLANS:
+                plans.clear()
+            known = plans.get(key)  # a plan, or "counted": look it up with the counts
             if known in ("selected", "dense"):
                 return known
         flops = 2 * self.parameters_per_expert()  # per row through an expert: the cost model's unit
@@ -590,14 +599,14 @@ class SoftMoE(nn.Module):
             self._plan_costs(x, selected, fewest, flops), self._plan_costs(x, selected, most, flops)))
         kept = kept_counts(selected, self.num_experts) if counted else most
         if counted and key is not None:
-            self._plans[key] = "counted"
+            plans[key] = "counted"
             key = (*key, kept)
-            plan = self._plans.get(key)
+            plan = plans.get(key)
             if plan is not None:
                 return plan
         plan, settled = self._auto_plan(x, selected, kept, flops, runs)
         if key is not None and settled:
-            self._plans[key] = plan
+            plans[key] = plan
         return plan
 
     def _auto_plan(

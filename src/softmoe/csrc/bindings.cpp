@@ -349,15 +349,15 @@ std::vector<long> grouping_order(const float *combine, int64_t B, int64_t M, int
 /* The fused mixing C relu-MLP(D^T X): x (B, M, Dm), dispatch / combine (B, M, S), weight1 (n, Dm, Hd), bias1 (n,
  * Hd), weight2 (n, Hd, Dm), bias2 (n, Dm) -> out (B, M, Dm) and what the backward reads, saved (ceil(B / lanes), S,
  * Hd (+ Dm with keep_outputs), lanes) with lanes those of the variant (16, 8 or 4): the pre-activations, then with
- * keep_outputs the slots' outputs. For inference only (saved is then incomplete): skip_idle, slots whose combine
- * weights are zero for every input of a group of lanes are not run for that group; group_inputs (with skip_idle),
- * the inputs grouped by the slots they use (grouping_order: under Algorithm 1 by the experts they keep), so that
- * more of those are idle. */
+ * keep_outputs the slots' outputs. kept_combine, for inference only (saved is then incomplete): combine is zero
+ * outside the slots each input keeps (Algorithm 1's dense plan); the inputs are grouped by the slots they keep
+ * (grouping_order), and a slot whose combine weights are zero for every input of a group of lanes is not run for
+ * that group. */
 std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const at::Tensor &dispatch_in,
                                                    const at::Tensor &combine_in, const at::Tensor &w1_in,
                                                    const c10::optional<at::Tensor> &b1_in, const at::Tensor &w2_in,
                                                    const c10::optional<at::Tensor> &b2_in, bool keep_outputs,
-                                                   bool skip_idle, bool group_inputs, const std::string &isa)
+                                                   bool kept_combine, const std::string &isa)
 {
     const Variant &v = variant(isa);
     const MixingShapes s = check_mixing(x_in, dispatch_in, combine_in, w1_in, w2_in, b2_in);
@@ -375,13 +375,14 @@ std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const
     int status;
     {
         pybind11::gil_scoped_release no_gil;
-        const std::vector<long> order =
-            skip_idle && group_inputs && s.B > lanes ? grouping_order(combine.data_ptr<float>(), s.B, s.M, s.S)
-                                                     : std::vector<long>();
+        const std::vector<long> order = kept_combine && s.B > lanes
+                                            ? grouping_order(combine.data_ptr<float>(), s.B, s.M, s.S)
+                                            : std::vector<long>();
         status = v.mixing_forward(x.data_ptr<float>(), dispatch.data_ptr<float>(), combine.data_ptr<float>(),
                                   w1.data_ptr<float>(), pointer(b1), w2.data_ptr<float>(), pointer(b2),
                                   out.data_ptr<float>(), saved.data_ptr<float>(), s.B, s.M, s.S, s.S / s.n, s.Hd,
-                                  s.Dm, keep_outputs, skip_idle, order.empty() ? nullptr : order.data(), threads());
+                                  s.Dm, keep_outputs, kept_combine, order.empty() ? nullptr : order.data(),
+                                  threads());
     }
     TORCH_CHECK(status == 0, "softmoe: the native Soft MoE kernel refused its inputs");
     return {out, saved};
@@ -690,7 +691,7 @@ uint64_t order_key(double score)
 {
     if (std::isnan(score)) return ~uint64_t(0);
     uint64_t bits;
-    const double v = score + 0.0; /* -0 becomes +0 */
+    const double v = score + 0.0; /* -0 becomes +0 (sums from +0 never give -0; the key's contract still) */
     std::memcpy(&bits, &v, sizeof bits);
     return bits >> 63 ? ~bits : bits | (uint64_t(1) << 63);
 }

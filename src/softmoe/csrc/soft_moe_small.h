@@ -397,7 +397,8 @@ INLINE void forward_group(vec *RESTRICT og, vec *RESTRICT sg, const vec *RESTRIC
 
 /* x, out (B, M, Dm); dispatch, combine (B, M, S); saved (G, S, W, LANES) with G = ceil(B / LANES) and W = Hd
  * (keep 0) or Hd + Dm (keep 1): per group and slot the pre-activations, then with keep the slot's outputs (the
- * backward pass reads them instead of running the second layer again), lane l of group g for input LANES * g + l.
+ * backward pass reads them instead of running the second layer again), lane l of group g for input LANES * g + l
+ * (with order: order[LANES * g + l]).
  * Weights as the layer holds them: w1 (n, Dm, Hd), b1 (n, Hd), w2 (n, Hd, Dm), b2 (n, Dm); b1 and b2 may be NULL.
  * skip_idle: the slots whose combine weights are zero for every input of a group are not run there (forward_group;
  * saved then holds no record of them: for calls without a backward pass). order (B input indices, or NULL for the

@@ -4,6 +4,7 @@ autocast, and what watches the dispatcher."""
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -36,12 +37,16 @@ def plain_eager_mode(device_type: str) -> bool:
 def direct_call_ok(device_type: str, *tensors: torch.Tensor | None) -> bool:
     """Whether an op's code may be called directly, without the dispatcher's host time (13-40 us per call on the CPU
     machines of docs/performance.md): plain eager mode for ``device_type`` (:func:`plain_eager_mode`), no gradient
-    recorded for ``tensors``, and nothing that watches the dispatcher (a TorchDispatchMode or TorchFunctionMode, e.g.
-    ``FlopCounterMode``, or the profiler), which would miss the call."""
+    recorded for ``tensors`` (reverse or forward mode), no tensor subclass with its own ``__torch_function__`` among
+    them, and nothing that watches the dispatcher and would miss the call: a TorchDispatchMode or TorchFunctionMode
+    (e.g. ``FlopCounterMode``), the profiler, or ``torch.jit.trace``."""
     return (
         plain_eager_mode(device_type)
         and not needs_grad(*tensors)
+        and forward_ad._current_level < 0  # no forward-mode AD level open (its duals do not require grad)
+        and not torch._C._has_torch_function(tensors)
         and not torch._C._len_torch_dispatch_stack()
         and not torch._C._is_torch_function_mode_enabled()
         and not torch._C._autograd._profiler_enabled()
+        and torch._C._get_tracing_state() is None
     )

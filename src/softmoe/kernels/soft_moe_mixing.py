@@ -69,7 +69,7 @@ def soft_moe_mixing_op(
 ) -> tuple[Tensor, Tensor]:
     """The fused mixing with the ``isa`` variant of the native kernel: (out, saved) (see the module docstring)."""
     out, saved = native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs,
-                                                 False, False, isa)
+                                                 False, isa)
     return out, saved
 
 
@@ -159,20 +159,20 @@ def soft_moe_mixing(
     (experts, hidden, dim), bias2 (experts, dim) -> (batch, tokens, dim). No (batch, slots, dim) tensor is written:
     each thread takes 16 (AVX-512; 8 with AVX2) inputs at a time, one per vector lane, and runs dispatch, both
     expert layers and the combine of a slot back to back in its cache. In inference (where
-    :func:`~softmoe.kernels.modes.direct_call_ok`) the op's code is called directly and a slot whose combine weights
-    are zero for all the inputs of a group is not run for it: Algorithm 1's dense plan then skips the experts that no
-    input of a group keeps (at batch 1, all it does not keep); with ``kept_combine`` (combine zero outside the slots
-    of each input's kept experts) the inputs are grouped by the slots they keep, so that each group runs few experts.
-    Only where :func:`native_mixing_applies`;
+    :func:`~softmoe.kernels.modes.direct_call_ok`) the op's code is called directly, and with ``kept_combine``
+    (combine zero outside the slots of each input's kept experts: Algorithm 1's dense plan) the inputs are grouped by
+    the slots they keep and a slot is not run for a group none of whose inputs keeps it (at batch 1, every expert
+    not kept). Finite outputs are the same either way; an expert whose outputs are not finite adds NaN (its output
+    times a zero weight) only to the inputs of the groups that run it. Only where :func:`native_mixing_applies`;
     other dtypes, devices, more than MIXING_MAX_TOKENS tokens or inconsistent shapes raise a ValueError. Runs
     ``softmoe::soft_moe_mixing`` with the variant :func:`~softmoe.kernels.cpu_isa` names.
     """
     _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2)
     isa = required_isa()
     if direct_call_ok("cpu", x, dispatch, combine, weight1, bias1, weight2, bias2):
-        # inference: the op's code without the dispatcher, slots idle in a group of inputs skipped (no backward
-        # reads their records)
-        return native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, False, True,
+        # inference: the op's code without the dispatcher; with kept_combine the experts a group of inputs does not
+        # keep are skipped (no backward reads their records)
+        return native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, False,
                                                kept_combine, isa)[0]
     # the outputs are kept only for a backward pass: none under no_grad or for inputs without gradients
     keep = weight1.shape[2] >= MIXING_KEEP_OUTPUTS_MIN_HIDDEN and needs_grad(
