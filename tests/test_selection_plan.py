@@ -499,3 +499,18 @@ def test_algorithm1s_plan_is_remembered_per_layer_and_call(monkeypatch):
             layer(x)
             layer(x)
             assert len(decided) == 8
+
+
+def test_the_remembered_plans_are_bounded_and_optional(monkeypatch):
+    """A layer forgets its remembered plans past MAX_REMEMBERED_PLANS, and one pickled before it had any (no
+    ``_plans``) starts remembering."""
+    import softmoe.layer as layer_module
+
+    monkeypatch.setattr(layer_module, "MAX_REMEMBERED_PLANS", 2)
+    torch.manual_seed(0)
+    layer = SoftMoE(12, 8, expert_hidden=16).eval()
+    del layer._plans
+    with torch.no_grad(), select_experts(layer, k=2):
+        for batch in range(1, 9):
+            layer(torch.randn(batch, 5, 12))
+            assert 1 <= len(layer._plans) <= 2 + 2  # at most two kept, and a call's two entries (counted)
