@@ -347,6 +347,14 @@ class ExpertSelector(Protocol):
         ...
 
 
+def _run_settings(device: torch.device) -> tuple[torch.dtype | None, tuple]:
+    """What else a plan's speed on ``device`` depends on, beside the call's shapes: autocast's dtype (None when off)
+    and the host's settings (on the CPU torch's threads and the native kernels' instruction set, else none)."""
+    kind = device.type
+    autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    return autocast, (torch.get_num_threads(), cpu_isa()) if kind == "cpu" else ()
+
+
 class SoftMoE(nn.Module):
     """Soft Mixture of Experts: (batch, tokens, dim) -> (batch, tokens, d_out), d_out = ``out_dim`` or dim.
 
@@ -551,12 +559,16 @@ class SoftMoE(nn.Module):
         before its first call, the cost model's answer, which the timing may overturn), else
         :func:`softmoe.selection_plan.selected_plan_is_cheaper` on this layer's
         :func:`~softmoe.selection_plan.plan_costs`, the pairs and experts in use counted where host reads are free."""
-        flops = 2 * self.parameters_per_expert()  # per row through an expert: the cost model's unit
-        return self._auto_plan(x, selected, kept_counts(selected, self.num_experts), flops)[0] == "selected"
+        kept = kept_counts(selected, self.num_experts)
+        return self._auto_plan(x, selected, kept, self._flops_per_row())[0] == "selected"
 
     def parameters_per_expert(self) -> float:
         """The experts' parameter count over n (a multiply-add per parameter per row: the cost of one row)."""
         return sum(t.numel() for t in self._expert_tensors()) / self.num_experts
+
+    def _flops_per_row(self) -> float:
+        """The FLOPs of one row through one expert (a multiply-add per parameter): the cost model's unit."""
+        return 2 * self.parameters_per_expert()
 
     def _expert_tensors(self) -> list[torch.Tensor]:
         """The experts' parameters, each once: cheaper per call than ``parameters()`` (1 us against 3 for
@@ -579,9 +591,7 @@ class SoftMoE(nn.Module):
         or reshaped in place is only slower, never wrong: both plans give the same output."""
         key = known = None
         if not torch.compiler.is_compiling() and not transforms_active():
-            device = x.device.type
-            host = (torch.get_num_threads(), cpu_isa()) if device == "cpu" else ()
-            autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+            autocast, host = _run_settings(x.device)
             key = (tuple(x.shape), selected.shape[1], x.dtype, x.device, self.training, self.backend,
                    id(self.experts), autocast, torch.are_deterministic_algorithms_enabled(), timings_forgotten(), *host)
             plans = self.__dict__.setdefault("_plans", {})  # (a layer pickled before it had them: none)
@@ -590,7 +600,7 @@ class SoftMoE(nn.Module):
             known = plans.get(key)  # a plan, or "counted": look it up with the counts
             if known in ("selected", "dense"):
                 return known
-        flops = 2 * self.parameters_per_expert()  # per row through an expert: the cost model's unit
+        flops = self._flops_per_row()
         # batch * k pairs of k to min(n, batch * k) experts in use, counted (1-20 us a call on the CPU) only where
         # that can change the call; then the plan is remembered for the counts too
         batch, k = selected.shape
@@ -639,9 +649,7 @@ class SoftMoE(nn.Module):
         shapes, autocast, the backend, the experts' kind and weights' shapes (not which experts are kept); on the
         CPU also torch's threads and the native kernels' instruction set."""
         weights = tuple(t.shape for t in self._expert_tensors())
-        device = x.device.type
-        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        host = (torch.get_num_threads(), cpu_isa()) if device == "cpu" else ()
+        autocast, host = _run_settings(x.device)
         return (x.device, x.dtype, tuple(x.shape), selected.shape[1], self.num_experts, self.slots_per_expert,
                 autocast, self.backend, type(self.experts), weights, *host)
 
@@ -666,8 +674,8 @@ class SoftMoE(nn.Module):
             if combine_is_kept:
                 plan = self._top_k_plan(x, selected, runs)
             else:
-                plan = self._auto_plan(x, selected, kept_counts(selected, self.num_experts),
-                                       2 * self.parameters_per_expert(), runs)[0]
+                plan = self._auto_plan(x, selected, kept_counts(selected, self.num_experts), self._flops_per_row(),
+                                       runs)[0]
         if plan == "selected":
             return self._selected_plan(x, dispatch, combine, selected, renormalize)
         return self._dense_plan(x, dispatch, combine, keep, renormalize)

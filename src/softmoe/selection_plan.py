@@ -160,8 +160,9 @@ def counts_decide(fewest: tuple[float, float], most: tuple[float, float]) -> boo
     call as a close one), given the (selected, dense) costs of :func:`plan_costs` at the fewest and at the most
     experts the selection may keep in use: not where even the fewest leave the selected plan's cost above
     :func:`worth_timing`'s band, nor where even the most leave it below."""
-    above = not worth_timing(fewest) and not selected_plan_is_cheaper(fewest, torch.device("cpu"))
-    below = not worth_timing(most) and selected_plan_is_cheaper(most, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    above = not worth_timing(fewest) and not selected_plan_is_cheaper(fewest, cpu)
+    below = not worth_timing(most) and selected_plan_is_cheaper(most, cpu)
     return not (above or below)
 
 
