@@ -21,7 +21,7 @@ from softmoe.kernels import (
     native_mixing_applies,
     soft_moe_mixing,
 )
-from softmoe.kernels.build import LANES
+from softmoe.kernels.build import LANES, native_module
 
 mixing_module = sys.modules["softmoe.kernels.soft_moe_mixing"]  # the package exports the function of that name
 
@@ -124,23 +124,35 @@ def kept_combine_inputs(shape, seed):
     return x, dispatch, combine, w1, b1, w2, b2
 
 
+# The native op's layouts of the lanes for a kept combine (kept_lanes_by in csrc/bindings.cpp)
+LAYOUTS = {"auto": 0, "by inputs": 1, "by experts": 2}
+
+
+def kept_mixing(inputs, layout):
+    """The native op's inference on a kept combine with the lanes laid out as ``layout`` says."""
+    return native_module().soft_moe_mixing(*inputs, False, True, kernels.cpu_isa(), LAYOUTS[layout])[0]
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("kept_combine", [False, True], ids=["as they come", "grouped"])
-@pytest.mark.parametrize("threads", [1, 2], indirect=True)
-def test_inference_skips_idle_slots_and_matches_float64(isa, shape, kept_combine, threads):
-    """Without gradients the op's code runs directly; with kept_combine the inputs are grouped by the slots they
-    keep and the slots whose combine weights are zero for a whole group are skipped: the output is exact."""
+@pytest.mark.parametrize("layout", ["as they come", *LAYOUTS])
+@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
+def test_inference_skips_idle_slots_and_matches_float64(isa, shape, layout, threads):
+    """Without gradients the op's code runs directly; with a kept combine the lanes are groups of inputs that keep
+    the same slots (the slots whose combine weights are zero for a whole group skipped) or groups of the inputs that
+    keep one expert (each thread's share of the inputs, outputs added up), as the op finds cheaper or as forced:
+    the output is exact in every layout."""
     inputs = kept_combine_inputs(shape, seed=sum(shape))
     with torch.no_grad():
-        out = soft_moe_mixing(*inputs, kept_combine=kept_combine)
+        out = soft_moe_mixing(*inputs) if layout == "as they come" else kept_mixing(inputs, layout)
     assert relative_error(out, mixing_reference(*(t.double() for t in inputs))) < 1e-5
 
 
 def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):
     """An expert with a NaN bias, kept by every third input: run for a group, it makes every output of the group NaN
     (its outputs enter the combine at weight 0). With kept_combine (48 inputs: two full groups of those that do not
-    keep it at every lane count) the others' outputs stay finite and exact; without it (nothing skipped) they do not,
-    nor with gradients (the op: every slot runs, its records are kept)."""
+    keep it at every lane count; or groups of the inputs that keep each expert) the others' outputs stay finite and
+    exact; without it (nothing skipped) they do not, nor with gradients (the op: every slot runs, its records are
+    kept)."""
     x, dispatch, combine, w1, b1, w2, b2 = (t.detach() for t in random_inputs(48, 4, 8, 4, 1, 3, bias=True))
     b2[3] = math.nan
     users = torch.arange(48) % 3 == 2
@@ -148,12 +160,14 @@ def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):
     inputs = (x, dispatch, combine, w1, b1, w2, b2)
     with torch.no_grad():
         grouped = soft_moe_mixing(*inputs, kept_combine=True)
+        by_layout = [kept_mixing(inputs, layout) for layout in ("by inputs", "by experts")]
         as_they_come = soft_moe_mixing(*inputs)
     others = ~users
-    assert grouped[users].isnan().all() and grouped[others].isfinite().all()
-    rows = (t[others].double() for t in (x, dispatch, combine))
+    rows = [t[others].double() for t in (x, dispatch, combine)]
     want = mixing_reference(*rows, w1.double(), b1.double(), w2.double(), b2.nan_to_num().double())
-    assert relative_error(grouped[others], want) < 1e-5
+    for out in (grouped, *by_layout):
+        assert out[users].isnan().all() and out[others].isfinite().all()
+        assert relative_error(out[others], want) < 1e-5
     assert as_they_come[others].isnan().all()
     assert soft_moe_mixing(x.requires_grad_(), *inputs[1:], kept_combine=True).isnan().all()
 

@@ -10,7 +10,7 @@ import torch
 
 import softmoe.layer as layer_module
 from softmoe import SoftMoE, masked_reference_forward, select_experts
-from softmoe.kernels import native_available
+from softmoe.kernels import cpu_isa, native_available
 from softmoe.kernels.top_k_combine import native_top_k_applies, top_k_combine
 from softmoe.selection import Selector, top_k_by_combine
 from softmoe.selection_plan import kept_slots
@@ -26,11 +26,12 @@ def torch_top_k_combine(combine: torch.Tensor, p: int, k: int) -> tuple[torch.Te
 
 
 SHAPES = [((1, 1, 1), 1, 1), ((3, 5, 8), 1, 1), ((3, 5, 8), 1, 7), ((4, 197, 8), 1, 2), ((6, 4, 12), 3, 2),
-          ((5, 4, 128), 1, 32), ((2, 7, 260), 2, 129), ((70, 4, 16), 1, 4), ((9, 3, 30), 5, 6)]
+          ((5, 4, 128), 1, 32), ((2, 7, 260), 2, 129), ((70, 4, 16), 1, 4), ((9, 3, 30), 5, 6),
+          ((64, 4, 256), 1, 64), ((40, 4, 33), 1, 33)]  # the last two: threads split the inputs; every expert kept
 
 
 @pytest.mark.parametrize("shape, p, k", SHAPES)
-def test_the_op_equals_the_selector_and_the_mask(shape, p, k):
+def test_the_op_equals_the_selector_and_the_mask(isa, shape, p, k):
     torch.manual_seed(sum(shape) + p + k)
     combine = torch.randn(shape).softmax(dim=-1)
     kept, selected = top_k_combine(combine, p, k)
@@ -52,13 +53,15 @@ def test_ties_go_to_the_lower_expert_and_nan_comes_first():
 
 
 @pytest.mark.parametrize("p", [1, 2])
-def test_many_ties_signed_zeros_infinities_and_nans_rank_as_the_selector_ranks(p):
-    """The kernel ranks by a key per expert and a selection of its k-th largest (no sort): sums drawn from a few
-    values (+0 and -0 equal, infinities, NaNs from inf - inf and NaN entries) tie in many ways, at every k."""
+@pytest.mark.parametrize("slots", [24, 136])
+def test_many_ties_signed_zeros_infinities_and_nans_rank_as_the_selector_ranks(isa, p, slots):
+    """The kernel ranks by a key per expert (no sort): up to 32 experts by counting ranks, beyond by a selection of
+    the k-th largest key; sums drawn from a few values (+0 and -0 equal, infinities, NaNs from inf - inf and NaN
+    entries) tie in many ways, at every k, on every kernel variant."""
     gen = torch.Generator().manual_seed(p)
     values = torch.tensor([0.0, -0.0, 0.25, 0.25, 1.0, math.inf, -math.inf, math.nan])
-    combine = values[torch.randint(len(values), (16, 2, 24), generator=gen)]
-    for k in range(1, 24 // p + 1):
+    combine = values[torch.randint(len(values), (16, 2, slots), generator=gen)]
+    for k in range(1, slots // p + 1):
         kept, selected = top_k_combine(combine, p, k)
         want_kept, want_selected = torch_top_k_combine(combine, p, k)
         assert torch.equal(selected, want_selected), k
@@ -76,7 +79,7 @@ def test_a_strided_combine_is_read_as_its_values():
 def test_opcheck_and_the_gradient_reaches_the_kept_slots_only():
     torch.manual_seed(2)
     combine = torch.randn(4, 3, 6).softmax(dim=-1).requires_grad_()
-    torch.library.opcheck(torch.ops.softmoe.top_k_combine.default, (combine, 2, 2))
+    torch.library.opcheck(torch.ops.softmoe.top_k_combine.default, (combine, 2, 2, cpu_isa()))
     kept, selected = top_k_combine(combine, 2, 2)
     assert not selected.requires_grad
     upstream = torch.randn_like(kept)

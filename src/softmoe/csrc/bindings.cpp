@@ -26,6 +26,10 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "kernels.h"
 
 /* The kernels' scratch memory (declared in variant.h). A block malloc'ed and freed on every call comes back, once
@@ -86,6 +90,7 @@ struct Variant {
     decltype(&softmoe_portable::soft_moe_small_lanes) mixing_lanes;
     decltype(&softmoe_portable::soft_moe_routing_forward) routing_forward;
     decltype(&softmoe_portable::soft_moe_routing_backward) routing_backward;
+    decltype(&softmoe_portable::top_k_combine) top_k_combine;
 };
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -111,7 +116,7 @@ bool always() { return true; }
     {                                                                                                                 \
         label, lanes, supported, ns::expert_matmul, ns::expert_matmul_nt, ns::expert_matmul_tn,                      \
             ns::soft_moe_small_forward, ns::soft_moe_small_backward, ns::soft_moe_small_lanes,                        \
-            ns::soft_moe_routing_forward, ns::soft_moe_routing_backward                                               \
+            ns::soft_moe_routing_forward, ns::soft_moe_routing_backward, ns::top_k_combine                            \
     }
 
 /* Best first: the variant chosen by default is the first this CPU supports. */
@@ -319,45 +324,144 @@ c10::optional<at::Tensor> contiguous(const c10::optional<at::Tensor> &t)
  * small arrays (phi of a few slots) stay on the calling thread instead of paying for a parallel region. */
 int64_t grain(int64_t work) { return std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(work, 1)); }
 
-/* The inputs in an order that puts those with the same slots of nonzero combine weight (over their tokens) side by
- * side: per input the bits of those slots, the inputs stably sorted by them; empty where all inputs have the same
- * bits (no order helps). combine (B, M, S). */
-std::vector<long> grouping_order(const float *combine, int64_t B, int64_t M, int64_t S)
+/* Per input, the bits of its slots of nonzero combine weight (of either sign, over its tokens): `words` 64-bit
+ * words each. combine (B, M, S). */
+std::vector<uint64_t> slot_bits(const float *combine, int64_t B, int64_t M, int64_t S, int64_t words)
 {
-    const int64_t words = (S + 63) / 64;
-    std::vector<uint64_t> bits(B * words, 0);
+    std::vector<uint64_t> bits(B * words);
     at::parallel_for(0, B, grain(M * S), [&](int64_t first, int64_t last) {
         for (int64_t b = first; b < last; b++)
-            for (int64_t t = 0; t < M; t++) {
-                const float *row = combine + (b * M + t) * S;
-                for (int64_t s = 0; s < S; s++) bits[b * words + s / 64] |= uint64_t(row[s] != 0.0f) << (s % 64);
+            for (int64_t w = 0; w < words; w++) { /* a word at a time, in a register */
+                const int64_t s0 = w * 64, count = std::min<int64_t>(64, S - s0);
+                uint64_t word = 0;
+                for (int64_t t = 0; t < M; t++) {
+                    const float *row = combine + (b * M + t) * S + s0;
+                    int64_t s = 0;
+#if defined(__SSE2__) /* four floats a compare (NaN too is not zero) */
+                    for (; s + 4 <= count; s += 4)
+                        word |= uint64_t(_mm_movemask_ps(_mm_cmpneq_ps(_mm_loadu_ps(row + s), _mm_setzero_ps()))) << s;
+#endif
+                    for (; s < count; s++) word |= uint64_t(row[s] != 0.0f) << s;
+                }
+                bits[b * words + w] = word;
             }
     });
-    bool same = true;
-    for (int64_t b = 1; b < B && same; b++)
-        same = std::equal(bits.begin() + b * words, bits.begin() + (b + 1) * words, bits.begin());
-    if (same) return {};
-    std::vector<long> order(B);
-    for (int64_t b = 0; b < B; b++) order[b] = long(b);
-    std::stable_sort(order.begin(), order.end(), [&](long a, long c) {
-        return std::lexicographical_compare(bits.begin() + a * words, bits.begin() + (a + 1) * words,
-                                            bits.begin() + c * words, bits.begin() + (c + 1) * words);
-    });
-    return order;
+    return bits;
+}
+
+/* How the fused kernel lays out Algorithm 1's kept combine (combine zero outside each input's kept slots) in
+ * vector lanes, for soft_moe_small_forward: groups of inputs (`order` puts those that keep the same slots side by
+ * side; empty: as they come), each running the slots one of its inputs keeps; or, where `experts` is not empty,
+ * groups of one expert's slots, each of inputs that keep it (experts: (first place in order, lanes, expert) per
+ * group; parts: the groups of each thread's share of the inputs). */
+struct KeptLanes {
+    std::vector<long> order, experts, parts;
+};
+
+enum { LANES_AUTO, LANES_BY_INPUTS, LANES_BY_EXPERTS };
+
+/* What moving one vector of a group's rows in and out costs in the cost model below, in multiply-adds of a vector:
+ * for groups of inputs (gathered, then written back, once for all their slots) and for groups of one expert's slots
+ * (gathered, their outputs added back, and per slot the group's output rows cleared and read and written by the
+ * combine). Fitted to the op's times on an AMD EPYC Zen 5 (AVX-512, 2 threads, the MNIST layer at 8, 64 and 256
+ * experts; docs/performance.md): a vector moved cost 10-20 vector multiply-adds. */
+constexpr double INPUT_GROUP_MOVES = 10.0, EXPERT_GROUP_MOVES = 20.0;
+
+/* The layout of the lanes for kept combine (B, M, S) with P slots per expert of Hd hidden units and dim Dm, `lanes`
+ * per vector and `parts` threads: `how` LANES_BY_INPUTS or LANES_BY_EXPERTS, or LANES_AUTO for the one of fewer
+ * vector operations counted: a slot run for a group costs its dispatch, both layers and its combine (2 M Dm + 2 Dm
+ * Hd multiply-adds), its rows (M Dm vectors) INPUT_GROUP_MOVES or EXPERT_GROUP_MOVES each. The expert groups are
+ * counted first and listed only where they are taken. */
+KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int64_t P, int64_t Hd, int64_t Dm,
+                     int64_t lanes, int64_t parts, int how)
+{
+    const int64_t words = (S + 63) / 64, n = S / P;
+    const std::vector<uint64_t> bits = slot_bits(combine, B, M, S, words);
+    const double slot_cost = 2.0 * M * Dm + 2.0 * Dm * Hd, rows = double(M) * Dm;
+    parts = std::max<int64_t>(1, std::min(parts, B));
+    /* each expert's inputs in each part, through the set bits */
+    const auto for_each_expert = [&](int64_t b, auto &&use) {
+        int64_t last = -1;
+        for (int64_t w = 0; w < words; w++)
+            for (uint64_t word = bits[b * words + w]; word; word &= word - 1) {
+                const int64_t j = (w * 64 + __builtin_ctzll(word)) / P;
+                if (j != last) use(j);
+                last = j;
+            }
+    };
+    double experts_cost = 0.0, inputs_cost = 0.0;
+    /* the expert groups' cost is at least that of the (input, expert) pairs in full groups; the input groups' at most
+       that of every slot run: counted only where that can tell */
+    int64_t pair_slots = 0;
+    for (const uint64_t word : bits) pair_slots += __builtin_popcountll(word);
+    const double experts_least = double(pair_slots) / lanes * (slot_cost + EXPERT_GROUP_MOVES * rows / P);
+    const double inputs_most = double((B + lanes - 1) / lanes) * (S * slot_cost + INPUT_GROUP_MOVES * rows);
+    if (how == LANES_AUTO && experts_least < inputs_most) {
+        std::vector<int64_t> count(n);
+        for (int64_t part = 0; part < parts; part++) {
+            std::fill(count.begin(), count.end(), 0);
+            for (int64_t b = B * part / parts; b < B * (part + 1) / parts; b++)
+                for_each_expert(b, [&](int64_t j) { count[j]++; });
+            for (int64_t j = 0; j < n; j++)
+                experts_cost += double((count[j] + lanes - 1) / lanes) * (P * slot_cost + EXPERT_GROUP_MOVES * rows);
+        }
+    }
+    KeptLanes layout;
+    if (how != LANES_BY_EXPERTS) {
+        bool same = true;
+        for (int64_t b = 1; b < B && same; b++)
+            same = std::equal(bits.begin() + b * words, bits.begin() + (b + 1) * words, bits.begin());
+        std::vector<long> order(B);
+        for (int64_t b = 0; b < B; b++) order[b] = long(b);
+        if (!same)
+            std::stable_sort(order.begin(), order.end(), [&](long a, long c) {
+                return std::lexicographical_compare(bits.begin() + a * words, bits.begin() + (a + 1) * words,
+                                                    bits.begin() + c * words, bits.begin() + (c + 1) * words);
+            });
+        const bool compare = how == LANES_AUTO && experts_least < inputs_most;
+        for (int64_t g = 0; g < B && compare; g += lanes) { /* a group runs the slots one input keeps */
+            int64_t run = 0;
+            for (int64_t w = 0; w < words; w++) {
+                uint64_t any = 0;
+                for (int64_t l = g; l < std::min(B, g + lanes); l++) any |= bits[order[l] * words + w];
+                run += __builtin_popcountll(any);
+            }
+            inputs_cost += run * slot_cost + INPUT_GROUP_MOVES * rows;
+        }
+        if (!compare || inputs_cost <= experts_cost) {
+            if (!same) layout.order = std::move(order);
+            return layout;
+        }
+    }
+    std::vector<std::vector<long>> keep(n); /* per expert, the inputs of a part that keep it */
+    layout.parts.push_back(0);
+    for (int64_t part = 0; part < parts; part++) {
+        for (int64_t b = B * part / parts; b < B * (part + 1) / parts; b++)
+            for_each_expert(b, [&](int64_t j) { keep[j].push_back(long(b)); });
+        for (int64_t j = 0; j < n; j++) {
+            for (size_t l = 0; l < keep[j].size(); l += lanes)
+                layout.experts.insert(layout.experts.end(), {long(layout.order.size() + l),
+                                                             long(std::min<size_t>(lanes, keep[j].size() - l)), long(j)});
+            layout.order.insert(layout.order.end(), keep[j].begin(), keep[j].end());
+            keep[j].clear();
+        }
+        layout.parts.push_back(long(layout.experts.size() / 3));
+    }
+    return layout;
 }
 
 /* The fused mixing C relu-MLP(D^T X): x (B, M, Dm), dispatch / combine (B, M, S), weight1 (n, Dm, Hd), bias1 (n,
  * Hd), weight2 (n, Hd, Dm), bias2 (n, Dm) -> out (B, M, Dm) and what the backward reads, saved (ceil(B / lanes), S,
  * Hd (+ Dm with keep_outputs), lanes) with lanes those of the variant (16, 8 or 4): the pre-activations, then with
- * keep_outputs the slots' outputs. kept_combine, for inference only (saved is then incomplete): combine is zero
- * outside the slots each input keeps (Algorithm 1's dense plan); the inputs are grouped by the slots they keep
- * (grouping_order), and a slot whose combine weights are zero for every input of a group of lanes is not run for
- * that group. */
+ * keep_outputs the slots' outputs. kept_combine, for inference only (saved is then incomplete, of another shape
+ * with expert groups): combine is zero outside the slots each input keeps (Algorithm 1's dense plan); the lanes are
+ * laid out by kept_lanes (kept_lanes_by: LANES_AUTO, or one layout forced), and a slot whose combine weights are
+ * zero for every input of a group of lanes is not run for that group. */
 std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const at::Tensor &dispatch_in,
                                                    const at::Tensor &combine_in, const at::Tensor &w1_in,
                                                    const c10::optional<at::Tensor> &b1_in, const at::Tensor &w2_in,
                                                    const c10::optional<at::Tensor> &b2_in, bool keep_outputs,
-                                                   bool kept_combine, const std::string &isa)
+                                                   bool kept_combine, const std::string &isa, int64_t kept_lanes_by)
 {
     const Variant &v = variant(isa);
     const MixingShapes s = check_mixing(x_in, dispatch_in, combine_in, w1_in, w2_in, b2_in);
@@ -369,19 +473,32 @@ std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const
     const at::Tensor w1 = w1_in.contiguous(), w2 = w2_in.contiguous();
     const c10::optional<at::Tensor> b1 = contiguous(b1_in), b2 = contiguous(b2_in);
     const int64_t lanes = v.lanes;
-    at::Tensor out = at::empty({s.B, s.M, s.Dm}, x.options());
-    at::Tensor saved = at::empty({(s.B + lanes - 1) / lanes, s.S, s.Hd + (keep_outputs ? s.Dm : 0), lanes},
-                                 x.options());
+    TORCH_CHECK(!(keep_outputs && kept_combine), "softmoe: kept_combine is for calls without a backward pass: it "
+                "takes keep_outputs false");
+    TORCH_CHECK(kept_lanes_by >= LANES_AUTO && kept_lanes_by <= LANES_BY_EXPERTS, "softmoe: kept_lanes_by must be ",
+                LANES_AUTO, " (auto), ", LANES_BY_INPUTS, " (by inputs) or ", LANES_BY_EXPERTS, " (by experts), got ",
+                kept_lanes_by);
+    const int64_t P = s.S / s.n, width = s.Hd + (keep_outputs ? s.Dm : 0);
+    KeptLanes layout;
+    if (kept_combine && (s.B > lanes || kept_lanes_by == LANES_BY_EXPERTS)) {
+        pybind11::gil_scoped_release no_gil;
+        layout = kept_lanes(combine.data_ptr<float>(), s.B, s.M, s.S, P, s.Hd, s.Dm, lanes, threads(),
+                            int(kept_lanes_by));
+    }
+    const bool by_experts = !layout.experts.empty();
+    const int64_t groups = by_experts ? int64_t(layout.experts.size() / 3) : (s.B + lanes - 1) / lanes;
+    /* expert groups add their outputs to zeros (an input that keeps nothing gets zeros) */
+    at::Tensor out = by_experts ? at::zeros({s.B, s.M, s.Dm}, x.options()) : at::empty({s.B, s.M, s.Dm}, x.options());
+    at::Tensor saved = at::empty({groups, by_experts ? P : s.S, width, lanes}, x.options());
     int status;
     {
         pybind11::gil_scoped_release no_gil;
-        const std::vector<long> order = kept_combine && s.B > lanes
-                                            ? grouping_order(combine.data_ptr<float>(), s.B, s.M, s.S)
-                                            : std::vector<long>();
         status = v.mixing_forward(x.data_ptr<float>(), dispatch.data_ptr<float>(), combine.data_ptr<float>(),
                                   w1.data_ptr<float>(), pointer(b1), w2.data_ptr<float>(), pointer(b2),
-                                  out.data_ptr<float>(), saved.data_ptr<float>(), s.B, s.M, s.S, s.S / s.n, s.Hd,
-                                  s.Dm, keep_outputs, kept_combine, order.empty() ? nullptr : order.data(),
+                                  out.data_ptr<float>(), saved.data_ptr<float>(), s.B, s.M, s.S, P, s.Hd, s.Dm,
+                                  keep_outputs, kept_combine, layout.order.empty() ? nullptr : layout.order.data(),
+                                  by_experts ? layout.experts.data() : nullptr, groups,
+                                  by_experts ? layout.parts.data() : nullptr, int64_t(layout.parts.size()) - 1,
                                   threads());
     }
     TORCH_CHECK(status == 0, "softmoe: the native Soft MoE kernel refused its inputs");
@@ -685,23 +802,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
 
 /* ---- Algorithm 1's choice from the combine weights (softmoe::top_k_combine) ---------------------------------- */
 
-/* An unsigned key in the order softmoe.topk.top_k ranks scores: larger scores larger keys, NaN the largest, -0 as
- * +0 (equal keys then rank the lower index first) */
-uint64_t order_key(double score)
+/* combine (B, M, S) with S = n * p slots -> (kept, selected): Algorithm 1's choice with the `isa` variant of
+ * top_k_combine.h (which says what they hold), on as many threads as the work is worth (2^15 floats each). */
+std::tuple<at::Tensor, at::Tensor> top_k_combine(const at::Tensor &combine_in, int64_t p, int64_t k,
+                                                 const std::string &isa)
 {
-    if (std::isnan(score)) return ~uint64_t(0);
-    uint64_t bits;
-    const double v = score + 0.0; /* -0 becomes +0 (sums from +0 never give -0; the key's contract still) */
-    std::memcpy(&bits, &v, sizeof bits);
-    return bits >> 63 ? ~bits : bits | (uint64_t(1) << 63);
-}
-
-/* For combine (B, M, S) with S = n * p slots (expert j's slots j * p ... j * p + p - 1): per input, each expert's
- * summed combine weight over tokens and its slots (in double), its k largest (NaN largest, ties to the lower index,
- * as softmoe.topk.top_k) into selected (B, k) in ascending order, and kept = combine with the slots of the other
- * experts zeroed. */
-std::tuple<at::Tensor, at::Tensor> top_k_combine(const at::Tensor &combine_in, int64_t p, int64_t k)
-{
+    const Variant &v = variant(isa);
     check_float_cpu(combine_in, "combine", 3);
     const at::Tensor combine = combine_in.contiguous();
     const int64_t B = combine.size(0), M = combine.size(1), S = combine.size(2);
@@ -709,45 +815,12 @@ std::tuple<at::Tensor, at::Tensor> top_k_combine(const at::Tensor &combine_in, i
     const int64_t n = S / p;
     TORCH_CHECK(k >= 1 && k <= n, "softmoe: k must be in [1, ", n, "] (the experts), got ", k);
     at::Tensor kept = at::empty_like(combine), selected = at::empty({B, k}, combine.options().dtype(at::kLong));
-    const float *c = combine.data_ptr<float>();
-    float *out = kept.data_ptr<float>();
-    int64_t *chosen = selected.data_ptr<int64_t>();
-    at::parallel_for(0, B, grain(M * S), [&](int64_t first, int64_t last) {
-        std::vector<double> score(n);
-        std::vector<uint64_t> key(n), rank(n);
-        std::vector<uint32_t> mask(S); /* per slot: all ones where its expert is kept */
-        for (int64_t b = first; b < last; b++) {
-            const float *cb = c + b * M * S;
-            float *ob = out + b * M * S;
-            std::fill(score.begin(), score.end(), 0.0);
-            for (int64_t m = 0; m < M; m++) {
-                const float *row = cb + m * S;
-                if (p == 1) /* the common case, in vectors */
-                    for (int64_t j = 0; j < n; j++) score[j] += row[j];
-                else
-                    for (int64_t j = 0; j < n; j++)
-                        for (int64_t i = 0; i < p; i++) score[j] += row[j * p + i];
-            }
-            for (int64_t j = 0; j < n; j++) key[j] = order_key(score[j]);
-            /* the k-th largest key, then every expert above it and, of those at it, the lowest indices: the top k in
-               ascending order (O(n); a partial sort took 1.2 ms for 256 inputs, 256 experts, k = 64) */
-            rank = key;
-            std::nth_element(rank.begin(), rank.begin() + (k - 1), rank.end(), std::greater<uint64_t>());
-            const uint64_t at = rank[k - 1];
-            int64_t ties = k;
-            for (int64_t j = 0; j < n; j++) ties -= key[j] > at;
-            for (int64_t j = 0, count = 0; j < n; j++) {
-                const bool keep = key[j] > at || (key[j] == at && ties-- > 0);
-                if (keep) chosen[b * k + count++] = j;
-                std::fill(mask.begin() + j * p, mask.begin() + (j + 1) * p, keep ? ~uint32_t(0) : 0);
-            }
-            for (int64_t m = 0; m < M; m++) { /* zeros (NaN too) outside the kept slots */
-                const uint32_t *row = reinterpret_cast<const uint32_t *>(cb + m * S);
-                uint32_t *o = reinterpret_cast<uint32_t *>(ob + m * S);
-                for (int64_t t = 0; t < S; t++) o[t] = row[t] & mask[t];
-            }
-        }
-    });
+    const int count = int(std::min<int64_t>(threads(), std::max<int64_t>(1, (B * M * S) >> 15)));
+    {
+        pybind11::gil_scoped_release no_gil;
+        v.top_k_combine(combine.data_ptr<float>(), kept.data_ptr<float>(), selected.data_ptr<int64_t>(), B, M, S, p,
+                        k, count);
+    }
     return {kept, selected};
 }
 
@@ -765,10 +838,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("expert_matmul_tn", &expert_matmul_tn, pybind11::arg("x"), pybind11::arg("grad"), pybind11::arg("isa"));
     m.def("reusable_empty", &reusable_float_empty, "an uninitialized float32 CPU tensor from the pool of large blocks",
           pybind11::arg("sizes"));
-    m.def("soft_moe_mixing", &soft_moe_mixing);
+    m.def("soft_moe_mixing", &soft_moe_mixing, pybind11::arg("x"), pybind11::arg("dispatch"), pybind11::arg("combine"),
+          pybind11::arg("weight1"), pybind11::arg("bias1"), pybind11::arg("weight2"), pybind11::arg("bias2"),
+          pybind11::arg("keep_outputs"), pybind11::arg("kept_combine"), pybind11::arg("isa"),
+          pybind11::arg("kept_lanes_by") = int64_t(LANES_AUTO));
     m.def("soft_moe_mixing_backward", &soft_moe_mixing_backward);
     m.def("soft_moe_routing", &soft_moe_routing);
     m.def("soft_moe_routing_backward", &soft_moe_routing_backward);
     m.def("top_k_combine", &top_k_combine, pybind11::arg("combine"), pybind11::arg("slots_per_expert"),
-          pybind11::arg("k"));
+          pybind11::arg("k"), pybind11::arg("isa"));
 }

@@ -18,12 +18,15 @@
     int soft_moe_small_forward(const float *x, const float *dispatch, const float *combine, const float *w1,         \
                                const float *b1, const float *w2, const float *b2, float *out, float *saved, long B,   \
                                long M, long S, long P, long Hd, long Dm, int keep, int skip_idle,                     \
-                               const long *order, int threads);                                                      \
+                               const long *order, const long *experts, long G_experts, const long *parts,             \
+                               long n_parts, int threads);                                                           \
     int soft_moe_small_backward(const float *grad_out, const float *x, const float *dispatch, const float *combine,  \
                                 const float *w1, const float *w2, const float *b2, const float *saved,               \
                                 float *grad_x, float *grad_dispatch, float *grad_combine,                           \
                                 float *grad_w1, float *grad_b1, float *grad_w2, float *grad_b2, long B, long M,      \
                                 long S, long P, long Hd, long Dm, int keep, int threads);                             \
+    void top_k_combine(const float *combine, float *kept, int64_t *selected, long B, long M, long S, long P, long k, \
+                       int threads);                                                                                  \
     void soft_moe_routing_forward(float *logits, const float *x, const float *phi_rows, float *dispatch,            \
                                   float *combine, float *r, long B, long M, long S, long D, int router, int threads); \
     void soft_moe_routing_backward(const float *gl, const float *gd, const float *gc, const float *logits,           \

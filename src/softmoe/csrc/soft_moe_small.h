@@ -210,14 +210,14 @@ typedef struct {
     vec *record;
 } slot_t;
 
-/* Slot s of a chunk of slots from s0 (routing weights ds, cs: M vectors per slot of the chunk) of the group whose
- * saved records (W vectors per slot) start at records. */
+/* Slot s of a chunk of slots from s0 (routing weights ds, cs: M vectors per slot of the chunk) of a group whose
+ * saved records (W vectors per slot) for the chunk start at records. */
 INLINE slot_t slot_at(long s, long s0, long P, long M, long Hd, long Dm, long W, const float *w1, const float *b1,
                       const float *w2, const float *b2, const vec *ds, const vec *cs, vec *records)
 {
     const long j = s / P;
     const slot_t q = {w1 + j * Dm * Hd, b1 ? b1 + j * Hd : NULL, w2 + j * Hd * Dm, b2 ? b2 + j * Dm : NULL,
-                      ds + (s - s0) * M, cs + (s - s0) * M, records + s * W};
+                      ds + (s - s0) * M, cs + (s - s0) * M, records + (s - s0) * W};
     return q;
 }
 
@@ -243,16 +243,19 @@ INLINE void forward_slots(vec *RESTRICT y, vec *RESTRICT y2, slot_t q, slot_t q2
 
 /* ---- layouts ------------------------------------------------------------------------------------------------ */
 
-/* Group g holds places LANES * g ... LANES * g + lanes - 1 (lanes < LANES only in the last group) of the inputs in
- * order: order[place] (an input's index; NULL: the inputs as they come, place = index). */
+/* A group of lanes holds places first ... first + lanes - 1 (lanes <= LANES) of the inputs in order: order[place]
+ * (an input's index; NULL: the inputs as they come, place = index), and runs slots s_first ... s_first + s_count - 1
+ * for them. */
 typedef struct {
     long first, lanes;
     const long *order;
+    long s_first, s_count;
 } group_t;
 
-static group_t group_of(long g, long B, const long *order)
+/* Group g of the inputs LANES at a time (lanes < LANES only in the last group), every one of the S slots. */
+static group_t group_of(long g, long B, const long *order, long S)
 {
-    const group_t grp = {g * LANES, B - g * LANES < LANES ? B - g * LANES : LANES, order};
+    const group_t grp = {g * LANES, B - g * LANES < LANES ? B - g * LANES : LANES, order, 0, S};
     return grp;
 }
 
@@ -281,38 +284,46 @@ INLINE void transpose_block(vec *v)
     }
 }
 
+enum { MOVE_GATHER, MOVE_SCATTER, MOVE_ADD };
+
 /* Between the routing layout and vectors of a group: v[(s - s0) * M + t][l] = routing[(input_of(grp, l) * M + t) *
- * S + s] for slots s0 <= s < s0 + count and t < M, one vector per (slot, token); `gather` copies the routing
- * weights into v (zero in lanes past the group's inputs), otherwise v's gradients go back into routing. A full
- * group's rows move LANES slots at a time, transposed in registers; the rest one float at a time. */
+ * S + s] for slots s0 <= s < s0 + count and t < M, one vector per (slot, token). MOVE_GATHER copies the routing
+ * weights into v (zero in lanes past the group's inputs); MOVE_SCATTER writes v's gradients back into routing,
+ * MOVE_ADD adds them to it. Rows move LANES slots at a time, transposed in registers (the lanes past the group's
+ * inputs neither read nor written); the remaining slots one float at a time. */
 static void move_slots(vec *RESTRICT v, float *RESTRICT routing, group_t grp, long s0, long count, long M, long S,
-                       int gather)
+                       int mode)
 {
     long done = 0;
-    if (grp.lanes == LANES)
-        for (; done + LANES <= count; done += LANES)
-            for (long t = 0; t < M; t++) {
-                float *rows = routing + t * S + s0 + done;
-                vec block[LANES];
+    for (; done + LANES <= count; done += LANES)
+        for (long t = 0; t < M; t++) {
+            float *rows = routing + t * S + s0 + done;
+            vec block[LANES];
 #pragma GCC unroll 16
-                for (long i = 0; i < LANES; i++)
-                    block[i] = gather ? *(uvec *)(rows + input_of(grp, i) * M * S) : v[(done + i) * M + t];
-                transpose_block(block);
+            for (long i = 0; i < LANES; i++)
+                block[i] = mode != MOVE_GATHER ? v[(done + i) * M + t]
+                         : i < grp.lanes       ? *(uvec *)(rows + input_of(grp, i) * M * S)
+                                               : vec{};
+            transpose_block(block);
 #pragma GCC unroll 16
-                for (long i = 0; i < LANES; i++) {
-                    if (gather)
-                        v[(done + i) * M + t] = block[i];
-                    else
-                        *(uvec *)(rows + input_of(grp, i) * M * S) = block[i];
-                }
+            for (long i = 0; i < LANES; i++) {
+                if (mode == MOVE_GATHER)
+                    v[(done + i) * M + t] = block[i];
+                else if (i < grp.lanes && mode == MOVE_ADD)
+                    *(uvec *)(rows + input_of(grp, i) * M * S) += block[i];
+                else if (i < grp.lanes)
+                    *(uvec *)(rows + input_of(grp, i) * M * S) = block[i];
             }
-    if (gather && grp.lanes < LANES) memset(v + done * M, 0, (count - done) * M * sizeof(vec));
+        }
+    if (mode == MOVE_GATHER && grp.lanes < LANES) memset(v + done * M, 0, (count - done) * M * sizeof(vec));
     for (long l = 0; l < grp.lanes; l++)
         for (long t = 0; t < M; t++) {
             float *row = routing + (input_of(grp, l) * M + t) * S + s0;
             for (long s = done; s < count; s++) {
-                if (gather)
+                if (mode == MOVE_GATHER)
                     v[s * M + t][l] = row[s];
+                else if (mode == MOVE_ADD)
+                    row[s] += v[s * M + t][l];
                 else
                     row[s] = v[s * M + t][l];
             }
@@ -321,23 +332,24 @@ static void move_slots(vec *RESTRICT v, float *RESTRICT routing, group_t grp, lo
 
 static void gather_slots(vec *v, const float *routing, group_t grp, long s0, long count, long M, long S)
 {
-    move_slots(v, (float *)routing, grp, s0, count, M, S, 1);
+    move_slots(v, (float *)routing, grp, s0, count, M, S, MOVE_GATHER);
 }
 
 static void scatter_slots(float *routing, vec *v, group_t grp, long s0, long count, long M, long S)
 {
-    move_slots(v, routing, grp, s0, count, M, S, 0);
+    move_slots(v, routing, grp, s0, count, M, S, MOVE_SCATTER);
 }
 
 /* v[e][l] = rows[input_of(grp, l) * count + e] for e < count: a group's inputs (rows of `count` floats) as vectors. */
 static void gather_rows(vec *v, const float *rows, group_t grp, long count)
 {
-    move_slots(v, (float *)rows, grp, 0, count, 1, count, 1);
+    move_slots(v, (float *)rows, grp, 0, count, 1, count, MOVE_GATHER);
 }
 
-static void scatter_rows(float *rows, vec *v, group_t grp, long count)
+/* The vectors back into the group's rows (mode MOVE_SCATTER), or added to them (MOVE_ADD). */
+static void scatter_rows(float *rows, vec *v, group_t grp, long count, int mode)
 {
-    move_slots(v, rows, grp, 0, count, 1, count, 0);
+    move_slots(v, rows, grp, 0, count, 1, count, mode);
 }
 
 #define SLOT_CHUNK 64 /* slots whose routing weights are gathered (and gradients scattered) together */
@@ -353,44 +365,49 @@ INLINE int slot_idle(const vec *RESTRICT cs, long M)
     return 1;
 }
 
-/* All slots of one group, outputs to og; the group's saved records (W vectors per slot: Hd pre-activations, then
- * with keep its Dm slot outputs) to sg. Without keep ys holds SPREAD_SLOTS slot outputs until they are combined.
- * pairs: slots two at a time (Hd <= PAIR_MAX_HIDDEN); a constant, so that the code of the others has no trace of it
- * (with the choice made per slot, one slot at a time took 1.02-1.05x the time at hidden 3-24). skip_idle: slots
- * idle in the whole group (slot_idle; of a pair, one alone) are not run, their outputs taken as zeros and their records
- * left unwritten (for a call without a backward pass: Algorithm 1's unselected experts cost nothing where no input
- * of the group keeps them). */
+/* The slots of one group, outputs to og; the group's saved records (W vectors per slot: Hd pre-activations, then
+ * with keep its Dm slot outputs) to sg. Without keep the outputs of up to SPREAD_SLOTS slots wait in ys until they
+ * are combined. pairs: slots two at a time (Hd <= PAIR_MAX_HIDDEN); a constant, so that the code of the others has
+ * no trace of it (with the choice made per slot, one slot at a time took 1.02-1.05x the time at hidden 3-24).
+ * skip_idle (for a call without a backward pass, and so without keep): slots idle in the whole group (slot_idle; of
+ * a pair, one alone) are neither run nor combined, their records left unwritten: Algorithm 1's unselected experts
+ * cost nothing where no input of the group keeps them. */
 INLINE void forward_group(vec *RESTRICT og, vec *RESTRICT sg, const vec *RESTRICT xg, const float *dispatch,
                           const float *combine, group_t grp, const float *w1, const float *b1, const float *w2,
                           const float *b2, vec *RESTRICT buf, vec *RESTRICT a, vec *RESTRICT ds, vec *RESTRICT cs,
                           vec *RESTRICT ys, long M, long S, long P, long Hd, long Dm, long W, int keep, int skip_idle,
                           const int pairs)
 {
+    vec coef[SPREAD_SLOTS * MAX_TOKENS]; /* the combine weights of the slots waiting to be combined */
     memset(og, 0, M * Dm * sizeof(vec));
-    for (long s0 = 0; s0 < S; s0 += SLOT_CHUNK) {
-        const long count = S - s0 < SLOT_CHUNK ? S - s0 : SLOT_CHUNK;
+    const long s_end = grp.s_first + grp.s_count;
+    for (long s0 = grp.s_first; s0 < s_end; s0 += SLOT_CHUNK) {
+        const long count = s_end - s0 < SLOT_CHUNK ? s_end - s0 : SLOT_CHUNK;
+        vec *records = sg + (s0 - grp.s_first) * W, *waiting = ys; /* with keep: the first waiting slot's outputs */
+        long pending = 0;
         gather_slots(ds, dispatch, grp, s0, count, M, S);
         gather_slots(cs, combine, grp, s0, count, M, S);
         for (long s = s0; s < s0 + count; s++) {
-            const long pending = (s - s0) % SPREAD_SLOTS; /* SPREAD_SLOTS is even: a pair never straddles two */
-            const int pair = pairs && pending % 2 == 0 && s + 1 < s0 + count;
-            const slot_t q = slot_at(s, s0, P, M, Hd, Dm, W, w1, b1, w2, b2, ds, cs, sg);
-            const slot_t q2 = pair ? slot_at(s + 1, s0, P, M, Hd, Dm, W, w1, b1, w2, b2, ds, cs, sg) : q;
-            vec *y = keep ? q.record + Hd : ys + pending * Dm, *y2 = keep ? q2.record + Hd : y + Dm;
+            const int pair = pairs && pending + 2 <= SPREAD_SLOTS && s + 1 < s0 + count;
+            const slot_t q = slot_at(s, s0, P, M, Hd, Dm, W, w1, b1, w2, b2, ds, cs, records);
+            const slot_t q2 = pair ? slot_at(s + 1, s0, P, M, Hd, Dm, W, w1, b1, w2, b2, ds, cs, records) : q;
             const int idle = skip_idle && slot_idle(q.cs, M), idle2 = pair && skip_idle && slot_idle(q2.cs, M);
-            if (idle) memset(y, 0, Dm * sizeof(vec));
-            if (idle2) memset(y2, 0, Dm * sizeof(vec));
+            vec *y = keep ? q.record + Hd : ys + pending * Dm;
+            vec *y2 = keep ? q2.record + Hd : ys + (pending + !idle) * Dm;
+            if (keep && pending == 0) waiting = y;
             if (pair && !idle && !idle2) {
                 forward_slots(y, y2, q, q2, xg, buf, a, M, Hd, Dm, 1);
             } else {
                 if (!idle) forward_slots(y, y, q, q, xg, buf, a, M, Hd, Dm, 0);
                 if (pair && !idle2) forward_slots(y2, y2, q2, q2, xg, buf, a, M, Hd, Dm, 0);
             }
+            if (!idle) memcpy(coef + pending++ * M, q.cs, M * sizeof(vec));
+            if (pair && !idle2) memcpy(coef + pending++ * M, q2.cs, M * sizeof(vec));
             s += pair;
-            const long done = pending + pair; /* the last slot's place among the pending ones */
-            if (done == SPREAD_SLOTS - 1 || s == s0 + count - 1)
-                spread_pending(og, cs + (s - done - s0) * M, keep ? sg + (s - done) * W + Hd : ys, keep ? W : Dm,
-                               done + 1, M, Dm);
+            if (pending == SPREAD_SLOTS || (pending && s == s0 + count - 1)) {
+                spread_pending(og, coef, waiting, keep ? W : Dm, pending, M, Dm);
+                pending = 0;
+            }
         }
     }
 }
@@ -401,19 +418,23 @@ INLINE void forward_group(vec *RESTRICT og, vec *RESTRICT sg, const vec *RESTRIC
  * (with order: order[LANES * g + l]).
  * Weights as the layer holds them: w1 (n, Dm, Hd), b1 (n, Hd), w2 (n, Hd, Dm), b2 (n, Dm); b1 and b2 may be NULL.
  * skip_idle: the slots whose combine weights are zero for every input of a group are not run there (forward_group;
- * saved then holds no record of them: for calls without a backward pass). order (B input indices, or NULL for the
- * inputs as they come): the inputs in the order they are grouped in, LANES at a time (saved's groups too). Returns
- * 0, or 1 when M is outside 1..MAX_TOKENS (nothing is written then). */
+ * saved then holds no record of them: for calls without a backward pass). order (the input indices, or NULL for the
+ * inputs as they come): the inputs in the order they are grouped in, LANES at a time (saved's groups too).
+ * experts (for calls without a backward pass; NULL: the groups above): G groups of one expert's slots each, experts[3
+ * * g ... 3 * g + 2] = (its first place in order, its lanes, its expert), saved (G, P, W, LANES); the groups split
+ * into `parts` parts, part i groups parts[i] ... parts[i + 1] - 1, no input in two parts (a thread runs whole parts:
+ * it adds its groups' outputs to out, which holds zeros on the call). Returns 0, or 1 when M is outside
+ * 1..MAX_TOKENS (nothing is written then). */
 int soft_moe_small_forward(const float *x, const float *dispatch, const float *combine, const float *w1,
                            const float *b1, const float *w2, const float *b2, float *out, float *saved, long B,
                            long M, long S, long P, long Hd, long Dm, int keep, int skip_idle, const long *order,
-                           int threads)
+                           const long *experts, long G_experts, const long *parts, long n_parts, int threads)
 {
     const long W = keep ? Hd + Dm : Hd;
-    const long G = (B + LANES - 1) / LANES;
+    const long G = experts ? G_experts : (B + LANES - 1) / LANES, units = experts ? n_parts : G;
     if (M < 1 || M > MAX_TOKENS) return 1;
     if (G <= 0) return 0;
-    if (threads > G) threads = (int)G;
+    if (threads > units) threads = (int)units;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
@@ -422,9 +443,15 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
         vec *og = xg + M * Dm, *buf = og + M * Dm, *a = buf + Dm, *ds = a + Hd, *cs = ds + SLOT_CHUNK * M;
         vec *ys = cs + SLOT_CHUNK * M;
         const long t = omp_get_thread_num(), count = omp_get_num_threads();
-        for (long g = G * t / count; g < G * (t + 1) / count; g++) {
-            const group_t grp = group_of(g, B, order);
-            vec *sg = (vec *)saved + g * S * W;
+        const long u0 = units * t / count, u1 = units * (t + 1) / count;
+        for (long g = experts ? parts[u0] : u0; g < (experts ? parts[u1] : u1); g++) {
+            group_t grp = group_of(g, B, order, S);
+            if (experts) {
+                const long *e = experts + 3 * g;
+                const group_t one = {e[0], e[1], order, e[2] * P, P};
+                grp = one;
+            }
+            vec *sg = (vec *)saved + g * grp.s_count * W;
             gather_rows(xg, x, grp, M * Dm);
 #if PAIR_MAX_HIDDEN > 0
             if (M == 4 && Hd <= PAIR_MAX_HIDDEN)
@@ -438,7 +465,7 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
             else
                 forward_group(og, sg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, ds, cs, ys, M, S, P, Hd, Dm,
                               W, keep, skip_idle, 0);
-            scatter_rows(out, og, grp, M * Dm);
+            scatter_rows(out, og, grp, M * Dm, experts ? MOVE_ADD : MOVE_SCATTER);
         }
         softmoe_scratch_release(0);
     }
@@ -819,7 +846,7 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
     for (long g0 = 0; g0 < G; g0 += GROUP_BLOCK) {
         const long ng = G - g0 < GROUP_BLOCK ? G - g0 : GROUP_BLOCK;
         for (long gi = 0; gi < ng; gi++) {
-            const group_t grp = group_of(g0 + gi, B, NULL);
+            const group_t grp = group_of(g0 + gi, B, NULL, S);
             gather_rows(xg + gi * MD, x, grp, MD);
             gather_rows(gog + gi * MD, grad_out, grp, MD);
         }
@@ -827,14 +854,14 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
         for (long s0 = first * P; s0 < last * P; s0 += SLOT_CHUNK) {
             const long count = last * P - s0 < SLOT_CHUNK ? last * P - s0 : SLOT_CHUNK, chunk = count * M;
             for (long gi = 0; gi < ng; gi++) {
-                gather_slots(ds + gi * chunk, dispatch, group_of(g0 + gi, B, NULL), s0, count, M, S);
-                gather_slots(cs + gi * chunk, combine, group_of(g0 + gi, B, NULL), s0, count, M, S);
+                gather_slots(ds + gi * chunk, dispatch, group_of(g0 + gi, B, NULL, S), s0, count, M, S);
+                gather_slots(cs + gi * chunk, combine, group_of(g0 + gi, B, NULL, S), s0, count, M, S);
             }
             for (long s = s0; s < s0 + count; s++) {
                 const long at = (s - s0) * M, pending = (s - s0) % SPREAD_SLOTS;
                 const int pair = pairs && pending % 2 == 0 && s + 1 < s0 + count;
                 for (long gi = 0; gi < ng; gi++) {
-                    vec *records = (vec *)saved + (g0 + gi) * S * W, *spread = gslots + gi * SPREAD_SLOTS * Dm;
+                    vec *records = (vec *)saved + ((g0 + gi) * S + s0) * W, *spread = gslots + gi * SPREAD_SLOTS * Dm;
                     const vec *dsi = ds + gi * chunk, *csi = cs + gi * chunk;
                     const slot_t q = slot_at(s, s0, P, M, Hd, Dm, W, w1, NULL, w2, b2, dsi, csi, records);
                     const slot_t q2 =
@@ -863,11 +890,11 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
                 s += pair;
             }
             for (long gi = 0; gi < ng; gi++) {
-                scatter_slots(grad_dispatch, gds_all + gi * chunk, group_of(g0 + gi, B, NULL), s0, count, M, S);
-                scatter_slots(grad_combine, gcs_all + gi * chunk, group_of(g0 + gi, B, NULL), s0, count, M, S);
+                scatter_slots(grad_dispatch, gds_all + gi * chunk, group_of(g0 + gi, B, NULL, S), s0, count, M, S);
+                scatter_slots(grad_combine, gcs_all + gi * chunk, group_of(g0 + gi, B, NULL, S), s0, count, M, S);
             }
         }
-        for (long gi = 0; gi < ng; gi++) scatter_rows(gx, gxg + gi * MD, group_of(g0 + gi, B, NULL), MD);
+        for (long gi = 0; gi < ng; gi++) scatter_rows(gx, gxg + gi * MD, group_of(g0 + gi, B, NULL, S), MD, MOVE_SCATTER);
     }
     softmoe_scratch_release(0);
     for (long j = first; j < last; j++)

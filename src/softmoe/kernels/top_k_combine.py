@@ -1,11 +1,11 @@
 """``softmoe::top_k_combine``: Algorithm 1's choice of experts from a layer's combine weights, in one native call
-(``csrc/bindings.cpp``), for the CPU.
+(``csrc/top_k_combine.h``), for the CPU.
 
-    softmoe::top_k_combine(Tensor combine, int slots_per_expert, int k) -> (Tensor kept, Tensor selected)
+    softmoe::top_k_combine(Tensor combine, int slots_per_expert, int k, str isa) -> (Tensor kept, Tensor selected)
         combine (batch, tokens, n * p) -> kept (batch, tokens, n * p): combine with the slots of the experts not
         selected zeroed; selected (batch, k) int64: per input the k experts of largest summed combine weight (over
         tokens and the expert's p slots), ascending (NaN largest, ties to the lower index: softmoe.topk.top_k's rule;
-        the sums in float64)
+        the sums in float64); ``isa`` the kernel variant that runs it
 
 ``softmoe.selection.top_k_by_combine`` takes this op for float32 CPU tensors, so a selector and the layer choose
 alike; elsewhere it sums in the tensor's precision with torch's ops, where two experts whose sums differ only by
@@ -21,19 +21,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from softmoe.kernels.build import native_available, native_module
+from softmoe.kernels.build import native_available, native_module, required_isa
 from softmoe.kernels.modes import direct_call_ok, transforms_active
 from softmoe.selection_plan import kept_slots
 
 
 @torch.library.custom_op("softmoe::top_k_combine", mutates_args=(), device_types="cpu")
-def top_k_combine_op(combine: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor]:
-    """(kept combine, selected experts) with the native kernel (see the module docstring)."""
-    return native_module().top_k_combine(combine, slots_per_expert, k)
+def top_k_combine_op(combine: Tensor, slots_per_expert: int, k: int, isa: str) -> tuple[Tensor, Tensor]:
+    """(kept combine, selected experts) with the ``isa`` variant of the native kernel (see the module docstring)."""
+    return native_module().top_k_combine(combine, slots_per_expert, k, isa)
 
 
 @top_k_combine_op.register_fake
-def _(combine: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor]:
+def _(combine: Tensor, slots_per_expert: int, k: int, isa: str) -> tuple[Tensor, Tensor]:
     torch._check(combine.dim() == 3 and combine.dtype == torch.float32,
                  lambda: "combine must be a (batch, tokens, slots) float32 tensor")
     torch._check(slots_per_expert >= 1 and combine.shape[2] % slots_per_expert == 0,
@@ -44,7 +44,7 @@ def _(combine: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor]:
 
 
 def _setup(ctx, inputs, output) -> None:
-    combine, slots_per_expert, _ = inputs
+    combine, slots_per_expert, _, _ = inputs
     _, selected = output
     ctx.mark_non_differentiable(selected)
     ctx.save_for_backward(selected)
@@ -53,7 +53,7 @@ def _setup(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_kept: Tensor, _grad_selected: Tensor):
     (selected,) = ctx.saved_tensors
-    return torch.where(kept_slots(selected, ctx.num_experts, ctx.slots_per_expert), grad_kept, 0.0), None, None
+    return torch.where(kept_slots(selected, ctx.num_experts, ctx.slots_per_expert), grad_kept, 0.0), None, None, None
 
 
 top_k_combine_op.register_autograd(_backward, setup_context=_setup)
@@ -73,13 +73,14 @@ def native_top_k_applies(combine: Tensor) -> bool:
 def top_k_combine(combine: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor]:
     """Algorithm 1 on combine (batch, tokens, n * p): (combine with the unselected experts' slots zeroed, the
     selected experts (batch, k) int64 ascending), by ``softmoe::top_k_combine`` (its code called directly where
-    :func:`~softmoe.kernels.modes.direct_call_ok`). Only where :func:`native_top_k_applies`; a ValueError for a k
-    outside [1, n] or slots that are not n * p."""
+    :func:`~softmoe.kernels.modes.direct_call_ok`) with the variant :func:`~softmoe.kernels.cpu_isa` names. Only
+    where :func:`native_top_k_applies`; a ValueError for a k outside [1, n] or slots that are not n * p."""
     slots = combine.shape[-1]
     if slots_per_expert < 1 or slots % slots_per_expert:
         raise ValueError(f"combine's {slots} slots are not a whole number of experts of {slots_per_expert} slots")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= slots // slots_per_expert:
         raise ValueError(f"k must be an integer in [1, {slots // slots_per_expert}] (the experts), got {k!r}")
+    isa = required_isa()
     if direct_call_ok("cpu", combine):  # the op's code without the dispatcher's host time
-        return native_module().top_k_combine(combine, slots_per_expert, k)
-    return torch.ops.softmoe.top_k_combine(combine, slots_per_expert, k)
+        return native_module().top_k_combine(combine, slots_per_expert, k, isa)
+    return torch.ops.softmoe.top_k_combine(combine, slots_per_expert, k, isa)

@@ -1,0 +1,169 @@
+/* Algorithm 1's choice of experts from a layer's combine weights: the kernel source of softmoe::top_k_combine,
+ * compiled once per instruction set by top_k_combine_{avx512,avx2,portable}.cpp (see variant.h).
+ *
+ * For combine (B, M, S) with S = n * P slots (expert j's slots j * P ... j * P + P - 1), per input b:
+ *
+ *   score[j]    = sum over tokens and expert j's slots of combine                  (in double)
+ *   selected[b] = the k experts of largest score, ascending (NaN largest, ties to the lower index)
+ *   kept[b]     = combine[b] with the slots of the other experts zeroed (NaN too)
+ *
+ * The ranking is that of an unsigned 64-bit key per score (larger scores larger keys, NaN the largest, -0 as +0),
+ * found without a sort or a data-dependent branch per expert: up to RANK_MAX_EXPERTS experts by counting each one's
+ * rank; beyond, by the k-th largest key, on the keys' high halves first (as 32-bit integers in the same order), by
+ * bisection on counts, each count one vectorized pass over the experts, then on the low halves of the keys that share
+ * the k-th high half. std::nth_element on the keys took 2.9 us for 256 experts (its comparisons mispredicted).
+ * C++ compatible C: no system header is included here.
+ */
+#if !defined(SOFTMOE_LANES) || !defined(SOFTMOE_NS)
+#error "top_k_combine.h is included by a variant unit that defines SOFTMOE_LANES and SOFTMOE_NS (see variant.h)"
+#endif
+
+namespace SOFTMOE_NS {
+
+/* The order key of a score, as top_k_combine's comment says. */
+static inline uint64_t order_key(double score)
+{
+    uint64_t bits;
+    const double v = score + 0.0; /* -0 becomes +0 */
+    memcpy(&bits, &v, sizeof bits);
+    const uint64_t key = bits ^ ((uint64_t)((int64_t)bits >> 63) | ((uint64_t)1 << 63)); /* negative: ~bits */
+    return score != score ? ~(uint64_t)0 : key;
+}
+
+/* A half of a key as a signed 32-bit integer in the same order (its top bit flipped), and back. */
+static inline int32_t signed_half(uint32_t half) { return (int32_t)(half ^ 0x80000000u); }
+static inline uint32_t unsigned_half(int32_t half) { return (uint32_t)half ^ 0x80000000u; }
+
+/* How many of the n values are at least t: one vectorized pass. */
+static long count_at_least(const int32_t *v, long n, int32_t t)
+{
+    int32_t count = 0;
+    for (long j = 0; j < n; j++) count += v[j] >= t;
+    return count;
+}
+
+/* The k-th largest of n values (1 <= k <= n): the largest t that at least k values reach, by bisection between
+ * their least and largest (at most 32 counts), stopped early where exactly k values reach the midpoint (the k-th is
+ * then the least of those). */
+static int32_t kth_largest(const int32_t *v, long n, long k)
+{
+    int32_t least = INT32_MAX, most = INT32_MIN;
+    for (long j = 0; j < n; j++) {
+        least = v[j] < least ? v[j] : least;
+        most = v[j] > most ? v[j] : most;
+    }
+    if (k == n) return least;
+    if (count_at_least(v, n, most) >= k) return most;
+    long lo = least, hi = most; /* at least k values reach lo, fewer than k reach hi */
+    while (hi - lo > 1) {
+        const long mid = lo + (hi - lo) / 2, count = count_at_least(v, n, (int32_t)mid);
+        if (count == k) {
+            int32_t kth = INT32_MAX;
+            for (long j = 0; j < n; j++) kth = v[j] >= mid && v[j] < kth ? v[j] : kth;
+            return kth;
+        }
+        if (count > k)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return (int32_t)lo;
+}
+
+/* keep[j] all ones for the k largest of the n keys (ties to the lower index), else zero: the k-th largest high half,
+ * and where the keys of that high half are as many as the places left (nearly always) every key of a high half at
+ * least that; otherwise the k-th largest key by its low half among the keys of that high half (high, low, tied:
+ * scratch of n each), then every key above it and, of those at it, the lowest indices. */
+static void select_kept(const uint64_t *key, int32_t *high, int32_t *low, int32_t *tied, uint32_t *keep, long n,
+                        long k)
+{
+    for (long j = 0; j < n; j++) high[j] = signed_half((uint32_t)(key[j] >> 32));
+    const int32_t top = kth_largest(high, n, k);
+    const long above = top < INT32_MAX ? count_at_least(high, n, top + 1) : 0;
+    if (count_at_least(high, n, top) == k) {
+        for (long j = 0; j < n; j++) keep[j] = high[j] >= top ? ~0u : 0u;
+        return;
+    }
+    long ties = 0;
+    for (long j = 0; j < n; j++) low[j] = signed_half((uint32_t)key[j]);
+    for (long j = 0; j < n; j++)
+        if (high[j] == top) tied[ties++] = low[j];
+    const uint64_t at = (uint64_t)unsigned_half(top) << 32 | unsigned_half(kth_largest(tied, ties, k - above));
+    long left = k, equal = 0;
+    for (long j = 0; j < n; j++) {
+        left -= key[j] > at;
+        equal += key[j] == at;
+    }
+    if (equal == left) {
+        for (long j = 0; j < n; j++) keep[j] = key[j] >= at ? ~0u : 0u;
+    } else {
+        for (long j = 0; j < n; j++) {
+            const int tie = key[j] == at;
+            keep[j] = (key[j] > at) | (tie & (left > 0)) ? ~0u : 0u;
+            left -= tie;
+        }
+    }
+}
+
+/* Up to this many experts each expert's rank is counted instead (n^2 comparisons in vectors): 256 inputs of 8
+ * experts took 0.7x the time of the selection above (AMD EPYC Zen 5, AVX-512). */
+#define RANK_MAX_EXPERTS 32
+
+/* combine (B, M, S) -> kept (B, M, S), selected (B, k) as the comment at the top says; `threads` OpenMP threads
+ * split the inputs. */
+void top_k_combine(const float *combine, float *kept, int64_t *selected, long B, long M, long S, long P, long k,
+                   int threads)
+{
+    const long n = S / P;
+    if (threads > B) threads = (int)B;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        /* per thread: the scores, the keys and their halves, the low halves of the keys tied at the k-th high half,
+           the kept experts in order (one place to write past them), per expert and per slot all ones where kept */
+        double *score = (double *)softmoe_scratch(0, 8 * n + 8 * n + 8 * (n + 1) + 4 * n * 4 + 4 * S);
+        uint64_t *key = (uint64_t *)(score + n);
+        int64_t *order = (int64_t *)(key + n);
+        int32_t *high = (int32_t *)(order + n + 1), *low = high + n, *tied = low + n;
+        uint32_t *keep = (uint32_t *)(tied + n), *mask = keep + n;
+#pragma omp for schedule(static)
+        for (long b = 0; b < B; b++) {
+            const float *cb = combine + b * M * S;
+            for (long j = 0; j < n; j++) score[j] = 0.0;
+            for (long m = 0; m < M; m++) {
+                const float *row = cb + m * S;
+                if (P == 1) /* the common case, in vectors */
+                    for (long j = 0; j < n; j++) score[j] += row[j];
+                else
+                    for (long j = 0; j < n; j++)
+                        for (long i = 0; i < P; i++) score[j] += row[j * P + i];
+            }
+            for (long j = 0; j < n; j++) key[j] = order_key(score[j]);
+            if (n <= RANK_MAX_EXPERTS) { /* each expert's rank: how many come before it */
+                for (long j = 0; j < n; j++) {
+                    long rank = 0;
+                    for (long i = 0; i < n; i++) rank += (key[i] > key[j]) | ((key[i] == key[j]) & (i < j));
+                    keep[j] = rank < k ? ~0u : 0u;
+                }
+            } else {
+                select_kept(key, high, low, tied, keep, n, k);
+            }
+            for (long j = 0, count = 0; j < n; j++) { /* the kept experts in order, without a branch */
+                order[count] = j;
+                count += keep[j] & 1;
+            }
+            memcpy(selected + b * k, order, k * sizeof(int64_t));
+            if (P > 1)
+                for (long j = 0; j < n; j++)
+                    for (long i = 0; i < P; i++) mask[j * P + i] = keep[j];
+            for (long m = 0; m < M; m++) { /* zeros (NaN too) outside the kept slots */
+                const uint32_t *row = (const uint32_t *)(cb + m * S);
+                uint32_t *o = (uint32_t *)(kept + (b * M + m) * S);
+                for (long s = 0; s < S; s++) o[s] = row[s] & (P == 1 ? keep : mask)[s];
+            }
+        }
+        softmoe_scratch_release(0);
+    }
+}
+
+} /* namespace SOFTMOE_NS */
