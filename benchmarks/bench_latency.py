@@ -111,12 +111,12 @@ def sweep(layer: softmoe.SoftMoE, tokens: int, ks: list[int], batches: tuple[int
         configs = {"all": timed(None)} | {f"{k} {plan}": timed(k, plan) for k in ks
                                           for plan in ("auto", "selected", "dense")}
         stats = measure_interleaved(configs, warmup=warmup, repeats=repeats, device=device)
-        with torch.no_grad():
-            combine = layer.route(x).combine
         plans = {}
-        for k in ks:
-            selected = softmoe.selection.top_k_by_combine(combine, k)
-            plans[k] = "selected" if layer.selected_plan_is_cheaper(x, selected) else "dense"
+        with torch.no_grad():  # as the timed calls run
+            combine = layer.route(x).combine
+            for k in ks:
+                selected = softmoe.selection.top_k_by_combine(combine, k)
+                plans[k] = "selected" if layer.selected_plan_is_cheaper(x, selected) else "dense"
         base = stats["all"]["median"]
         speedup = {f"{k} {plan}": base / stats[f"{k} {plan}"]["median"] for k in ks
                    for plan in ("auto", "selected", "dense")}

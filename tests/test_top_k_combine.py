@@ -140,6 +140,26 @@ def test_algorithm1_on_the_fused_small_experts_equals_the_masked_forward(batch, 
                 torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
 
 
+def test_algorithm1_on_the_fused_small_experts_takes_the_dense_plan_without_the_cost_model(monkeypatch):
+    """Where the fused mixing itself skips the unkept experts' work (inference), plan "auto" is the dense plan and
+    the cost model and its timings are not consulted; with gradients (the op keeps every slot) they are."""
+    torch.manual_seed(5)
+    layer = SoftMoE(20, 8, expert_hidden=6, activation="relu").eval()
+    x = torch.randn(40, 4, 20)
+    consulted = []
+    plan = layer._top_k_plan
+    monkeypatch.setattr(layer, "_top_k_plan", lambda *args: consulted.append(1) or plan(*args))
+    with select_experts(layer, k=3):
+        with torch.no_grad():
+            assert layer.experts.mix_skips_unkept("native", x)
+            layer(x)
+        assert not consulted
+        assert not layer.experts.mix_skips_unkept("native", x)  # grad mode, parameters that require grad
+        assert not layer.experts.mix_skips_unkept("slots", x)
+        layer(x)
+    assert consulted
+
+
 def test_gradients_flow_through_the_layers_choice(monkeypatch):
     """Training through Algorithm 1 on the CPU (the op's autograd): the same gradients as the selector's path."""
     torch.manual_seed(4)

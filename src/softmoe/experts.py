@@ -30,7 +30,7 @@ from softmoe.activations import activation_fn
 from softmoe.backends import BackendChoice, ReferenceOnly, autocast_on, transforms_active, unsupported
 from softmoe.kernels.expert_matmul import reusable_empty
 from softmoe.kernels.grouped_mm import grouped_mm
-from softmoe.kernels.modes import host_reads_are_free
+from softmoe.kernels.modes import direct_call_ok, host_reads_are_free
 from softmoe.kernels import (
     NATIVE_FORWARD_MAX_ROWS,
     NATIVE_MAX_ROWS,
@@ -209,6 +209,16 @@ class MLPExperts(nn.Module):
 
     def _fused_native_applies(self, x: torch.Tensor) -> bool:
         return self.out_dim == self.dim and native_mixing_applies(x, self.hidden, self.activation)
+
+    def mix_skips_unkept(self, backend: str, x: torch.Tensor) -> bool:
+        """Whether ``mix(backend, x, ..., kept_combine=True)`` itself runs only the kept experts' work: the fused
+        native mixing called directly in inference, which lays each call's kept combine out by inputs or by experts
+        (:func:`~softmoe.kernels.soft_moe_mixing`). Algorithm 1's plan "auto" then runs the dense plan."""
+        if backend != "native" or not self._fused_native_applies(x):
+            return False
+        weights = self._parameters  # (nn.Module.__getattr__ costs 0.4 us a name: this runs on every call)
+        return direct_call_ok("cpu", x, weights["weight1"], weights.get("bias1"), weights["weight2"],
+                              weights.get("bias2"))
 
     def _unavailable(self, backend: str, x: torch.Tensor) -> str | None:
         """Why ``backend`` cannot run tokens x, or None when it can."""

@@ -509,11 +509,13 @@ class SoftMoE(nn.Module):
         return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize, self.selector.plan)
 
     def _mix(
-        self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, kept_combine: bool = False
+        self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, kept_combine: bool = False,
+        backend: str | None = None,
     ) -> torch.Tensor:
-        """C f(D^T X) with every expert, on the backend :meth:`backend_for` names; ``kept_combine``: combine is
-        zero outside each input's kept experts (the dense plan), which the backend may use to skip work."""
-        backend = self.backend_for(x).name
+        """C f(D^T X) with every expert, on the backend :meth:`backend_for` names (``backend``: that name, where the
+        caller has it); ``kept_combine``: combine is zero outside each input's kept experts (the dense plan), which
+        the backend may use to skip work."""
+        backend = backend or self.backend_for(x).name
         if backend == "reference":
             return combine_slots(combine, self.run_experts(dispatch_slots(x, dispatch)))
         if kept_combine:  # by keyword, and only then: experts written for the five-argument mix keep working
@@ -558,7 +560,11 @@ class SoftMoE(nn.Module):
         the plan timed faster for this shape once it has been timed (:func:`softmoe.selection_plan.timed_plan`;
         before its first call, the cost model's answer, which the timing may overturn), else
         :func:`softmoe.selection_plan.selected_plan_is_cheaper` on this layer's
-        :func:`~softmoe.selection_plan.plan_costs`, the pairs and experts in use counted where host reads are free."""
+        :func:`~softmoe.selection_plan.plan_costs`, the pairs and experts in use counted where host reads are free;
+        never where the experts' mixing skips the unkept experts' work itself (the fused small-expert kernel in
+        inference: the dense plan then runs only the kept experts)."""
+        if self._mix_skips_unkept(self.backend_for(x).name, x):
+            return False
         kept = kept_counts(selected, self.num_experts)
         return self._auto_plan(x, selected, kept, self._flops_per_row())[0] == "selected"
 
@@ -666,6 +672,11 @@ class SoftMoE(nn.Module):
         """Algorithm 1's mixing on the ``plan`` given or found cheaper; ``combine_is_kept``: combine is already
         zero on the slots of unselected experts (the dense plan then needs no mask)."""
         keep = None if combine_is_kept or plan == "selected" else mask_from_subsets(selected, self.num_experts)
+        backend = None
+        if plan == "auto":
+            backend = self.backend_for(x).name
+            if self._mix_skips_unkept(backend, x):
+                plan = "dense"  # the mixing itself runs only the kept experts' work
         if plan == "auto":
             def runs() -> dict[str, Callable[[], torch.Tensor]]:  # the plans' calls, for a timing
                 return {"dense": lambda: self._dense_plan(x, dispatch, combine, keep, renormalize),
@@ -678,18 +689,25 @@ class SoftMoE(nn.Module):
                                        runs)[0]
         if plan == "selected":
             return self._selected_plan(x, dispatch, combine, selected, renormalize)
-        return self._dense_plan(x, dispatch, combine, keep, renormalize)
+        return self._dense_plan(x, dispatch, combine, keep, renormalize, backend)
+
+    def _mix_skips_unkept(self, backend: str, x: torch.Tensor) -> bool:
+        """Whether the experts' mixing of x on ``backend`` skips the unkept experts' work by itself (the optional
+        ``mix_skips_unkept`` of an expert bank, e.g. :meth:`softmoe.experts.MLPExperts.mix_skips_unkept`)."""
+        skips = getattr(self.experts, "mix_skips_unkept", None)
+        return skips is not None and skips(backend, x)
 
     def _dense_plan(
         self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, keep: torch.Tensor | None,
-        renormalize: bool
+        renormalize: bool, backend: str | None = None
     ) -> torch.Tensor:
         """Every expert, the unselected ones' combine weights zeroed: keep (batch, n) bool, None where combine is
-        zero there already."""
+        zero there already; ``backend`` as for :meth:`_mix`."""
         p = self.slots_per_expert
         if keep is not None:
             combine = torch.where(slot_mask(keep, p), combine, 0.0)
-        return self._mix(x, dispatch, renormalized(combine) if renormalize else combine, kept_combine=True)
+        return self._mix(x, dispatch, renormalized(combine) if renormalize else combine, kept_combine=True,
+                         backend=backend)
 
     def _selected_plan(
         self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, selected: torch.Tensor,

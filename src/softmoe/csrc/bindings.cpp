@@ -413,10 +413,13 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
             same = std::equal(bits.begin() + b * words, bits.begin() + (b + 1) * words, bits.begin());
         std::vector<long> order(B);
         for (int64_t b = 0; b < B; b++) order[b] = long(b);
-        if (!same)
-            std::stable_sort(order.begin(), order.end(), [&](long a, long c) {
-                return std::lexicographical_compare(bits.begin() + a * words, bits.begin() + (a + 1) * words,
-                                                    bits.begin() + c * words, bits.begin() + (c + 1) * words);
+        if (!same) /* by their bits, then their index (a stable order); the first words nearly always decide */
+            std::sort(order.begin(), order.end(), [&](long a, long c) {
+                const uint64_t *x = bits.data() + a * words, *y = bits.data() + c * words;
+                if (x[0] != y[0]) return x[0] < y[0];
+                for (int64_t w = 1; w < words; w++)
+                    if (x[w] != y[w]) return x[w] < y[w];
+                return a < c;
             });
         const bool compare = how == LANES_AUTO && experts_least < inputs_most;
         for (int64_t g = 0; g < B && compare; g += lanes) { /* a group runs the slots one input keeps */

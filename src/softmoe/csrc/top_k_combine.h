@@ -58,8 +58,12 @@ static int32_t kth_largest(const int32_t *v, long n, long k)
     while (hi - lo > 1) {
         const long mid = lo + (hi - lo) / 2, count = count_at_least(v, n, (int32_t)mid);
         if (count == k) {
+            const int32_t t = (int32_t)mid; /* (32-bit comparisons: the loop vectorizes) */
             int32_t kth = INT32_MAX;
-            for (long j = 0; j < n; j++) kth = v[j] >= mid && v[j] < kth ? v[j] : kth;
+            for (long j = 0; j < n; j++) { /* the least of the values >= t, as bit masks: a vectorized minimum */
+                const int32_t at_least = -(int32_t)(v[j] >= t), above = (v[j] & at_least) | (INT32_MAX & ~at_least);
+                kth = above < kth ? above : kth;
+            }
             return kth;
         }
         if (count > k)

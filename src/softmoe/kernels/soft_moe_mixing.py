@@ -183,23 +183,22 @@ def soft_moe_mixing(
 
 
 def _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2) -> None:
-    tensors = {"x": x, "dispatch": dispatch, "combine": combine, "weight1": weight1, "bias1": bias1,
-               "weight2": weight2, "bias2": bias2}
-    for name, t in tensors.items():
-        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+    # (tuples and torch.Size compared as they are: this runs on every eager call, 1 us)
+    tensors = (("x", x), ("dispatch", dispatch), ("combine", combine), ("weight1", weight1), ("bias1", bias1),
+               ("weight2", weight2), ("bias2", bias2))
+    for name, t in tensors:
+        if t is not None and (t.dtype != torch.float32 or not t.is_cpu):
             raise ValueError(f"soft_moe_mixing takes float32 CPU tensors, got {name} {t.dtype} on {t.device}")
     if x.dim() != 3 or weight1.dim() != 3:
         raise ValueError(f"x must be (batch, tokens, dim) and weight1 (experts, dim, hidden), got "
                          f"{tuple(x.shape)} and {tuple(weight1.shape)}")
     (batch, tokens, dim), (experts, _, hidden) = x.shape, weight1.shape
     slots = dispatch.shape[-1] if dispatch.dim() == 3 else -1
-    expected = {
-        "dispatch": (batch, tokens, slots), "combine": (batch, tokens, slots), "weight1": (experts, dim, hidden),
-        "bias1": (experts, hidden), "weight2": (experts, hidden, dim), "bias2": (experts, dim),
-    }
-    for name, shape in expected.items():
-        t = tensors[name]
-        if t is not None and tuple(t.shape) != shape:
+    expected = (("dispatch", dispatch, (batch, tokens, slots)), ("combine", combine, (batch, tokens, slots)),
+                ("weight1", weight1, (experts, dim, hidden)), ("bias1", bias1, (experts, hidden)),
+                ("weight2", weight2, (experts, hidden, dim)), ("bias2", bias2, (experts, dim)))
+    for name, t, shape in expected:
+        if t is not None and t.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
     if slots < 1 or slots % experts:
         raise ValueError(f"the {slots} slots must be a positive multiple of the {experts} experts")
