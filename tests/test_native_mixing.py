@@ -125,7 +125,7 @@ def kept_combine_inputs(shape, seed):
 
 
 # The native op's layouts of the lanes for a kept combine (kept_lanes_by in csrc/bindings.cpp)
-LAYOUTS = {"auto": 0, "by inputs": 1, "by experts": 2}
+LAYOUTS = {"auto": 0, "by inputs": 1, "by experts": 2, "by pairs": 3}
 
 
 def kept_mixing(inputs, layout):
@@ -160,7 +160,7 @@ def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):
     inputs = (x, dispatch, combine, w1, b1, w2, b2)
     with torch.no_grad():
         grouped = soft_moe_mixing(*inputs, kept_combine=True)
-        by_layout = [kept_mixing(inputs, layout) for layout in ("by inputs", "by experts")]
+        by_layout = [kept_mixing(inputs, layout) for layout in ("by inputs", "by experts", "by pairs")]
         as_they_come = soft_moe_mixing(*inputs)
     others = ~users
     rows = [t[others].double() for t in (x, dispatch, combine)]

@@ -86,6 +86,7 @@ struct Variant {
     decltype(&softmoe_portable::expert_matmul_nt) expert_matmul_nt;
     decltype(&softmoe_portable::expert_matmul_tn) expert_matmul_tn;
     decltype(&softmoe_portable::soft_moe_small_forward) mixing_forward;
+    decltype(&softmoe_portable::soft_moe_small_forward_pairs) mixing_forward_pairs;
     decltype(&softmoe_portable::soft_moe_small_backward) mixing_backward;
     decltype(&softmoe_portable::soft_moe_small_lanes) mixing_lanes;
     decltype(&softmoe_portable::soft_moe_routing_forward) routing_forward;
@@ -115,7 +116,8 @@ bool always() { return true; }
     Variant                                                                                                           \
     {                                                                                                                 \
         label, lanes, supported, ns::expert_matmul, ns::expert_matmul_nt, ns::expert_matmul_tn,                      \
-            ns::soft_moe_small_forward, ns::soft_moe_small_backward, ns::soft_moe_small_lanes,                        \
+            ns::soft_moe_small_forward, ns::soft_moe_small_forward_pairs, ns::soft_moe_small_backward,                \
+            ns::soft_moe_small_lanes,                                                                                 \
             ns::soft_moe_routing_forward, ns::soft_moe_routing_backward, ns::top_k_combine                            \
     }
 
@@ -349,37 +351,46 @@ std::vector<uint64_t> slot_bits(const float *combine, int64_t B, int64_t M, int6
     return bits;
 }
 
-/* How the fused kernel lays out Algorithm 1's kept combine (combine zero outside each input's kept slots) in
- * vector lanes, for soft_moe_small_forward: groups of inputs (`order` puts those that keep the same slots side by
- * side; empty: as they come), each running the slots one of its inputs keeps; or, where `experts` is not empty,
- * groups of one expert's slots, each of inputs that keep it (experts: (first place in order, lanes, expert) per
- * group; parts: the groups of each thread's share of the inputs). */
+/* How the fused kernel lays out Algorithm 1's kept combine (combine zero outside each input's kept slots) for
+ * soft_moe_small_forward: groups of inputs in vector lanes (`order` puts those that keep the same slots side by side;
+ * empty: as they come), each running the slots one of its inputs keeps; or, where `experts` is not empty, groups of
+ * one expert's slots in lanes, each of inputs that keep it (experts: (first place in order, lanes, expert) per group;
+ * parts: the groups of each thread's share of the inputs); or, where `first` is not empty, each input's kept
+ * experts one at a time with vectors along dim and hidden (soft_moe_small_forward_pairs: input b's experts
+ * pair_experts[first[b]] ... pair_experts[first[b + 1] - 1]). */
 struct KeptLanes {
-    std::vector<long> order, experts, parts;
+    std::vector<long> order, experts, parts, first, pair_experts;
 };
 
-enum { LANES_AUTO, LANES_BY_INPUTS, LANES_BY_EXPERTS };
+enum { LANES_AUTO, LANES_BY_INPUTS, LANES_BY_EXPERTS, LANES_BY_PAIRS };
 
 /* What moving one vector of a group's rows in and out costs in the cost model below, in multiply-adds of a vector:
  * for groups of inputs (gathered, then written back, once for all their slots) and for groups of one expert's slots
  * (gathered, their outputs added back, and per slot the group's output rows cleared and read and written by the
- * combine). Fitted to the op's times on an AMD EPYC Zen 5 (AVX-512, 2 threads, the MNIST layer at 8, 64 and 256
- * experts; docs/performance.md): a vector moved cost 10-20 vector multiply-adds. */
-constexpr double INPUT_GROUP_MOVES = 10.0, EXPERT_GROUP_MOVES = 20.0;
+ * combine); and what a slot of one pair costs in the same units, per token float (its dispatch and combine) and
+ * per weight of its expert (the pair streams them alone, in short loops along hidden): the same with AVX-512 and
+ * AVX2 (215 ns + 0.077 ns a weight per slot, where the groups' operations take 0.16 ns). Fitted to the op's times
+ * on an AMD EPYC Zen 5 (AVX-512 and AVX2, 2 threads, the MNIST layer at 8, 64 and 256 experts, batch 1-256;
+ * docs/performance.md). */
+constexpr double INPUT_GROUP_MOVES = 10.0, EXPERT_GROUP_MOVES = 20.0, PAIR_TOKEN_OPS = 1.7, PAIR_WEIGHT_OPS = 0.48;
 
 /* The layout of the lanes for kept combine (B, M, S) with P slots per expert of Hd hidden units and dim Dm, `lanes`
- * per vector and `parts` threads: `how` LANES_BY_INPUTS or LANES_BY_EXPERTS, or LANES_AUTO for the one of fewer
- * vector operations counted: a slot run for a group costs its dispatch, both layers and its combine (2 M Dm + 2 Dm
- * Hd multiply-adds), its rows (M Dm vectors) INPUT_GROUP_MOVES or EXPERT_GROUP_MOVES each. The expert groups are
- * counted first and listed only where they are taken. */
+ * per vector and `parts` threads: `how` one of the layouts, or LANES_AUTO for the one of fewest vector operations
+ * counted. A slot run for a group of lanes costs its dispatch, both layers and its combine (2 M Dm + 2 Dm Hd
+ * multiply-adds of a vector), a group's rows (M Dm vectors) INPUT_GROUP_MOVES or EXPERT_GROUP_MOVES each; a slot
+ * of a pair PAIR_TOKEN_OPS M Dm + PAIR_WEIGHT_OPS Dm Hd; each over the threads that its units of work (groups of
+ * inputs, parts, inputs) can keep busy. A layout is counted only where
+ * bounds on its cost (from the kept slots' count) do not rule it out, the expert groups listed only where taken. */
 KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int64_t P, int64_t Hd, int64_t Dm,
                      int64_t lanes, int64_t parts, int how)
 {
     const int64_t words = (S + 63) / 64, n = S / P;
     const std::vector<uint64_t> bits = slot_bits(combine, B, M, S, words);
     const double slot_cost = 2.0 * M * Dm + 2.0 * Dm * Hd, rows = double(M) * Dm;
+    const double pair_slot_cost = PAIR_TOKEN_OPS * M * Dm + PAIR_WEIGHT_OPS * Dm * Hd;
+    const int64_t threads = parts;
     parts = std::max<int64_t>(1, std::min(parts, B));
-    /* each expert's inputs in each part, through the set bits */
+    /* each expert of input b that keeps a slot, through the set bits */
     const auto for_each_expert = [&](int64_t b, auto &&use) {
         int64_t last = -1;
         for (int64_t w = 0; w < words; w++)
@@ -389,14 +400,23 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
                 last = j;
             }
     };
-    double experts_cost = 0.0, inputs_cost = 0.0;
-    /* the expert groups' cost is at least that of the (input, expert) pairs in full groups; the input groups' at most
-       that of every slot run: counted only where that can tell */
-    int64_t pair_slots = 0;
-    for (const uint64_t word : bits) pair_slots += __builtin_popcountll(word);
-    const double experts_least = double(pair_slots) / lanes * (slot_cost + EXPERT_GROUP_MOVES * rows / P);
-    const double inputs_most = double((B + lanes - 1) / lanes) * (S * slot_cost + INPUT_GROUP_MOVES * rows);
-    if (how == LANES_AUTO && experts_least < inputs_most) {
+    int64_t pair_slots = 0, most_slots = 0; /* kept (input, slot) pairs; the most of one input */
+    for (int64_t b = 0; b < B; b++) {
+        int64_t count = 0;
+        for (int64_t w = 0; w < words; w++) count += __builtin_popcountll(bits[b * words + w]);
+        pair_slots += count;
+        most_slots = std::max(most_slots, count);
+    }
+    const double groups = double((B + lanes - 1) / lanes), unknown = HUGE_VAL;
+    const double busy_groups = std::max(1.0, std::min(double(threads), groups)); /* threads the layouts keep busy */
+    const double busy_parts = double(parts), busy_inputs = double(std::max<int64_t>(1, std::min(threads, B)));
+    const double pairs_cost = pair_slots * pair_slot_cost / busy_inputs;
+    const double experts_least = double(pair_slots) / lanes * (slot_cost + EXPERT_GROUP_MOVES * rows / P) / busy_parts;
+    const double inputs_least = groups * (most_slots * slot_cost + INPUT_GROUP_MOVES * rows) / busy_groups;
+    const double inputs_most = groups * (S * slot_cost + INPUT_GROUP_MOVES * rows) / busy_groups;
+    double experts_cost = unknown, inputs_cost = unknown;
+    if (how == LANES_AUTO && experts_least < std::min(inputs_most, pairs_cost)) {
+        experts_cost = 0.0;
         std::vector<int64_t> count(n);
         for (int64_t part = 0; part < parts; part++) {
             std::fill(count.begin(), count.end(), 0);
@@ -405,9 +425,10 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
             for (int64_t j = 0; j < n; j++)
                 experts_cost += double((count[j] + lanes - 1) / lanes) * (P * slot_cost + EXPERT_GROUP_MOVES * rows);
         }
+        experts_cost /= busy_parts;
     }
     KeptLanes layout;
-    if (how != LANES_BY_EXPERTS) {
+    if (how == LANES_BY_INPUTS || (how == LANES_AUTO && inputs_least < std::min(experts_cost, pairs_cost))) {
         bool same = true;
         for (int64_t b = 1; b < B && same; b++)
             same = std::equal(bits.begin() + b * words, bits.begin() + (b + 1) * words, bits.begin());
@@ -421,20 +442,28 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
                     if (x[w] != y[w]) return x[w] < y[w];
                 return a < c;
             });
-        const bool compare = how == LANES_AUTO && experts_least < inputs_most;
-        for (int64_t g = 0; g < B && compare; g += lanes) { /* a group runs the slots one input keeps */
+        inputs_cost = 0.0;
+        for (int64_t g = 0; g < B && how == LANES_AUTO; g += lanes) { /* a group runs the slots one input keeps */
             int64_t run = 0;
             for (int64_t w = 0; w < words; w++) {
                 uint64_t any = 0;
                 for (int64_t l = g; l < std::min(B, g + lanes); l++) any |= bits[order[l] * words + w];
                 run += __builtin_popcountll(any);
             }
-            inputs_cost += run * slot_cost + INPUT_GROUP_MOVES * rows;
+            inputs_cost += (run * slot_cost + INPUT_GROUP_MOVES * rows) / busy_groups;
         }
-        if (!compare || inputs_cost <= experts_cost) {
+        if (how == LANES_BY_INPUTS || inputs_cost <= std::min(experts_cost, pairs_cost)) {
             if (!same) layout.order = std::move(order);
             return layout;
         }
+    }
+    if (how == LANES_BY_PAIRS || (how == LANES_AUTO && pairs_cost <= experts_cost)) {
+        layout.first.push_back(0);
+        for (int64_t b = 0; b < B; b++) {
+            for_each_expert(b, [&](int64_t j) { layout.pair_experts.push_back(long(j)); });
+            layout.first.push_back(long(layout.pair_experts.size()));
+        }
+        return layout;
     }
     std::vector<std::vector<long>> keep(n); /* per expert, the inputs of a part that keep it */
     layout.parts.push_back(0);
@@ -442,9 +471,10 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
         for (int64_t b = B * part / parts; b < B * (part + 1) / parts; b++)
             for_each_expert(b, [&](int64_t j) { keep[j].push_back(long(b)); });
         for (int64_t j = 0; j < n; j++) {
-            for (size_t l = 0; l < keep[j].size(); l += lanes)
-                layout.experts.insert(layout.experts.end(), {long(layout.order.size() + l),
-                                                             long(std::min<size_t>(lanes, keep[j].size() - l)), long(j)});
+            for (size_t l = 0; l < keep[j].size(); l += lanes) {
+                const long count = long(std::min<size_t>(lanes, keep[j].size() - l));
+                layout.experts.insert(layout.experts.end(), {long(layout.order.size() + l), count, long(j)});
+            }
             layout.order.insert(layout.order.end(), keep[j].begin(), keep[j].end());
             keep[j].clear();
         }
@@ -478,20 +508,28 @@ std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const
     const int64_t lanes = v.lanes;
     TORCH_CHECK(!(keep_outputs && kept_combine), "softmoe: kept_combine is for calls without a backward pass: it "
                 "takes keep_outputs false");
-    TORCH_CHECK(kept_lanes_by >= LANES_AUTO && kept_lanes_by <= LANES_BY_EXPERTS, "softmoe: kept_lanes_by must be ",
-                LANES_AUTO, " (auto), ", LANES_BY_INPUTS, " (by inputs) or ", LANES_BY_EXPERTS, " (by experts), got ",
-                kept_lanes_by);
+    TORCH_CHECK(kept_lanes_by >= LANES_AUTO && kept_lanes_by <= LANES_BY_PAIRS, "softmoe: kept_lanes_by must be ",
+                LANES_AUTO, " (auto), ", LANES_BY_INPUTS, " (by inputs), ", LANES_BY_EXPERTS, " (by experts) or ",
+                LANES_BY_PAIRS, " (by pairs), got ", kept_lanes_by);
     const int64_t P = s.S / s.n, width = s.Hd + (keep_outputs ? s.Dm : 0);
     KeptLanes layout;
-    if (kept_combine && (s.B > lanes || kept_lanes_by == LANES_BY_EXPERTS)) {
+    if (kept_combine) {
         pybind11::gil_scoped_release no_gil;
         layout = kept_lanes(combine.data_ptr<float>(), s.B, s.M, s.S, P, s.Hd, s.Dm, lanes, threads(),
                             int(kept_lanes_by));
     }
+    at::Tensor out = at::empty({s.B, s.M, s.Dm}, x.options());
+    if (!layout.first.empty()) { /* pairs one at a time: no groups, no records */
+        pybind11::gil_scoped_release no_gil;
+        v.mixing_forward_pairs(x.data_ptr<float>(), dispatch.data_ptr<float>(), combine.data_ptr<float>(),
+                               w1.data_ptr<float>(), pointer(b1), w2.data_ptr<float>(), pointer(b2),
+                               out.data_ptr<float>(), s.B, s.M, s.S, P, s.Hd, s.Dm, layout.first.data(),
+                               layout.pair_experts.data(), threads());
+        return {out, at::empty({0, s.S, width, lanes}, x.options())};
+    }
     const bool by_experts = !layout.experts.empty();
     const int64_t groups = by_experts ? int64_t(layout.experts.size() / 3) : (s.B + lanes - 1) / lanes;
-    /* expert groups add their outputs to zeros (an input that keeps nothing gets zeros) */
-    at::Tensor out = by_experts ? at::zeros({s.B, s.M, s.Dm}, x.options()) : at::empty({s.B, s.M, s.Dm}, x.options());
+    if (by_experts) out.zero_(); /* expert groups add their outputs to zeros (an input that keeps nothing: zeros) */
     at::Tensor saved = at::empty({groups, by_experts ? P : s.S, width, lanes}, x.options());
     int status;
     {

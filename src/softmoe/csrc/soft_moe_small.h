@@ -472,6 +472,81 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
     return 0;
 }
 
+/* ---- kept pairs one at a time ------------------------------------------------------------------------------- */
+
+/* rows[i] += sum_{r < 4} coef[r] vecs[r * ld + i] for i < count: four rows added at once, each output vector loaded
+ * and stored once per four. */
+INLINE void add_four_rows(float *RESTRICT rows, const float *RESTRICT vecs, long ld, const float *coef, long count)
+{
+    const float c0 = coef[0], c1 = coef[1], c2 = coef[2], c3 = coef[3];
+    const float *v1 = vecs + ld, *v2 = vecs + 2 * ld, *v3 = vecs + 3 * ld;
+    for (long i = 0; i < count; i++) rows[i] += c0 * vecs[i] + c1 * v1[i] + c2 * v2[i] + c3 * v3[i];
+}
+
+/* rows (count) += sum_r coef[r] vecs[r * ld ...] over r < n: the rows four at a time. */
+static void add_rows(float *RESTRICT rows, const float *RESTRICT vecs, long ld, const float *coef, long n, long count)
+{
+    long r = 0;
+    for (; r + 4 <= n; r += 4) add_four_rows(rows, vecs + r * ld, ld, coef + r, count);
+    for (; r < n; r++) {
+        const float c = coef[r];
+        const float *v = vecs + r * ld;
+        for (long i = 0; i < count; i++) rows[i] += c * v[i];
+    }
+}
+
+/* One slot s of expert j for input b, the outputs added to ob (M, Dm): vectors along dim and hidden (the compiler's),
+ * slot (Dm) and h (Hd) scratch. */
+static void forward_pair_slot(float *RESTRICT ob, const float *RESTRICT xb, const float *db, const float *cb,
+                              long s, long j, long M, long S, long Hd, long Dm, const float *w1, const float *b1,
+                              const float *w2, const float *b2, float *RESTRICT slot, float *RESTRICT h)
+{
+    float d[MAX_TOKENS], c[MAX_TOKENS];
+    for (long t = 0; t < M; t++) d[t] = db[t * S + s], c[t] = cb[t * S + s];
+    for (long i = 0; i < Dm; i++) slot[i] = 0.0f;
+    add_rows(slot, xb, Dm, d, M, Dm);                                       /* slot = sum_t d[t] x[t] */
+    for (long k = 0; k < Hd; k++) h[k] = b1 ? b1[j * Hd + k] : 0.0f;
+    add_rows(h, w1 + j * Dm * Hd, Hd, slot, Dm, Hd);                        /* h = slot w1[j] + b1[j] */
+    for (long k = 0; k < Hd; k++) h[k] = h[k] > 0.0f ? h[k] : 0.0f;          /* relu */
+    for (long i = 0; i < Dm; i++) slot[i] = b2 ? b2[j * Dm + i] : 0.0f;     /* y, in slot's place */
+    add_rows(slot, w2 + j * Hd * Dm, Dm, h, Hd, Dm);                        /* y = relu(h) w2[j] + b2[j] */
+    for (long t = 0; t < M; t++)
+        for (long i = 0; i < Dm; i++) ob[t * Dm + i] += c[t] * slot[i];     /* out[t] += c[t] y */
+}
+
+/* Algorithm 1's kept pairs one at a time, for calls without a backward pass (arguments as soft_moe_small_forward's):
+ * input b's kept experts are experts[first[b]] ... experts[first[b + 1] - 1], each run on its slots whose combine
+ * weights are not all zero (of either sign) over b's tokens, with vectors along dim and hidden instead of across
+ * inputs: for small batches, whose groups of lanes would run mostly empty. Threads split the inputs; out is written
+ * whole (zeros for an input that keeps nothing). */
+void soft_moe_small_forward_pairs(const float *x, const float *dispatch, const float *combine, const float *w1,
+                                  const float *b1, const float *w2, const float *b2, float *out, long B, long M,
+                                  long S, long P, long Hd, long Dm, const long *first, const long *experts,
+                                  int threads)
+{
+    if (threads > B) threads = (int)B;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *slot = (float *)softmoe_scratch(0, (Dm + Hd) * sizeof(float)), *h = slot + Dm;
+#pragma omp for schedule(static)
+        for (long b = 0; b < B; b++) {
+            float *ob = out + b * M * Dm;
+            const float *cb = combine + b * M * S;
+            memset(ob, 0, M * Dm * sizeof(float));
+            for (long e = first[b]; e < first[b + 1]; e++)
+                for (long s = experts[e] * P; s < (experts[e] + 1) * P; s++) {
+                    uint32_t any = 0;
+                    for (long t = 0; t < M; t++) any |= ((const uint32_t *)cb)[t * S + s] & 0x7fffffffu;
+                    if (any)
+                        forward_pair_slot(ob, x + b * M * Dm, dispatch + b * M * S, cb, s, experts[e], M, S, Hd, Dm,
+                                          w1, b1, w2, b2, slot, h);
+                }
+        }
+        softmoe_scratch_release(0);
+    }
+}
+
 /* ---- backward ----------------------------------------------------------------------------------------------- */
 
 /* Through the second layer and the combine, one block of hidden units: gy = sum_t cs[t] gog[t] (computed and kept
@@ -861,7 +936,8 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
                 const long at = (s - s0) * M, pending = (s - s0) % SPREAD_SLOTS;
                 const int pair = pairs && pending % 2 == 0 && s + 1 < s0 + count;
                 for (long gi = 0; gi < ng; gi++) {
-                    vec *records = (vec *)saved + ((g0 + gi) * S + s0) * W, *spread = gslots + gi * SPREAD_SLOTS * Dm;
+                    vec *records = (vec *)saved + ((g0 + gi) * S + s0) * W;
+                    vec *spread = gslots + gi * SPREAD_SLOTS * Dm;
                     const vec *dsi = ds + gi * chunk, *csi = cs + gi * chunk;
                     const slot_t q = slot_at(s, s0, P, M, Hd, Dm, W, w1, NULL, w2, b2, dsi, csi, records);
                     const slot_t q2 =
@@ -894,7 +970,8 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
                 scatter_slots(grad_combine, gcs_all + gi * chunk, group_of(g0 + gi, B, NULL, S), s0, count, M, S);
             }
         }
-        for (long gi = 0; gi < ng; gi++) scatter_rows(gx, gxg + gi * MD, group_of(g0 + gi, B, NULL, S), MD, MOVE_SCATTER);
+        for (long gi = 0; gi < ng; gi++)
+            scatter_rows(gx, gxg + gi * MD, group_of(g0 + gi, B, NULL, S), MD, MOVE_SCATTER);
     }
     softmoe_scratch_release(0);
     for (long j = first; j < last; j++)
