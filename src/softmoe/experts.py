@@ -268,8 +268,8 @@ class MLPExperts(nn.Module):
     ) -> torch.Tensor:
         """C f(D^T X) with the "slots", "tokens" or "native" backend: x (batch, tokens, dim), dispatch and combine
         (batch, tokens, n * p) float32 or wider -> (batch, tokens, out_dim). With ``kept_combine`` (combine zero
-        outside each input's kept experts) the fused native mixing groups the inputs by their kept experts in
-        inference (:func:`~softmoe.kernels.soft_moe_mixing`)."""
+        outside each input's kept experts) the fused native mixing runs only the kept experts in inference
+        (:func:`~softmoe.kernels.soft_moe_mixing`)."""
         dispatch, combine = dispatch.to(x.dtype), combine.to(x.dtype)
         if backend == "tokens":
             shape = (*x.shape[:2], self.num_experts, slots_per_expert)

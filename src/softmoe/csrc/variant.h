@@ -3,11 +3,11 @@
  *
  * Each kernel source (expert_matmul.h, soft_moe_small.h, soft_moe_routing.h, top_k_combine.h) is compiled three
  * times, once per instruction set: "avx512" (AVX-512 F/BW/DQ/VL and FMA, 16 float lanes), "avx2" (AVX2 and FMA, 8
- * lanes) and "portable" (the compiler's baseline, e.g. SSE2 on x86-64, 4 lanes). A variant unit defines SOFTMOE_KERNEL (the
- * kernel source's name) and SOFTMOE_VARIANT (SOFTMOE_AVX512, SOFTMOE_AVX2 or SOFTMOE_PORTABLE) and includes this
- * header, which includes the system headers, then raises the instruction set with `#pragma GCC target`
- * (push/pop), defines SOFTMOE_LANES and SOFTMOE_NS (the variant's own namespace, so that the three copies of every
- * function are distinct symbols) and includes the kernel source.
+ * lanes) and "portable" (the compiler's baseline, e.g. SSE2 on x86-64, 4 lanes). A variant unit defines
+ * SOFTMOE_KERNEL (the kernel source's name) and SOFTMOE_VARIANT (SOFTMOE_AVX512, SOFTMOE_AVX2 or SOFTMOE_PORTABLE)
+ * and includes this header, which includes the system headers, then raises the instruction set with `#pragma GCC
+ * target` (push/pop), defines SOFTMOE_LANES and SOFTMOE_NS (the variant's own namespace, so that the three copies of
+ * every function are distinct symbols) and includes the kernel source.
  *
  * The ISA macros (__AVX512F__, __AVX2__, ...) are not used: g++ does not define them under `#pragma GCC target`
  * (gcc in C mode does). Every system header is included here, before the pragma, so that no inline function of a

@@ -160,18 +160,20 @@ def soft_moe_mixing(
     each thread takes 16 (AVX-512; 8 with AVX2) inputs at a time, one per vector lane, and runs dispatch, both
     expert layers and the combine of a slot back to back in its cache. In inference (where
     :func:`~softmoe.kernels.modes.direct_call_ok`) the op's code is called directly, and with ``kept_combine``
-    (combine zero outside the slots of each input's kept experts: Algorithm 1's dense plan) the inputs are grouped by
-    the slots they keep and a slot is not run for a group none of whose inputs keeps it (at batch 1, every expert
-    not kept). Finite outputs are the same either way; an expert whose outputs are not finite adds NaN (its output
-    times a zero weight) only to the inputs of the groups that run it. Only where :func:`native_mixing_applies`;
+    (combine zero outside the slots of each input's kept experts: Algorithm 1's dense plan) only the kept slots run,
+    laid out per call in the cheapest of three ways the kernel counts: groups of inputs that keep the same slots (a
+    slot run for a group where one of its inputs keeps it), groups of the inputs that keep one expert, or each
+    input's kept experts one at a time with vectors along dim and hidden (small batches). Finite outputs are the
+    same either way; an expert whose outputs are not finite adds NaN (its output times a zero weight) only to the
+    inputs of the groups that run it. Only where :func:`native_mixing_applies`;
     other dtypes, devices, more than MIXING_MAX_TOKENS tokens or inconsistent shapes raise a ValueError. Runs
     ``softmoe::soft_moe_mixing`` with the variant :func:`~softmoe.kernels.cpu_isa` names.
     """
     _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2)
     isa = required_isa()
     if direct_call_ok("cpu", x, dispatch, combine, weight1, bias1, weight2, bias2):
-        # inference: the op's code without the dispatcher; with kept_combine the experts a group of inputs does not
-        # keep are skipped (no backward reads their records)
+        # inference: the op's code without the dispatcher; with kept_combine only the kept experts run (no backward
+        # reads the records of the others)
         return native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, False,
                                                kept_combine, isa)[0]
     # the outputs are kept only for a backward pass: none under no_grad or for inputs without gradients
