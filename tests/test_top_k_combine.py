@@ -158,6 +158,25 @@ def test_algorithm1_on_the_fused_small_experts_takes_the_dense_plan_without_the_
         assert not layer.experts.mix_skips_unkept("slots", x)
         layer(x)
     assert consulted
+    layer.experts.requires_grad_(False)  # frozen experts, a router that learns: the mixing records a gradient
+    dispatch = layer.route(x).dispatch.flatten(2)
+    assert dispatch.requires_grad and not layer.experts.mix_skips_unkept("native", x, dispatch)
+    assert layer.experts.mix_skips_unkept("native", x)
+
+
+def test_the_fused_path_takes_parametrized_expert_weights():
+    """An expert weight under torch.nn.utils.parametrize (no longer a registered parameter) still serves the
+    fused path's checks and Algorithm 1 equals the masked forward."""
+    torch.manual_seed(6)
+    layer = SoftMoE(20, 8, expert_hidden=6, activation="relu", expert_bias=False).eval()
+    torch.nn.utils.parametrize.register_parametrization(layer.experts, "weight1", torch.nn.Identity())
+    x = torch.randn(30, 4, 20)
+    with torch.no_grad():
+        assert layer.experts.mix_skips_unkept("native", x)
+        selected = top_k_by_combine(layer.route(x).combine.double(), 2)
+        want = masked_reference_forward(layer, x, selected)
+        with select_experts(layer, k=2):
+            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
 
 
 def test_gradients_flow_through_the_layers_choice(monkeypatch):

@@ -210,15 +210,20 @@ class MLPExperts(nn.Module):
     def _fused_native_applies(self, x: torch.Tensor) -> bool:
         return self.out_dim == self.dim and native_mixing_applies(x, self.hidden, self.activation)
 
-    def mix_skips_unkept(self, backend: str, x: torch.Tensor) -> bool:
-        """Whether ``mix(backend, x, ..., kept_combine=True)`` itself runs only the kept experts' work: the fused
-        native mixing called directly in inference, which lays each call's kept combine out by inputs or by experts
-        (:func:`~softmoe.kernels.soft_moe_mixing`). Algorithm 1's plan "auto" then runs the dense plan."""
+    def mix_skips_unkept(
+        self, backend: str, x: torch.Tensor, dispatch: torch.Tensor | None = None, combine: torch.Tensor | None = None
+    ) -> bool:
+        """Whether ``mix(backend, x, dispatch, combine, ..., kept_combine=True)`` itself runs only the kept experts'
+        work: the fused native mixing called directly in inference, which lays each call's kept combine out by
+        inputs, by experts or by pairs (:func:`~softmoe.kernels.soft_moe_mixing`; routing weights not given are
+        taken as recording no gradient). Algorithm 1's plan "auto" then runs the dense plan."""
         if backend != "native" or not self._fused_native_applies(x):
             return False
-        weights = self._parameters  # (nn.Module.__getattr__ costs 0.4 us a name: this runs on every call)
-        return direct_call_ok("cpu", x, weights["weight1"], weights.get("bias1"), weights["weight2"],
-                              weights.get("bias2"))
+        # (nn.Module.__getattr__ costs 0.4 us a name, and this runs on every call: the registered parameters first)
+        params = self._parameters
+        weights = [params[name] if name in params else getattr(self, name)
+                   for name in ("weight1", "bias1", "weight2", "bias2")]
+        return direct_call_ok("cpu", x, dispatch, combine, *weights)
 
     def _unavailable(self, backend: str, x: torch.Tensor) -> str | None:
         """Why ``backend`` cannot run tokens x, or None when it can."""

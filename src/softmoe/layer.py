@@ -563,7 +563,7 @@ class SoftMoE(nn.Module):
         :func:`~softmoe.selection_plan.plan_costs`, the pairs and experts in use counted where host reads are free;
         never where the experts' mixing skips the unkept experts' work itself (the fused small-expert kernel in
         inference: the dense plan then runs only the kept experts)."""
-        if self._mix_skips_unkept(self.backend_for(x).name, x):
+        if self._mix_skips_unkept(None, x):
             return False
         kept = kept_counts(selected, self.num_experts)
         return self._auto_plan(x, selected, kept, self._flops_per_row())[0] == "selected"
@@ -675,7 +675,7 @@ class SoftMoE(nn.Module):
         backend = None
         if plan == "auto":
             backend = self.backend_for(x).name
-            if self._mix_skips_unkept(backend, x):
+            if self._mix_skips_unkept(backend, x, dispatch, combine):
                 plan = "dense"  # the mixing itself runs only the kept experts' work
         if plan == "auto":
             def runs() -> dict[str, Callable[[], torch.Tensor]]:  # the plans' calls, for a timing
@@ -691,11 +691,22 @@ class SoftMoE(nn.Module):
             return self._selected_plan(x, dispatch, combine, selected, renormalize)
         return self._dense_plan(x, dispatch, combine, keep, renormalize, backend)
 
-    def _mix_skips_unkept(self, backend: str, x: torch.Tensor) -> bool:
-        """Whether the experts' mixing of x on ``backend`` skips the unkept experts' work by itself (the optional
-        ``mix_skips_unkept`` of an expert bank, e.g. :meth:`softmoe.experts.MLPExperts.mix_skips_unkept`)."""
+    def _mix_skips_unkept(
+        self, backend: str | None, x: torch.Tensor, dispatch: torch.Tensor | None = None,
+        combine: torch.Tensor | None = None,
+    ) -> bool:
+        """Whether the experts' mixing of x on ``backend`` (None: :meth:`backend_for`'s; one that cannot serve x
+        skips nothing) skips the unkept experts' work by itself (the optional ``mix_skips_unkept`` of an expert bank,
+        e.g. :meth:`softmoe.experts.MLPExperts.mix_skips_unkept`)."""
         skips = getattr(self.experts, "mix_skips_unkept", None)
-        return skips is not None and skips(backend, x)
+        if skips is None:
+            return False
+        if backend is None:
+            try:
+                backend = self.backend_for(x).name
+            except ValueError:
+                return False
+        return skips(backend, x, dispatch, combine)
 
     def _dense_plan(
         self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, keep: torch.Tensor | None,

@@ -400,19 +400,16 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
                 last = j;
             }
     };
-    int64_t pair_slots = 0, most_slots = 0; /* kept (input, slot) pairs; the most of one input */
-    for (int64_t b = 0; b < B; b++) {
-        int64_t count = 0;
-        for (int64_t w = 0; w < words; w++) count += __builtin_popcountll(bits[b * words + w]);
-        pair_slots += count;
-        most_slots = std::max(most_slots, count);
-    }
+    int64_t pair_slots = 0; /* kept (input, slot) pairs */
+    for (const uint64_t word : bits) pair_slots += __builtin_popcountll(word);
     const double groups = double((B + lanes - 1) / lanes), unknown = HUGE_VAL;
     const double busy_groups = std::max(1.0, std::min(double(threads), groups)); /* threads the layouts keep busy */
     const double busy_parts = double(parts), busy_inputs = double(std::max<int64_t>(1, std::min(threads, B)));
     const double pairs_cost = pair_slots * pair_slot_cost / busy_inputs;
     const double experts_least = double(pair_slots) / lanes * (slot_cost + EXPERT_GROUP_MOVES * rows / P) / busy_parts;
-    const double inputs_least = groups * (most_slots * slot_cost + INPUT_GROUP_MOVES * rows) / busy_groups;
+    /* a group runs at least the mean of its inputs' kept slots */
+    const double inputs_least =
+        (double(pair_slots) / lanes * slot_cost + groups * INPUT_GROUP_MOVES * rows) / busy_groups;
     const double inputs_most = groups * (S * slot_cost + INPUT_GROUP_MOVES * rows) / busy_groups;
     double experts_cost = unknown, inputs_cost = unknown;
     if (how == LANES_AUTO && experts_least < std::min(inputs_most, pairs_cost)) {
