@@ -673,7 +673,7 @@ class SoftMoE(nn.Module):
         zero on the slots of unselected experts (the dense plan then needs no mask)."""
         keep = None if combine_is_kept or plan == "selected" else mask_from_subsets(selected, self.num_experts)
         backend = None
-        if plan == "auto":
+        if plan == "auto" and x.device.type == "cpu":  # (where a mixing skips them: the fused native kernel)
             backend = self.backend_for(x).name
             if self._mix_skips_unkept(backend, x, dispatch, combine):
                 plan = "dense"  # the mixing itself runs only the kept experts' work
