@@ -73,6 +73,8 @@ SHAPES = [
     (83, 4, 70, 3, 1, 17),
     (33, 4, 19, 7, 1, 5),
     (20, 4, 24, 3, 3, 4),
+    (1, 4, 20, 9, 1, 7),  # fewer inputs than threads: the pairs split across them
+    (2, 4, 13, 6, 2, 5),
 ]
 
 

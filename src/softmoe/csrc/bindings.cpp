@@ -379,7 +379,7 @@ constexpr double INPUT_GROUP_MOVES = 10.0, EXPERT_GROUP_MOVES = 20.0, PAIR_TOKEN
  * counted. A slot run for a group of lanes costs its dispatch, both layers and its combine (2 M Dm + 2 Dm Hd
  * multiply-adds of a vector), a group's rows (M Dm vectors) INPUT_GROUP_MOVES or EXPERT_GROUP_MOVES each; a slot
  * of a pair PAIR_TOKEN_OPS M Dm + PAIR_WEIGHT_OPS Dm Hd; each over the threads that its units of work (groups of
- * inputs, parts, inputs) can keep busy. A layout is counted only where
+ * inputs, parts, inputs or with fewer inputs than threads pairs) can keep busy. A layout is counted only where
  * bounds on its cost (from the kept slots' count) do not rule it out, the expert groups listed only where taken. */
 KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int64_t P, int64_t Hd, int64_t Dm,
                      int64_t lanes, int64_t parts, int how)
@@ -404,8 +404,9 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
     for (const uint64_t word : bits) pair_slots += __builtin_popcountll(word);
     const double groups = double((B + lanes - 1) / lanes), unknown = HUGE_VAL;
     const double busy_groups = std::max(1.0, std::min(double(threads), groups)); /* threads the layouts keep busy */
-    const double busy_parts = double(parts), busy_inputs = double(std::max<int64_t>(1, std::min(threads, B)));
-    const double pairs_cost = pair_slots * pair_slot_cost / busy_inputs;
+    const double busy_parts = double(parts);
+    const double busy_pairs = std::max(1.0, std::min(double(threads), std::max(double(B), double(pair_slots) / P)));
+    const double pairs_cost = pair_slots * pair_slot_cost / busy_pairs;
     const double experts_least = double(pair_slots) / lanes * (slot_cost + EXPERT_GROUP_MOVES * rows / P) / busy_parts;
     /* a group runs at least the mean of its inputs' kept slots */
     const double inputs_least =

@@ -514,37 +514,76 @@ static void forward_pair_slot(float *RESTRICT ob, const float *RESTRICT xb, cons
         for (long i = 0; i < Dm; i++) ob[t * Dm + i] += c[t] * slot[i];     /* out[t] += c[t] y */
 }
 
+/* The kept slots of pair e (input b's expert experts[e]), outputs added to ob (input b's rows): a slot whose combine
+ * weights are all zero (of either sign) over b's tokens is not run. */
+static void forward_pair(float *RESTRICT ob, long b, long e, const float *x, const float *dispatch,
+                         const float *combine, const float *w1, const float *b1, const float *w2, const float *b2,
+                         long M, long S, long P, long Hd, long Dm, const long *experts, float *RESTRICT slot,
+                         float *RESTRICT h)
+{
+    const float *cb = combine + b * M * S;
+    for (long s = experts[e] * P; s < (experts[e] + 1) * P; s++) {
+        uint32_t any = 0;
+        for (long t = 0; t < M; t++) any |= ((const uint32_t *)cb)[t * S + s] & 0x7fffffffu;
+        if (any)
+            forward_pair_slot(ob, x + b * M * Dm, dispatch + b * M * S, cb, s, experts[e], M, S, Hd, Dm, w1, b1, w2,
+                              b2, slot, h);
+    }
+}
+
 /* Algorithm 1's kept pairs one at a time, for calls without a backward pass (arguments as soft_moe_small_forward's):
- * input b's kept experts are experts[first[b]] ... experts[first[b + 1] - 1], each run on its slots whose combine
- * weights are not all zero (of either sign) over b's tokens, with vectors along dim and hidden instead of across
- * inputs: for small batches, whose groups of lanes would run mostly empty. Threads split the inputs; out is written
+ * input b's kept experts are experts[first[b]] ... experts[first[b + 1] - 1], each run on its kept slots with
+ * vectors along dim and hidden instead of across inputs: for small batches, whose groups of lanes would run mostly
+ * empty. Threads split the inputs; with fewer inputs than threads they split the pairs, each adding its outputs into
+ * a partial sum of its own (the first into out), which they then add up, a range of floats each. out is written
  * whole (zeros for an input that keeps nothing). */
 void soft_moe_small_forward_pairs(const float *x, const float *dispatch, const float *combine, const float *w1,
                                   const float *b1, const float *w2, const float *b2, float *out, long B, long M,
                                   long S, long P, long Hd, long Dm, const long *first, const long *experts,
                                   int threads)
 {
-    if (threads > B) threads = (int)B;
-    if (threads < 1) threads = 1;
+    const long E = first[B], total = B * M * Dm;
+    if (B >= threads || E <= 1) {
+        if (threads > B) threads = (int)B;
+        if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        float *slot = (float *)softmoe_scratch(0, (Dm + Hd) * sizeof(float)), *h = slot + Dm;
+        {
+            float *slot = (float *)softmoe_scratch(0, (Dm + Hd) * sizeof(float)), *h = slot + Dm;
 #pragma omp for schedule(static)
-        for (long b = 0; b < B; b++) {
-            float *ob = out + b * M * Dm;
-            const float *cb = combine + b * M * S;
-            memset(ob, 0, M * Dm * sizeof(float));
-            for (long e = first[b]; e < first[b + 1]; e++)
-                for (long s = experts[e] * P; s < (experts[e] + 1) * P; s++) {
-                    uint32_t any = 0;
-                    for (long t = 0; t < M; t++) any |= ((const uint32_t *)cb)[t * S + s] & 0x7fffffffu;
-                    if (any)
-                        forward_pair_slot(ob, x + b * M * Dm, dispatch + b * M * S, cb, s, experts[e], M, S, Hd, Dm,
-                                          w1, b1, w2, b2, slot, h);
-                }
+            for (long b = 0; b < B; b++) {
+                float *ob = out + b * M * Dm;
+                memset(ob, 0, M * Dm * sizeof(float));
+                for (long e = first[b]; e < first[b + 1]; e++)
+                    forward_pair(ob, b, e, x, dispatch, combine, w1, b1, w2, b2, M, S, P, Hd, Dm, experts, slot, h);
+            }
+            softmoe_scratch_release(0);
+        }
+        return;
+    }
+    if (threads > E) threads = (int)E;
+    float **partials = (float **)malloc(threads * sizeof(float *)); /* thread t's partial sum of out, t >= 1 */
+#pragma omp parallel num_threads(threads)
+    {
+        const long t = omp_get_thread_num(), count = omp_get_num_threads();
+        float *slot = (float *)softmoe_scratch(0, (Dm + Hd) * sizeof(float)), *h = slot + Dm;
+        float *mine = t == 0 ? out : (partials[t] = (float *)softmoe_scratch(2, total * sizeof(float)));
+        memset(mine, 0, total * sizeof(float));
+        long b = 0;
+        for (long e = E * t / count; e < E * (t + 1) / count; e++) {
+            while (first[b + 1] <= e) b++;
+            forward_pair(mine + b * M * Dm, b, e, x, dispatch, combine, w1, b1, w2, b2, M, S, P, Hd, Dm, experts,
+                         slot, h);
         }
         softmoe_scratch_release(0);
+#pragma omp barrier
+        for (long other = 1; other < count; other++) {
+            const float *part = partials[other];
+            for (long i = total * t / count; i < total * (t + 1) / count; i++) out[i] += part[i];
+        }
+#pragma omp barrier
+        if (t > 0) softmoe_scratch_release(2);
     }
+    free(partials);
 }
 
 /* ---- backward ----------------------------------------------------------------------------------------------- */
