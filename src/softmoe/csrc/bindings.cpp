@@ -19,8 +19,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <functional>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -375,21 +373,20 @@ enum { LANES_AUTO, LANES_BY_INPUTS, LANES_BY_EXPERTS, LANES_BY_PAIRS };
 constexpr double INPUT_GROUP_MOVES = 10.0, EXPERT_GROUP_MOVES = 20.0, PAIR_TOKEN_OPS = 1.7, PAIR_WEIGHT_OPS = 0.48;
 
 /* The layout of the lanes for kept combine (B, M, S) with P slots per expert of Hd hidden units and dim Dm, `lanes`
- * per vector and `parts` threads: `how` one of the layouts, or LANES_AUTO for the one of fewest vector operations
+ * per vector and `threads` threads: `how` one of the layouts, or LANES_AUTO for the one of fewest vector operations
  * counted. A slot run for a group of lanes costs its dispatch, both layers and its combine (2 M Dm + 2 Dm Hd
  * multiply-adds of a vector), a group's rows (M Dm vectors) INPUT_GROUP_MOVES or EXPERT_GROUP_MOVES each; a slot
  * of a pair PAIR_TOKEN_OPS M Dm + PAIR_WEIGHT_OPS Dm Hd; each over the threads that its units of work (groups of
  * inputs, parts, inputs or with fewer inputs than threads pairs) can keep busy. A layout is counted only where
  * bounds on its cost (from the kept slots' count) do not rule it out, the expert groups listed only where taken. */
 KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int64_t P, int64_t Hd, int64_t Dm,
-                     int64_t lanes, int64_t parts, int how)
+                     int64_t lanes, int64_t threads, int how)
 {
     const int64_t words = (S + 63) / 64, n = S / P;
     const std::vector<uint64_t> bits = slot_bits(combine, B, M, S, words);
     const double slot_cost = 2.0 * M * Dm + 2.0 * Dm * Hd, rows = double(M) * Dm;
     const double pair_slot_cost = PAIR_TOKEN_OPS * M * Dm + PAIR_WEIGHT_OPS * Dm * Hd;
-    const int64_t threads = parts;
-    parts = std::max<int64_t>(1, std::min(parts, B));
+    const int64_t parts = std::max<int64_t>(1, std::min(threads, B)); /* each thread's share of the inputs */
     /* each expert of input b that keeps a slot, through the set bits */
     const auto for_each_expert = [&](int64_t b, auto &&use) {
         int64_t last = -1;
