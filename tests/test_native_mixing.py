@@ -127,7 +127,7 @@ def kept_combine_inputs(shape, seed):
 
 
 # The native op's layouts of the lanes for a kept combine (kept_lanes_by in csrc/bindings.cpp)
-LAYOUTS = {"auto": 0, "by inputs": 1, "by experts": 2, "by pairs": 3}
+LAYOUTS = {"auto": 0, "by inputs": 1, "by rows": 2, "by pairs": 3}
 
 
 def kept_mixing(inputs, layout):
@@ -139,10 +139,11 @@ def kept_mixing(inputs, layout):
 @pytest.mark.parametrize("layout", ["as they come", *LAYOUTS])
 @pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
 def test_inference_skips_idle_slots_and_matches_float64(isa, shape, layout, threads):
-    """Without gradients the op's code runs directly; with a kept combine the lanes are groups of inputs that keep
-    the same slots (the slots whose combine weights are zero for a whole group skipped) or groups of the inputs that
-    keep one expert (each thread's share of the inputs, outputs added up), as the op finds cheaper or as forced:
-    the output is exact in every layout."""
+    """Without gradients the op's code runs directly; with a kept combine the work is laid out as groups of inputs
+    that keep the same slots (the slots whose combine weights are zero for a whole group skipped), as the rows of
+    each expert (its inputs up to 8 at a time, vectors along hidden and dim: partial blocks of rows and of vectors,
+    hidden and dim below, at and above one vector) or as each input's kept experts one at a time, as the op finds
+    cheaper or as forced: the output is exact in every layout."""
     inputs = kept_combine_inputs(shape, seed=sum(shape))
     with torch.no_grad():
         out = soft_moe_mixing(*inputs) if layout == "as they come" else kept_mixing(inputs, layout)
@@ -152,8 +153,8 @@ def test_inference_skips_idle_slots_and_matches_float64(isa, shape, layout, thre
 def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):
     """An expert with a NaN bias, kept by every third input: run for a group, it makes every output of the group NaN
     (its outputs enter the combine at weight 0). With kept_combine (48 inputs: two full groups of those that do not
-    keep it at every lane count; or groups of the inputs that keep each expert) the others' outputs stay finite and
-    exact; without it (nothing skipped) they do not, nor with gradients (the op: every slot runs, its records are
+    keep it at every lane count; or the rows of each expert, or each input's experts) the others' outputs stay finite
+    and exact; without it (nothing skipped) they do not, nor with gradients (the op: every slot runs, its records are
     kept)."""
     x, dispatch, combine, w1, b1, w2, b2 = (t.detach() for t in random_inputs(48, 4, 8, 4, 1, 3, bias=True))
     b2[3] = math.nan
@@ -162,7 +163,7 @@ def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):
     inputs = (x, dispatch, combine, w1, b1, w2, b2)
     with torch.no_grad():
         grouped = soft_moe_mixing(*inputs, kept_combine=True)
-        by_layout = [kept_mixing(inputs, layout) for layout in ("by inputs", "by experts", "by pairs")]
+        by_layout = [kept_mixing(inputs, layout) for layout in ("by inputs", "by rows", "by pairs")]
         as_they_come = soft_moe_mixing(*inputs)
     others = ~users
     rows = [t[others].double() for t in (x, dispatch, combine)]

@@ -215,7 +215,7 @@ class MLPExperts(nn.Module):
     ) -> bool:
         """Whether ``mix(backend, x, dispatch, combine, ..., kept_combine=True)`` itself runs only the kept experts'
         work: the fused native mixing called directly in inference, which lays each call's kept combine out by
-        inputs, by experts or by pairs (:func:`~softmoe.kernels.soft_moe_mixing`; routing weights not given are
+        inputs, by the rows of each expert or by pairs (:func:`~softmoe.kernels.soft_moe_mixing`; routing weights not given are
         taken as recording no gradient). Algorithm 1's plan "auto" then runs the dense plan."""
         if backend != "native" or not self._fused_native_applies(x):
             return False

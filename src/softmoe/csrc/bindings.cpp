@@ -85,6 +85,7 @@ struct Variant {
     decltype(&softmoe_portable::expert_matmul_tn) expert_matmul_tn;
     decltype(&softmoe_portable::soft_moe_small_forward) mixing_forward;
     decltype(&softmoe_portable::soft_moe_small_forward_pairs) mixing_forward_pairs;
+    decltype(&softmoe_portable::soft_moe_small_forward_rows) mixing_forward_rows;
     decltype(&softmoe_portable::soft_moe_small_backward) mixing_backward;
     decltype(&softmoe_portable::soft_moe_small_lanes) mixing_lanes;
     decltype(&softmoe_portable::soft_moe_routing_forward) routing_forward;
@@ -114,7 +115,8 @@ bool always() { return true; }
     Variant                                                                                                           \
     {                                                                                                                 \
         label, lanes, supported, ns::expert_matmul, ns::expert_matmul_nt, ns::expert_matmul_tn,                      \
-            ns::soft_moe_small_forward, ns::soft_moe_small_forward_pairs, ns::soft_moe_small_backward,                \
+            ns::soft_moe_small_forward, ns::soft_moe_small_forward_pairs, ns::soft_moe_small_forward_rows,                \
+            ns::soft_moe_small_backward,                \
             ns::soft_moe_small_lanes,                                                                                 \
             ns::soft_moe_routing_forward, ns::soft_moe_routing_backward, ns::top_k_combine                            \
     }
@@ -349,42 +351,46 @@ std::vector<uint64_t> slot_bits(const float *combine, int64_t B, int64_t M, int6
     return bits;
 }
 
-/* How the fused kernel lays out Algorithm 1's kept combine (combine zero outside each input's kept slots) for
- * soft_moe_small_forward: groups of inputs in vector lanes (`order` puts those that keep the same slots side by side;
- * empty: as they come), each running the slots one of its inputs keeps; or, where `experts` is not empty, groups of
- * one expert's slots in lanes, each of inputs that keep it (experts: (first place in order, lanes, expert) per group;
- * parts: the groups of each thread's share of the inputs); or, where `first` is not empty, each input's kept
- * experts one at a time with vectors along dim and hidden (soft_moe_small_forward_pairs: input b's experts
- * pair_experts[first[b]] ... pair_experts[first[b + 1] - 1]). */
+/* How the fused kernel lays out Algorithm 1's kept combine (combine zero outside each input's kept slots): groups of
+ * inputs in vector lanes for soft_moe_small_forward (`order` puts those that keep the same slots side by side;
+ * empty: as they come), each running the slots one of its inputs keeps; or, where `parts` is not empty, the rows of
+ * each expert for soft_moe_small_forward_rows: groups of the inputs that keep it (experts: (first place in order,
+ * count, expert) per group; parts: the groups of each thread's share of the inputs); or, where `first` is not
+ * empty, each input's kept experts one at a time with vectors along dim and hidden (soft_moe_small_forward_pairs:
+ * input b's experts pair_experts[first[b]] ... pair_experts[first[b + 1] - 1]). */
 struct KeptLanes {
     std::vector<long> order, experts, parts, first, pair_experts;
 };
 
-enum { LANES_AUTO, LANES_BY_INPUTS, LANES_BY_EXPERTS, LANES_BY_PAIRS };
+enum { LANES_AUTO, LANES_BY_INPUTS, LANES_BY_ROWS, LANES_BY_PAIRS };
 
-/* What moving one vector of a group's rows in and out costs in the cost model below, in multiply-adds of a vector:
- * for groups of inputs (gathered, then written back, once for all their slots) and for groups of one expert's slots
- * (gathered, their outputs added back, and per slot the group's output rows cleared and read and written by the
- * combine); and what a slot of one pair costs in the same units, per token float (its dispatch and combine) and
- * per weight of its expert (the pair streams them alone, in short loops along hidden): the same with AVX-512 and
- * AVX2 (215 ns + 0.077 ns a weight per slot, where the groups' operations take 0.16 ns). Fitted to the op's times
- * on an AMD EPYC Zen 5 (AVX-512 and AVX2, 2 threads, the MNIST layer at 8, 64 and 256 experts, batch 1-256;
+/* The cost model below counts multiply-adds of a vector. INPUT_GROUP_MOVES: what moving one vector of a group of
+ * inputs' rows costs (gathered, then written back, once for all their slots); PAIR_TOKEN_OPS and PAIR_WEIGHT_OPS:
+ * what a slot of one pair costs per token float (its dispatch and combine) and per weight of its expert (the pair
+ * streams them alone, in short loops along hidden), the same with AVX-512 and AVX2 (215 ns + 0.077 ns a weight per
+ * slot, where the groups' operations take 0.16 ns); ROW_TOKEN_OPS: what a slot run for one row of an expert costs
+ * per vector of its tokens' rows (its dispatch, its combine and their moves) beside its products. Fitted to the op's
+ * times on an AMD EPYC Zen 5 (AVX-512 and AVX2, 2 threads, the MNIST layer at 8, 64 and 256 experts, batch 1-256;
  * docs/performance.md). */
-constexpr double INPUT_GROUP_MOVES = 10.0, EXPERT_GROUP_MOVES = 20.0, PAIR_TOKEN_OPS = 1.7, PAIR_WEIGHT_OPS = 0.48;
+constexpr double INPUT_GROUP_MOVES = 10.0, PAIR_TOKEN_OPS = 1.7, PAIR_WEIGHT_OPS = 0.48, ROW_TOKEN_OPS = 10.0;
 
 /* The layout of the lanes for kept combine (B, M, S) with P slots per expert of Hd hidden units and dim Dm, `lanes`
  * per vector and `threads` threads: `how` one of the layouts, or LANES_AUTO for the one of fewest vector operations
  * counted. A slot run for a group of lanes costs its dispatch, both layers and its combine (2 M Dm + 2 Dm Hd
- * multiply-adds of a vector), a group's rows (M Dm vectors) INPUT_GROUP_MOVES or EXPERT_GROUP_MOVES each; a slot
- * of a pair PAIR_TOKEN_OPS M Dm + PAIR_WEIGHT_OPS Dm Hd; each over the threads that its units of work (groups of
- * inputs, parts, inputs or with fewer inputs than threads pairs) can keep busy. A layout is counted only where
- * bounds on its cost (from the kept slots' count) do not rule it out, the expert groups listed only where taken. */
+ * multiply-adds of a vector), a group's rows (M Dm vectors) INPUT_GROUP_MOVES each; a slot of an expert's row its
+ * products in vectors along hidden and dim (Dm ceil(Hd / lanes) + Hd ceil(Dm / lanes)) and ROW_TOKEN_OPS per vector
+ * of its tokens' rows (M ceil(Dm / lanes)); a slot of a pair PAIR_TOKEN_OPS M Dm + PAIR_WEIGHT_OPS Dm Hd; each over
+ * the threads that its units of work (groups of inputs, parts, inputs or with fewer inputs than threads pairs) can
+ * keep busy. The groups of inputs are counted only where a bound on their cost (from the kept slots' count) does not
+ * rule them out. */
 KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int64_t P, int64_t Hd, int64_t Dm,
                      int64_t lanes, int64_t threads, int how)
 {
     const int64_t words = (S + 63) / 64, n = S / P;
     const std::vector<uint64_t> bits = slot_bits(combine, B, M, S, words);
     const double slot_cost = 2.0 * M * Dm + 2.0 * Dm * Hd, rows = double(M) * Dm;
+    const double dim_vectors = double((Dm + lanes - 1) / lanes), hidden_vectors = double((Hd + lanes - 1) / lanes);
+    const double row_slot_cost = Dm * hidden_vectors + Hd * dim_vectors + ROW_TOKEN_OPS * M * dim_vectors;
     const double pair_slot_cost = PAIR_TOKEN_OPS * M * Dm + PAIR_WEIGHT_OPS * Dm * Hd;
     const int64_t parts = std::max<int64_t>(1, std::min(threads, B)); /* each thread's share of the inputs */
     /* each expert of input b that keeps a slot, through the set bits */
@@ -399,31 +405,16 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
     };
     int64_t pair_slots = 0; /* kept (input, slot) pairs */
     for (const uint64_t word : bits) pair_slots += __builtin_popcountll(word);
-    const double groups = double((B + lanes - 1) / lanes), unknown = HUGE_VAL;
+    const double groups = double((B + lanes - 1) / lanes);
     const double busy_groups = std::max(1.0, std::min(double(threads), groups)); /* threads the layouts keep busy */
-    const double busy_parts = double(parts);
     const double busy_pairs = std::max(1.0, std::min(double(threads), std::max(double(B), double(pair_slots) / P)));
     const double pairs_cost = pair_slots * pair_slot_cost / busy_pairs;
-    const double experts_least = double(pair_slots) / lanes * (slot_cost + EXPERT_GROUP_MOVES * rows / P) / busy_parts;
+    const double rows_cost = pair_slots * row_slot_cost / double(parts);
     /* a group runs at least the mean of its inputs' kept slots */
     const double inputs_least =
         (double(pair_slots) / lanes * slot_cost + groups * INPUT_GROUP_MOVES * rows) / busy_groups;
-    const double inputs_most = groups * (S * slot_cost + INPUT_GROUP_MOVES * rows) / busy_groups;
-    double experts_cost = unknown, inputs_cost = unknown;
-    if (how == LANES_AUTO && experts_least < std::min(inputs_most, pairs_cost)) {
-        experts_cost = 0.0;
-        std::vector<int64_t> count(n);
-        for (int64_t part = 0; part < parts; part++) {
-            std::fill(count.begin(), count.end(), 0);
-            for (int64_t b = B * part / parts; b < B * (part + 1) / parts; b++)
-                for_each_expert(b, [&](int64_t j) { count[j]++; });
-            for (int64_t j = 0; j < n; j++)
-                experts_cost += double((count[j] + lanes - 1) / lanes) * (P * slot_cost + EXPERT_GROUP_MOVES * rows);
-        }
-        experts_cost /= busy_parts;
-    }
     KeptLanes layout;
-    if (how == LANES_BY_INPUTS || (how == LANES_AUTO && inputs_least < std::min(experts_cost, pairs_cost))) {
+    if (how == LANES_BY_INPUTS || (how == LANES_AUTO && inputs_least < std::min(rows_cost, pairs_cost))) {
         bool same = true;
         for (int64_t b = 1; b < B && same; b++)
             same = std::equal(bits.begin() + b * words, bits.begin() + (b + 1) * words, bits.begin());
@@ -437,7 +428,7 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
                     if (x[w] != y[w]) return x[w] < y[w];
                 return a < c;
             });
-        inputs_cost = 0.0;
+        double inputs_cost = 0.0;
         for (int64_t g = 0; g < B && how == LANES_AUTO; g += lanes) { /* a group runs the slots one input keeps */
             int64_t run = 0;
             for (int64_t w = 0; w < words; w++) {
@@ -447,12 +438,12 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
             }
             inputs_cost += (run * slot_cost + INPUT_GROUP_MOVES * rows) / busy_groups;
         }
-        if (how == LANES_BY_INPUTS || inputs_cost <= std::min(experts_cost, pairs_cost)) {
+        if (how == LANES_BY_INPUTS || inputs_cost <= std::min(rows_cost, pairs_cost)) {
             if (!same) layout.order = std::move(order);
             return layout;
         }
     }
-    if (how == LANES_BY_PAIRS || (how == LANES_AUTO && pairs_cost <= experts_cost)) {
+    if (how == LANES_BY_PAIRS || (how == LANES_AUTO && pairs_cost < rows_cost)) {
         layout.first.push_back(0);
         for (int64_t b = 0; b < B; b++) {
             for_each_expert(b, [&](int64_t j) { layout.pair_experts.push_back(long(j)); });
@@ -465,14 +456,12 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
     for (int64_t part = 0; part < parts; part++) {
         for (int64_t b = B * part / parts; b < B * (part + 1) / parts; b++)
             for_each_expert(b, [&](int64_t j) { keep[j].push_back(long(b)); });
-        for (int64_t j = 0; j < n; j++) {
-            for (size_t l = 0; l < keep[j].size(); l += lanes) {
-                const long count = long(std::min<size_t>(lanes, keep[j].size() - l));
-                layout.experts.insert(layout.experts.end(), {long(layout.order.size() + l), count, long(j)});
+        for (int64_t j = 0; j < n; j++)
+            if (!keep[j].empty()) {
+                layout.experts.insert(layout.experts.end(), {long(layout.order.size()), long(keep[j].size()), long(j)});
+                layout.order.insert(layout.order.end(), keep[j].begin(), keep[j].end());
+                keep[j].clear();
             }
-            layout.order.insert(layout.order.end(), keep[j].begin(), keep[j].end());
-            keep[j].clear();
-        }
         layout.parts.push_back(long(layout.experts.size() / 3));
     }
     return layout;
@@ -481,10 +470,10 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
 /* The fused mixing C relu-MLP(D^T X): x (B, M, Dm), dispatch / combine (B, M, S), weight1 (n, Dm, Hd), bias1 (n,
  * Hd), weight2 (n, Hd, Dm), bias2 (n, Dm) -> out (B, M, Dm) and what the backward reads, saved (ceil(B / lanes), S,
  * Hd (+ Dm with keep_outputs), lanes) with lanes those of the variant (16, 8 or 4): the pre-activations, then with
- * keep_outputs the slots' outputs. kept_combine, for inference only (saved is then incomplete, of another shape
- * with expert groups): combine is zero outside the slots each input keeps (Algorithm 1's dense plan); the lanes are
- * laid out by kept_lanes (kept_lanes_by: LANES_AUTO, or one layout forced), and a slot whose combine weights are
- * zero for every input of a group of lanes is not run for that group. */
+ * keep_outputs the slots' outputs. kept_combine, for inference only (saved is then incomplete, or empty where the
+ * layout has no groups of inputs): combine is zero outside the slots each input keeps (Algorithm 1's dense plan);
+ * the work is laid out by kept_lanes (kept_lanes_by: LANES_AUTO, or one layout forced), and a slot whose combine
+ * weights are zero for every input of a group of lanes is not run for that group. */
 std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const at::Tensor &dispatch_in,
                                                    const at::Tensor &combine_in, const at::Tensor &w1_in,
                                                    const c10::optional<at::Tensor> &b1_in, const at::Tensor &w2_in,
@@ -504,7 +493,7 @@ std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const
     TORCH_CHECK(!(keep_outputs && kept_combine), "softmoe: kept_combine is for calls without a backward pass: it "
                 "takes keep_outputs false");
     TORCH_CHECK(kept_lanes_by >= LANES_AUTO && kept_lanes_by <= LANES_BY_PAIRS, "softmoe: kept_lanes_by must be ",
-                LANES_AUTO, " (auto), ", LANES_BY_INPUTS, " (by inputs), ", LANES_BY_EXPERTS, " (by experts) or ",
+                LANES_AUTO, " (auto), ", LANES_BY_INPUTS, " (by inputs), ", LANES_BY_ROWS, " (by rows) or ",
                 LANES_BY_PAIRS, " (by pairs), got ", kept_lanes_by);
     const int64_t P = s.S / s.n, width = s.Hd + (keep_outputs ? s.Dm : 0);
     KeptLanes layout;
@@ -514,18 +503,26 @@ std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const
                             int(kept_lanes_by));
     }
     at::Tensor out = at::empty({s.B, s.M, s.Dm}, x.options());
+    const auto no_records = [&] { return at::empty({0, s.S, width, lanes}, x.options()); };
     if (!layout.first.empty()) { /* pairs one at a time: no groups, no records */
         pybind11::gil_scoped_release no_gil;
         v.mixing_forward_pairs(x.data_ptr<float>(), dispatch.data_ptr<float>(), combine.data_ptr<float>(),
                                w1.data_ptr<float>(), pointer(b1), w2.data_ptr<float>(), pointer(b2),
                                out.data_ptr<float>(), s.B, s.M, s.S, P, s.Hd, s.Dm, layout.first.data(),
                                layout.pair_experts.data(), threads());
-        return {out, at::empty({0, s.S, width, lanes}, x.options())};
+        return {out, no_records()};
     }
-    const bool by_experts = !layout.experts.empty();
-    const int64_t groups = by_experts ? int64_t(layout.experts.size() / 3) : (s.B + lanes - 1) / lanes;
-    if (by_experts) out.zero_(); /* expert groups add their outputs to zeros (an input that keeps nothing: zeros) */
-    at::Tensor saved = at::empty({groups, by_experts ? P : s.S, width, lanes}, x.options());
+    if (!layout.parts.empty()) { /* the rows of each expert: outputs added to zeros (an input keeping nothing: 0) */
+        out.zero_();
+        pybind11::gil_scoped_release no_gil;
+        v.mixing_forward_rows(x.data_ptr<float>(), dispatch.data_ptr<float>(), combine.data_ptr<float>(),
+                              w1.data_ptr<float>(), pointer(b1), w2.data_ptr<float>(), pointer(b2),
+                              out.data_ptr<float>(), s.M, s.S, P, s.Hd, s.Dm, layout.order.data(),
+                              layout.experts.data(), layout.parts.data(), int64_t(layout.parts.size()) - 1,
+                              threads());
+        return {out, no_records()};
+    }
+    at::Tensor saved = at::empty({(s.B + lanes - 1) / lanes, s.S, width, lanes}, x.options());
     int status;
     {
         pybind11::gil_scoped_release no_gil;
@@ -533,8 +530,6 @@ std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const
                                   w1.data_ptr<float>(), pointer(b1), w2.data_ptr<float>(), pointer(b2),
                                   out.data_ptr<float>(), saved.data_ptr<float>(), s.B, s.M, s.S, P, s.Hd, s.Dm,
                                   keep_outputs, kept_combine, layout.order.empty() ? nullptr : layout.order.data(),
-                                  by_experts ? layout.experts.data() : nullptr, groups,
-                                  by_experts ? layout.parts.data() : nullptr, int64_t(layout.parts.size()) - 1,
                                   threads());
     }
     TORCH_CHECK(status == 0, "softmoe: the native Soft MoE kernel refused its inputs");

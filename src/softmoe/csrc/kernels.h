@@ -18,12 +18,15 @@
     int soft_moe_small_forward(const float *x, const float *dispatch, const float *combine, const float *w1,         \
                                const float *b1, const float *w2, const float *b2, float *out, float *saved, long B,   \
                                long M, long S, long P, long Hd, long Dm, int keep, int skip_idle,                     \
-                               const long *order, const long *experts, long G_experts, const long *parts,             \
-                               long n_parts, int threads);                                                           \
+                               const long *order, int threads);                                                      \
     void soft_moe_small_forward_pairs(const float *x, const float *dispatch, const float *combine, const float *w1,  \
                                       const float *b1, const float *w2, const float *b2, float *out, long B, long M,  \
                                       long S, long P, long Hd, long Dm, const long *first, const long *experts,       \
                                       int threads);                                                                    \
+    void soft_moe_small_forward_rows(const float *x, const float *dispatch, const float *combine, const float *w1,   \
+                                     const float *b1, const float *w2, const float *b2, float *out, long M, long S,    \
+                                     long P, long Hd, long Dm, const long *order, const long *experts,                \
+                                     const long *parts, long n_parts, int threads);                                   \
     int soft_moe_small_backward(const float *grad_out, const float *x, const float *dispatch, const float *combine,  \
                                 const float *w1, const float *w2, const float *b2, const float *saved,               \
                                 float *grad_x, float *grad_dispatch, float *grad_combine,                           \

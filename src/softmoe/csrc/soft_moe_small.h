@@ -24,6 +24,10 @@
  * share of the input gradient into a partial sum of its own; the threads then add the partials up, a range of
  * rows each).
  *
+ * Algorithm 1's kept combine (inference) may instead run, where bindings.cpp counts it cheaper, as the rows of each
+ * expert (its inputs that keep it, ROWS at a time, vectors along hidden and dim) or as each input's kept experts one
+ * at a time (the sections "kept rows of one expert" and "kept pairs one at a time").
+ *
  * The kernel source of softmoe::soft_moe_mixing and its backward op, compiled once per instruction set by
  * soft_moe_small_{avx512,avx2,portable}.cpp (see variant.h), each copy in its own namespace SOFTMOE_NS with
  * LANES = SOFTMOE_LANES inputs per group. C++ compatible C: no system header is included here.
@@ -244,18 +248,16 @@ INLINE void forward_slots(vec *RESTRICT y, vec *RESTRICT y2, slot_t q, slot_t q2
 /* ---- layouts ------------------------------------------------------------------------------------------------ */
 
 /* A group of lanes holds places first ... first + lanes - 1 (lanes <= LANES) of the inputs in order: order[place]
- * (an input's index; NULL: the inputs as they come, place = index), and runs slots s_first ... s_first + s_count - 1
- * for them. */
+ * (an input's index; NULL: the inputs as they come, place = index). */
 typedef struct {
     long first, lanes;
     const long *order;
-    long s_first, s_count;
 } group_t;
 
-/* Group g of the inputs LANES at a time (lanes < LANES only in the last group), every one of the S slots. */
-static group_t group_of(long g, long B, const long *order, long S)
+/* Group g of the inputs LANES at a time (lanes < LANES only in the last group). */
+static group_t group_of(long g, long B, const long *order)
 {
-    const group_t grp = {g * LANES, B - g * LANES < LANES ? B - g * LANES : LANES, order, 0, S};
+    const group_t grp = {g * LANES, B - g * LANES < LANES ? B - g * LANES : LANES, order};
     return grp;
 }
 
@@ -284,12 +286,11 @@ INLINE void transpose_block(vec *v)
     }
 }
 
-enum { MOVE_GATHER, MOVE_SCATTER, MOVE_ADD };
+enum { MOVE_GATHER, MOVE_SCATTER };
 
 /* Between the routing layout and vectors of a group: v[(s - s0) * M + t][l] = routing[(input_of(grp, l) * M + t) *
  * S + s] for slots s0 <= s < s0 + count and t < M, one vector per (slot, token). MOVE_GATHER copies the routing
- * weights into v (zero in lanes past the group's inputs); MOVE_SCATTER writes v's gradients back into routing,
- * MOVE_ADD adds them to it. Rows move LANES slots at a time, transposed in registers (the lanes past the group's
+ * weights into v (zero in lanes past the group's inputs); MOVE_SCATTER writes v's gradients back into routing. Rows move LANES slots at a time, transposed in registers (the lanes past the group's
  * inputs neither read nor written); the remaining slots one float at a time. */
 static void move_slots(vec *RESTRICT v, float *RESTRICT routing, group_t grp, long s0, long count, long M, long S,
                        int mode)
@@ -309,8 +310,6 @@ static void move_slots(vec *RESTRICT v, float *RESTRICT routing, group_t grp, lo
             for (long i = 0; i < LANES; i++) {
                 if (mode == MOVE_GATHER)
                     v[(done + i) * M + t] = block[i];
-                else if (i < grp.lanes && mode == MOVE_ADD)
-                    *(uvec *)(rows + input_of(grp, i) * M * S) += block[i];
                 else if (i < grp.lanes)
                     *(uvec *)(rows + input_of(grp, i) * M * S) = block[i];
             }
@@ -322,8 +321,6 @@ static void move_slots(vec *RESTRICT v, float *RESTRICT routing, group_t grp, lo
             for (long s = done; s < count; s++) {
                 if (mode == MOVE_GATHER)
                     v[s * M + t][l] = row[s];
-                else if (mode == MOVE_ADD)
-                    row[s] += v[s * M + t][l];
                 else
                     row[s] = v[s * M + t][l];
             }
@@ -346,10 +343,10 @@ static void gather_rows(vec *v, const float *rows, group_t grp, long count)
     move_slots(v, (float *)rows, grp, 0, count, 1, count, MOVE_GATHER);
 }
 
-/* The vectors back into the group's rows (mode MOVE_SCATTER), or added to them (MOVE_ADD). */
-static void scatter_rows(float *rows, vec *v, group_t grp, long count, int mode)
+/* The vectors back into the group's rows. */
+static void scatter_rows(float *rows, vec *v, group_t grp, long count)
 {
-    move_slots(v, rows, grp, 0, count, 1, count, mode);
+    move_slots(v, rows, grp, 0, count, 1, count, MOVE_SCATTER);
 }
 
 #define SLOT_CHUNK 64 /* slots whose routing weights are gathered (and gradients scattered) together */
@@ -380,10 +377,9 @@ INLINE void forward_group(vec *RESTRICT og, vec *RESTRICT sg, const vec *RESTRIC
 {
     vec coef[SPREAD_SLOTS * MAX_TOKENS]; /* the combine weights of the slots waiting to be combined */
     memset(og, 0, M * Dm * sizeof(vec));
-    const long s_end = grp.s_first + grp.s_count;
-    for (long s0 = grp.s_first; s0 < s_end; s0 += SLOT_CHUNK) {
-        const long count = s_end - s0 < SLOT_CHUNK ? s_end - s0 : SLOT_CHUNK;
-        vec *records = sg + (s0 - grp.s_first) * W, *waiting = ys; /* with keep: the first waiting slot's outputs */
+    for (long s0 = 0; s0 < S; s0 += SLOT_CHUNK) {
+        const long count = S - s0 < SLOT_CHUNK ? S - s0 : SLOT_CHUNK;
+        vec *records = sg + s0 * W, *waiting = ys; /* with keep: the first waiting slot's outputs */
         long pending = 0;
         gather_slots(ds, dispatch, grp, s0, count, M, S);
         gather_slots(cs, combine, grp, s0, count, M, S);
@@ -419,22 +415,17 @@ INLINE void forward_group(vec *RESTRICT og, vec *RESTRICT sg, const vec *RESTRIC
  * Weights as the layer holds them: w1 (n, Dm, Hd), b1 (n, Hd), w2 (n, Hd, Dm), b2 (n, Dm); b1 and b2 may be NULL.
  * skip_idle: the slots whose combine weights are zero for every input of a group are not run there (forward_group;
  * saved then holds no record of them: for calls without a backward pass). order (the input indices, or NULL for the
- * inputs as they come): the inputs in the order they are grouped in, LANES at a time (saved's groups too).
- * experts (for calls without a backward pass; NULL: the groups above): G groups of one expert's slots each, experts[3
- * * g ... 3 * g + 2] = (its first place in order, its lanes, its expert), saved (G, P, W, LANES); the groups split
- * into `parts` parts, part i groups parts[i] ... parts[i + 1] - 1, no input in two parts (a thread runs whole parts:
- * it adds its groups' outputs to out, which holds zeros on the call). Returns 0, or 1 when M is outside
- * 1..MAX_TOKENS (nothing is written then). */
+ * inputs as they come): the inputs in the order they are grouped in, LANES at a time (saved's groups too). Returns
+ * 0, or 1 when M is outside 1..MAX_TOKENS (nothing is written then). */
 int soft_moe_small_forward(const float *x, const float *dispatch, const float *combine, const float *w1,
                            const float *b1, const float *w2, const float *b2, float *out, float *saved, long B,
                            long M, long S, long P, long Hd, long Dm, int keep, int skip_idle, const long *order,
-                           const long *experts, long G_experts, const long *parts, long n_parts, int threads)
+                           int threads)
 {
-    const long W = keep ? Hd + Dm : Hd;
-    const long G = experts ? G_experts : (B + LANES - 1) / LANES, units = experts ? n_parts : G;
+    const long W = keep ? Hd + Dm : Hd, G = (B + LANES - 1) / LANES;
     if (M < 1 || M > MAX_TOKENS) return 1;
     if (G <= 0) return 0;
-    if (threads > units) threads = (int)units;
+    if (threads > G) threads = (int)G;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
@@ -443,15 +434,9 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
         vec *og = xg + M * Dm, *buf = og + M * Dm, *a = buf + Dm, *ds = a + Hd, *cs = ds + SLOT_CHUNK * M;
         vec *ys = cs + SLOT_CHUNK * M;
         const long t = omp_get_thread_num(), count = omp_get_num_threads();
-        const long u0 = units * t / count, u1 = units * (t + 1) / count;
-        for (long g = experts ? parts[u0] : u0; g < (experts ? parts[u1] : u1); g++) {
-            group_t grp = group_of(g, B, order, S);
-            if (experts) {
-                const long *e = experts + 3 * g;
-                const group_t one = {e[0], e[1], order, e[2] * P, P};
-                grp = one;
-            }
-            vec *sg = (vec *)saved + g * grp.s_count * W;
+        for (long g = G * t / count; g < G * (t + 1) / count; g++) {
+            const group_t grp = group_of(g, B, order);
+            vec *sg = (vec *)saved + g * S * W;
             gather_rows(xg, x, grp, M * Dm);
 #if PAIR_MAX_HIDDEN > 0
             if (M == 4 && Hd <= PAIR_MAX_HIDDEN)
@@ -465,7 +450,7 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
             else
                 forward_group(og, sg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, ds, cs, ys, M, S, P, Hd, Dm,
                               W, keep, skip_idle, 0);
-            scatter_rows(out, og, grp, M * Dm, experts ? MOVE_ADD : MOVE_SCATTER);
+            scatter_rows(out, og, grp, M * Dm);
         }
         softmoe_scratch_release(0);
     }
@@ -584,6 +569,153 @@ void soft_moe_small_forward_pairs(const float *x, const float *dispatch, const f
         if (t > 0) softmoe_scratch_release(2);
     }
     free(partials);
+}
+
+/* ---- kept rows of one expert -------------------------------------------------------------------------------- */
+
+/* Inputs of one expert whose slots run together, and vectors of hidden units (layer 1) or of dim (layer 2) per
+ * register block: ROWS x ROW_VECS accumulators, each weight vector loaded once for ROWS inputs. */
+#if LANES == 16
+#define ROWS 8
+#else
+#define ROWS 4
+#endif
+#define ROW_VECS 2
+
+/* The first count floats at p (all LANES where count >= LANES), zeros after. */
+INLINE vec load_upto(const float *p, long count)
+{
+    if (count >= LANES) return *(const uvec *)p;
+    vec v = {0};
+    for (long i = 0; i < count; i++) v[i] = p[i];
+    return v;
+}
+
+/* out[r][c0 + i] = bias[c0 + i] (or 0) + sum_{e < E} in[r][e] w[e * ldw + c0 + i] for rows r < R and i < nv LANES
+ * (in rows of lds floats, out rows of ldo floats, padded: the lanes past the C columns get values that are not
+ * used). The rows of w are read in whole vectors, past their C columns into the rows after them, but for the last
+ * LANES floats of w, which may end the tensor: those rows are read up to their C columns. */
+INLINE void rows_block(float *RESTRICT out, long ldo, const float *RESTRICT in, long lds, const float *RESTRICT w,
+                       long ldw, const float *RESTRICT bias, long E, long C, long c0, const int R, const int nv)
+{
+    vec acc[ROWS][ROW_VECS], wv[ROW_VECS];
+    for (int v = 0; v < nv; v++) {
+        const vec b = bias ? load_upto(bias + c0 + v * LANES, C - c0 - v * LANES) : vec{};
+        for (int r = 0; r < R; r++) acc[r][v] = b;
+    }
+    const long whole = E - (LANES + ldw - 1) / ldw; /* the rows read in whole vectors */
+    for (long e = 0; e < E; e++) {
+        const float *we = w + e * ldw + c0;
+        if (e < whole)
+            for (int v = 0; v < nv; v++) wv[v] = *(const uvec *)(we + v * LANES);
+        else
+            for (int v = 0; v < nv; v++) wv[v] = load_upto(we + v * LANES, C - c0 - v * LANES);
+        for (int r = 0; r < R; r++) {
+            const float s = in[r * lds + e]; /* (a vector times a float: a broadcast, where splat adds +0) */
+            for (int v = 0; v < nv; v++) acc[r][v] += wv[v] * s;
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < nv; v++) *(uvec *)(out + r * ldo + c0 + v * LANES) = acc[r][v];
+}
+
+/* rows_block over all C columns, ROW_VECS vectors at a time, for R (a constant) rows. */
+INLINE void rows_product_of(float *RESTRICT out, long ldo, const float *RESTRICT in, long lds, const float *RESTRICT w,
+                            long ldw, const float *RESTRICT bias, long E, long C, const int R)
+{
+    long c0 = 0;
+    for (; c0 + ROW_VECS * LANES <= C; c0 += ROW_VECS * LANES) rows_block(out, ldo, in, lds, w, ldw, bias, E, C, c0, R, ROW_VECS);
+    if (c0 < C) {
+        if (C - c0 > LANES)
+            rows_block(out, ldo, in, lds, w, ldw, bias, E, C, c0, R, 2);
+        else
+            rows_block(out, ldo, in, lds, w, ldw, bias, E, C, c0, R, 1);
+    }
+}
+
+/* out (R, C) = in (R, E) w (E, C) + bias, R <= ROWS rows (a switch to the constant). */
+static void rows_product(float *RESTRICT out, long ldo, const float *RESTRICT in, long lds, const float *RESTRICT w,
+                         long ldw, const float *RESTRICT bias, long E, long C, long R)
+{
+    switch (R) {
+    case 1: rows_product_of(out, ldo, in, lds, w, ldw, bias, E, C, 1); break;
+    case 2: rows_product_of(out, ldo, in, lds, w, ldw, bias, E, C, 2); break;
+    case 3: rows_product_of(out, ldo, in, lds, w, ldw, bias, E, C, 3); break;
+#if ROWS > 4
+    case 4: rows_product_of(out, ldo, in, lds, w, ldw, bias, E, C, 4); break;
+    case 5: rows_product_of(out, ldo, in, lds, w, ldw, bias, E, C, 5); break;
+    case 6: rows_product_of(out, ldo, in, lds, w, ldw, bias, E, C, 6); break;
+    case 7: rows_product_of(out, ldo, in, lds, w, ldw, bias, E, C, 7); break;
+#endif
+    default: rows_product_of(out, ldo, in, lds, w, ldw, bias, E, C, ROWS); break;
+    }
+}
+
+/* Slot s of expert j for the R <= ROWS inputs in[0 .. R - 1], each output added to its rows of out: the slots
+ * (dispatch), both layers with each weight vector serving the R inputs, the combine. slot (ROWS x ld), h (ROWS x
+ * ld) scratch, ld >= max(Dm, Hd) rounded up to LANES. */
+static void forward_rows_slot(float *RESTRICT out, const long *in, long R, long s, long j, const float *x,
+                              const float *dispatch, const float *combine, long M, long S, long Hd, long Dm,
+                              const float *w1, const float *b1, const float *w2, const float *b2, float *RESTRICT slot,
+                              float *RESTRICT h, long ld)
+{
+    for (long r = 0; r < R; r++) {
+        float d[MAX_TOKENS];
+        for (long t = 0; t < M; t++) d[t] = dispatch[(in[r] * M + t) * S + s];
+        for (long i = 0; i < Dm; i++) slot[r * ld + i] = 0.0f;
+        add_rows(slot + r * ld, x + in[r] * M * Dm, Dm, d, M, Dm);          /* slot = sum_t d[t] x[t] */
+    }
+    rows_product(h, ld, slot, ld, w1 + j * Dm * Hd, Hd, b1 ? b1 + j * Hd : NULL, Dm, Hd, R);
+    for (long r = 0; r < R; r++)
+        for (long k = 0; k < Hd; k++) h[r * ld + k] = h[r * ld + k] > 0.0f ? h[r * ld + k] : 0.0f; /* relu */
+    rows_product(slot, ld, h, ld, w2 + j * Hd * Dm, Dm, b2 ? b2 + j * Dm : NULL, Hd, Dm, R); /* y, in slot's place */
+    for (long r = 0; r < R; r++) {
+        float *ob = out + in[r] * M * Dm;
+        for (long t = 0; t < M; t++) {
+            const float c = combine[(in[r] * M + t) * S + s];
+            for (long i = 0; i < Dm; i++) ob[t * Dm + i] += c * slot[r * ld + i]; /* out[t] += c[t] y */
+        }
+    }
+}
+
+/* Algorithm 1's kept rows, for calls without a backward pass (arguments as soft_moe_small_forward's with experts):
+ * group g holds the inputs order[experts[3 g]] ... (experts[3 g + 1] of them) that keep expert experts[3 g + 2],
+ * the groups split into parts (no input in two parts, a thread runs whole parts); each slot of the expert runs for
+ * ROWS of the group's inputs at a time, vectors along hidden and dim, an input left out of a slot whose combine
+ * weights are all zero (of either sign) over its tokens. out holds zeros on the call; each input's outputs are
+ * added to it. */
+void soft_moe_small_forward_rows(const float *x, const float *dispatch, const float *combine, const float *w1,
+                                 const float *b1, const float *w2, const float *b2, float *out, long M, long S,
+                                 long P, long Hd, long Dm, const long *order, const long *experts, const long *parts,
+                                 long n_parts, int threads)
+{
+    if (threads > n_parts) threads = (int)n_parts;
+    if (threads < 1) threads = 1;
+    const long ld = ((Dm > Hd ? Dm : Hd) + LANES - 1) / LANES * LANES;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *slot = (float *)softmoe_scratch(0, 2 * ROWS * ld * sizeof(float)), *h = slot + ROWS * ld;
+        const long t = omp_get_thread_num(), count = omp_get_num_threads();
+        for (long g = parts[n_parts * t / count]; g < parts[n_parts * (t + 1) / count]; g++) {
+            const long *e = experts + 3 * g, j = e[2];
+            for (long s = j * P; s < (j + 1) * P; s++) {
+                long in[ROWS], R = 0;
+                for (long l = 0; l < e[1]; l++) {
+                    const long b = order[e[0] + l];
+                    uint32_t any = 0;
+                    for (long tk = 0; tk < M; tk++)
+                        any |= ((const uint32_t *)combine)[(b * M + tk) * S + s] & 0x7fffffffu;
+                    if (any) in[R++] = b;
+                    if (R == ROWS || (R && l + 1 == e[1])) {
+                        forward_rows_slot(out, in, R, s, j, x, dispatch, combine, M, S, Hd, Dm, w1, b1, w2, b2, slot,
+                                          h, ld);
+                        R = 0;
+                    }
+                }
+            }
+        }
+        softmoe_scratch_release(0);
+    }
 }
 
 /* ---- backward ----------------------------------------------------------------------------------------------- */
@@ -960,7 +1092,7 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
     for (long g0 = 0; g0 < G; g0 += GROUP_BLOCK) {
         const long ng = G - g0 < GROUP_BLOCK ? G - g0 : GROUP_BLOCK;
         for (long gi = 0; gi < ng; gi++) {
-            const group_t grp = group_of(g0 + gi, B, NULL, S);
+            const group_t grp = group_of(g0 + gi, B, NULL);
             gather_rows(xg + gi * MD, x, grp, MD);
             gather_rows(gog + gi * MD, grad_out, grp, MD);
         }
@@ -968,8 +1100,8 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
         for (long s0 = first * P; s0 < last * P; s0 += SLOT_CHUNK) {
             const long count = last * P - s0 < SLOT_CHUNK ? last * P - s0 : SLOT_CHUNK, chunk = count * M;
             for (long gi = 0; gi < ng; gi++) {
-                gather_slots(ds + gi * chunk, dispatch, group_of(g0 + gi, B, NULL, S), s0, count, M, S);
-                gather_slots(cs + gi * chunk, combine, group_of(g0 + gi, B, NULL, S), s0, count, M, S);
+                gather_slots(ds + gi * chunk, dispatch, group_of(g0 + gi, B, NULL), s0, count, M, S);
+                gather_slots(cs + gi * chunk, combine, group_of(g0 + gi, B, NULL), s0, count, M, S);
             }
             for (long s = s0; s < s0 + count; s++) {
                 const long at = (s - s0) * M, pending = (s - s0) % SPREAD_SLOTS;
@@ -1005,12 +1137,12 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
                 s += pair;
             }
             for (long gi = 0; gi < ng; gi++) {
-                scatter_slots(grad_dispatch, gds_all + gi * chunk, group_of(g0 + gi, B, NULL, S), s0, count, M, S);
-                scatter_slots(grad_combine, gcs_all + gi * chunk, group_of(g0 + gi, B, NULL, S), s0, count, M, S);
+                scatter_slots(grad_dispatch, gds_all + gi * chunk, group_of(g0 + gi, B, NULL), s0, count, M, S);
+                scatter_slots(grad_combine, gcs_all + gi * chunk, group_of(g0 + gi, B, NULL), s0, count, M, S);
             }
         }
         for (long gi = 0; gi < ng; gi++)
-            scatter_rows(gx, gxg + gi * MD, group_of(g0 + gi, B, NULL, S), MD, MOVE_SCATTER);
+            scatter_rows(gx, gxg + gi * MD, group_of(g0 + gi, B, NULL), MD);
     }
     softmoe_scratch_release(0);
     for (long j = first; j < last; j++)

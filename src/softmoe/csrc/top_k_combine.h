@@ -152,9 +152,11 @@ void top_k_combine(const float *combine, float *kept, int64_t *selected, long B,
             } else {
                 select_kept(key, high, low, tied, keep, n, k);
             }
-            for (long j = 0, count = 0; j < n; j++) { /* the kept experts in order, without a branch */
-                order[count] = j;
-                count += keep[j] & 1;
+            for (long j0 = 0, count = 0; j0 < n; j0 += 64) { /* the kept experts in order: 64 to a word of bits */
+                const long width = n - j0 < 64 ? n - j0 : 64;
+                uint64_t word = 0;
+                for (long i = 0; i < width; i++) word |= (uint64_t)(keep[j0 + i] & 1) << i;
+                for (; word; word &= word - 1) order[count++] = j0 + __builtin_ctzll(word);
             }
             memcpy(selected + b * k, order, k * sizeof(int64_t));
             if (P > 1)
