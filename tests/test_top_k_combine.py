@@ -1,5 +1,6 @@
 """softmoe::top_k_combine: Algorithm 1's choice from the combine weights in one native call, against the torch
-formulation (top_k_by_combine and the dense plan's mask), and the layer's CPU path through it."""
+formulation (top_k_by_combine and the dense plan's mask); the same choice made inside the native routing's pass
+(soft_moe_routing_top_k); and the layer's CPU paths through them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 import softmoe.layer as layer_module
 from softmoe import SoftMoE, masked_reference_forward, select_experts
-from softmoe.kernels import cpu_isa, native_available
+from softmoe.kernels import cpu_isa, native_available, soft_moe_routing, soft_moe_routing_top_k
 from softmoe.kernels.top_k_combine import native_top_k_applies, top_k_combine
 from softmoe.selection import Selector, top_k_by_combine
 from softmoe.selection_plan import kept_slots
@@ -100,14 +101,54 @@ def test_bad_arguments_are_value_errors_and_other_tensors_are_not_served():
     assert not native_top_k_applies(torch.empty(2, 3, 6, device="meta"))
 
 
+# (batch, tokens, dim, experts, slots per expert, k, normalize): the kernel's own products (<= 32 slots) and MKL's or
+# oneDNN's (more), the rank path (<= 32 experts) and the bisection, k = 1 and k = n, experts of several slots, one
+# token, threads splitting the inputs (the last).
+ROUTING_SHAPES = [(5, 4, 20, 8, 1, 3, "router"), (3, 1, 7, 6, 2, 6, "inputs"), (4, 3, 12, 40, 1, 1, "none"),
+                  (2, 5, 9, 30, 3, 17, "router"), (6, 4, 16, 300, 1, 77, "router"), (64, 4, 196, 64, 1, 16, "router")]
+
+
+@pytest.mark.parametrize("batch, tokens, dim, n, p, k, normalize", ROUTING_SHAPES)
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_the_routing_makes_the_same_choice_in_its_pass(isa, threads, batch, tokens, dim, n, p, k, normalize):
+    """soft_moe_routing_top_k gives exactly what the routing then the op give: dispatch, the kept combine (zeros
+    elsewhere) and the kept experts."""
+    torch.manual_seed(batch + n + k)
+    x, phi, scale = torch.randn(batch, tokens, dim), torch.randn(dim, n * p), torch.tensor(2.5)
+    with torch.no_grad():
+        _, dispatch, combine = soft_moe_routing(x, phi, scale, normalize)
+        want_kept, want_selected = top_k_combine(combine, p, k)
+        got = soft_moe_routing_top_k(x, phi, scale, normalize, p, k)
+    assert got is not None
+    assert torch.equal(got[0], dispatch) and torch.equal(got[1], want_kept) and torch.equal(got[2], want_selected)
+    assert torch.equal(got[2], torch_top_k_combine(combine, p, k)[1])
+
+
+def test_the_routing_with_the_choice_checks_its_arguments_and_declines_what_it_cannot_serve():
+    x, phi, scale = torch.randn(2, 3, 8), torch.randn(8, 6), torch.tensor(1.0)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"k must be an integer in \[1, 6\]"):
+            soft_moe_routing_top_k(x, phi, scale, "router", 1, 7)
+        with pytest.raises(ValueError, match="6 slots are not a whole number of experts of 4 slots"):
+            soft_moe_routing_top_k(x, phi, scale, "router", 4, 1)
+        with pytest.raises(ValueError, match="normalize must be one of"):
+            soft_moe_routing_top_k(x, phi, scale, "rms", 1, 1)
+        assert soft_moe_routing_top_k(x.double(), phi.double(), scale.double(), "router", 1, 2) is None
+    assert soft_moe_routing_top_k(x, phi.requires_grad_(), scale, "router", 1, 2) is None  # a gradient to record
+
+
 @pytest.mark.parametrize("p", [1, 2])
 @pytest.mark.parametrize("plan", ["auto", "dense", "selected"])
 @pytest.mark.parametrize("renormalize", [False, True])
-def test_the_layer_runs_algorithm1_through_the_op_on_the_cpu(monkeypatch, p, plan, renormalize):
-    """A float32 CPU layer with strategy "combine": the op chooses (the selector's select() is never called), and
-    every plan equals the paper's masked forward, as the selector's choice does."""
-    calls = []
-    monkeypatch.setattr(layer_module, "top_k_combine", lambda *args: calls.append(args) or top_k_combine(*args))
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_layer_runs_algorithm1_through_the_ops_on_the_cpu(monkeypatch, p, plan, renormalize, grad):
+    """A float32 CPU layer with strategy "combine": in inference the routing chooses in its pass, with gradients
+    recorded the op does (the selector's select() is never called), and every plan equals the paper's masked
+    forward, as the selector's choice does."""
+    chosen, routed = [], []
+    monkeypatch.setattr(layer_module, "top_k_combine", lambda *args: chosen.append(args) or top_k_combine(*args))
+    monkeypatch.setattr(layer_module, "soft_moe_routing_top_k",
+                        lambda *args: routed.append(soft_moe_routing_top_k(*args)) or routed[-1])
     monkeypatch.setattr(Selector, "select", lambda self, combine: pytest.fail("select() called"))
     torch.manual_seed(3)
     layer = SoftMoE(12, 6, slots_per_expert=p, expert_hidden=20).eval()
@@ -117,9 +158,10 @@ def test_the_layer_runs_algorithm1_through_the_op_on_the_cpu(monkeypatch, p, pla
     with torch.no_grad():
         selected = top_k_by_combine(layer.route(x).combine.double(), 2)
         want = masked_reference_forward(layer, x, selected, renormalize=renormalize)
-        with select_experts(layer, k=2, plan=plan, renormalize=renormalize):
-            got = layer(x)
-    assert len(calls) == 1 and calls[0][1:] == (p, 2)
+    with torch.set_grad_enabled(grad), select_experts(layer, k=2, plan=plan, renormalize=renormalize):
+        got = layer(x)
+    assert len(routed) == 1 and (routed[0] is None) == grad
+    assert len(chosen) == grad and (not grad or chosen[0][1:] == (p, 2))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 

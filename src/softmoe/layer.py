@@ -41,6 +41,7 @@ from softmoe.experts import Experts, MLPExperts, StackedExperts, autocast_device
 from softmoe.kernels import cpu_isa, native_routing_applies, native_top_k_applies, needs_grad, onednn_applies
 from softmoe.kernels import onednn_linear, top_k_combine
 from softmoe.kernels import soft_moe_routing as native_routing
+from softmoe.kernels import soft_moe_routing_top_k
 from softmoe.kernels.modes import host_reads_are_free, transforms_active
 from softmoe.kernels.routing_softmaxes import fused_routing_applies, run_routing_softmaxes
 from softmoe.selection_plan import (
@@ -499,9 +500,17 @@ class SoftMoE(nn.Module):
             dispatch, combine, selected = run_routing_softmaxes(logits, self.slots_per_expert, k)
             return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize,
                                           self.selector.plan, combine_is_kept=True)
+        if plain and (routed := soft_moe_routing_top_k(x, phi, self.scale, self.normalize, self.slots_per_expert,
+                                                      k)) is not None:
+            # CPU inference: Algorithm 1's choice made in the native routing's pass (combine zero outside the kept
+            # slots).
+            dispatch, combine, selected = routed
+            return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize,
+                                          self.selector.plan, combine_is_kept=True)
         _, dispatch, combine = self._route_flat(x, mask)
         if plain and native_top_k_applies(combine):
-            # Algorithm 1's choice and the kept combine weights in one native call (CPU).
+            # Algorithm 1's choice and the kept combine weights in one native call (CPU with gradients recorded or
+            # the dispatcher watched).
             combine, selected = top_k_combine(combine, self.slots_per_expert, k)
             return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize,
                                           self.selector.plan, combine_is_kept=True)

@@ -374,6 +374,12 @@ enum { LANES_AUTO, LANES_BY_INPUTS, LANES_BY_ROWS, LANES_BY_PAIRS };
  * docs/performance.md). */
 constexpr double INPUT_GROUP_MOVES = 10.0, PAIR_TOKEN_OPS = 1.7, PAIR_WEIGHT_OPS = 0.48, ROW_TOKEN_OPS = 10.0;
 
+/* What a slot run costs more in groups of the inputs sorted by the slots they keep than in groups of the inputs as
+ * they come, whose rows lie side by side: the op with a kept combine on inputs sorted beforehand (the order then the
+ * identity) against the same inputs unsorted, 1.6-6% (the MNIST layer at 64 and 256 experts, batch 64 and 256,
+ * AVX-512, AMD EPYC Zen 5). The inputs are sorted only where that saves more slot runs. */
+constexpr double SORTED_GROUP_COST = 0.05;
+
 /* The layout of the lanes for kept combine (B, M, S) with P slots per expert of Hd hidden units and dim Dm, `lanes`
  * per vector and `threads` threads: `how` one of the layouts, or LANES_AUTO for the one of fewest vector operations
  * counted. A slot run for a group of lanes costs its dispatch, both layers and its combine (2 M Dm + 2 Dm Hd
@@ -428,18 +434,23 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
                     if (x[w] != y[w]) return x[w] < y[w];
                 return a < c;
             });
-        double inputs_cost = 0.0;
-        for (int64_t g = 0; g < B && how == LANES_AUTO; g += lanes) { /* a group runs the slots one input keeps */
-            int64_t run = 0;
+        int64_t sorted_runs = 0, runs = 0; /* a group runs the slots one of its inputs keeps */
+        for (int64_t g = 0; g < B; g += lanes)
             for (int64_t w = 0; w < words; w++) {
-                uint64_t any = 0;
-                for (int64_t l = g; l < std::min(B, g + lanes); l++) any |= bits[order[l] * words + w];
-                run += __builtin_popcountll(any);
+                uint64_t any = 0, any_sorted = 0;
+                for (int64_t l = g; l < std::min(B, g + lanes); l++) {
+                    any |= bits[l * words + w];
+                    any_sorted |= bits[order[l] * words + w];
+                }
+                runs += __builtin_popcountll(any);
+                sorted_runs += __builtin_popcountll(any_sorted);
             }
-            inputs_cost += (run * slot_cost + INPUT_GROUP_MOVES * rows) / busy_groups;
-        }
-        if (how == LANES_BY_INPUTS || inputs_cost <= std::min(rows_cost, pairs_cost)) {
-            if (!same) layout.order = std::move(order);
+        const double sorted_cost = sorted_runs * (1.0 + SORTED_GROUP_COST);
+        const bool sort = sorted_cost < runs;
+        const double inputs_cost =
+            ((sort ? sorted_cost : double(runs)) * slot_cost + groups * INPUT_GROUP_MOVES * rows) / busy_groups;
+        if (how == LANES_BY_INPUTS || (how == LANES_AUTO && inputs_cost <= std::min(rows_cost, pairs_cost))) {
+            if (sort) layout.order = std::move(order);
             return layout;
         }
     }
@@ -710,31 +721,55 @@ void check_routing(const at::Tensor &x, const at::Tensor &phi, int64_t mode)
  * ("router"; else ones), which the backward reads. mode: ROUTING_*; onednn: the products in oneDNN. Up to
  * SOFTMOE_ROUTING_SMALL_SLOTS slots the kernel computes the products itself, in its passes over each input: MKL took
  * 35-80 us for the MNIST layer's logits (1024 x 196 by 196 x 2-16; AMD EPYC Zen 5, 2 threads), oneDNN 33-50; at
- * 17-32 slots the op took 0.60-0.67x its time with MKL's product (AVX-512), 0.74-0.98x (AVX2). */
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> soft_moe_routing(const at::Tensor &x_in,
-                                                                            const at::Tensor &phi_in,
-                                                                            const c10::optional<at::Tensor> &scale,
-                                                                            int64_t mode, const std::string &isa,
-                                                                            bool onednn)
+ * 17-32 slots the op took 0.60-0.67x its time with MKL's product (AVX-512), 0.74-0.98x (AVX2). With k >= 1 also
+ * Algorithm 1's choice of k experts of p slots, made in the same pass (combine then zero outside their slots) ->
+ * selected (B, k) (empty for k = 0). */
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+routing_forward(const at::Tensor &x_in, const at::Tensor &phi_in, const c10::optional<at::Tensor> &scale, int64_t mode,
+                const std::string &isa, bool onednn, int64_t p, int64_t k)
 {
     const Variant &v = variant(isa);
     check_routing(x_in, phi_in, mode);
     const at::Tensor x = x_in.contiguous(), phi = phi_in.contiguous();
     const int64_t B = x.size(0), M = x.size(1), D = x.size(2), S = phi.size(1);
+    TORCH_CHECK(p >= 1 && S % p == 0, "softmoe: phi's ", S, " slots are not a multiple of ", p, " per expert");
+    TORCH_CHECK(k >= 0 && k <= S / p, "softmoe: k must be in [1, ", S / p, "] (the experts), got ", k);
     const at::Tensor phi_t = normalized_phi(phi, scale_value(scale, mode), mode).phi_t;
     const bool small = S <= SOFTMOE_ROUTING_SMALL_SLOTS;
     const at::Tensor columns = small ? padded_columns(phi_t) : at::Tensor();
     at::Tensor logits = small ? at::empty({B, M, S}, x.options())
                               : linear_product(x.view({B * M, D}), phi_t, onednn).view({B, M, S});
     at::Tensor dispatch = at::empty_like(logits), combine = at::empty_like(logits);
-    at::Tensor r = at::empty({B, M}, x.options());
+    at::Tensor r = at::empty({B, M}, x.options()), selected = at::empty({B, k}, x.options().dtype(at::kLong));
     {
         pybind11::gil_scoped_release no_gil;
         v.routing_forward(logits.data_ptr<float>(), x.data_ptr<float>(), small ? columns.data_ptr<float>() : nullptr,
                           dispatch.data_ptr<float>(), combine.data_ptr<float>(), r.data_ptr<float>(), B, M, S, D,
-                          mode == ROUTING_ROUTER, threads());
+                          mode == ROUTING_ROUTER, p, k, selected.data_ptr<int64_t>(), threads());
     }
+    return {logits, dispatch, combine, r, selected};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> soft_moe_routing(const at::Tensor &x_in,
+                                                                            const at::Tensor &phi_in,
+                                                                            const c10::optional<at::Tensor> &scale,
+                                                                            int64_t mode, const std::string &isa,
+                                                                            bool onednn)
+{
+    const auto [logits, dispatch, combine, r, _] = routing_forward(x_in, phi_in, scale, mode, isa, onednn, 1, 0);
     return {logits, dispatch, combine, r};
+}
+
+/* Inference's routing with Algorithm 1's choice in the same pass: (dispatch, combine zero outside the kept experts'
+ * slots, selected (B, k) ascending), as soft_moe_routing and top_k_combine would give them. */
+std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_top_k(const at::Tensor &x, const at::Tensor &phi,
+                                                                      const c10::optional<at::Tensor> &scale,
+                                                                      int64_t mode, const std::string &isa,
+                                                                      bool onednn, int64_t p, int64_t k)
+{
+    TORCH_CHECK(k >= 1, "softmoe: k must be at least 1, got ", k);
+    const auto [logits, dispatch, combine, r, selected] = routing_forward(x, phi, scale, mode, isa, onednn, p, k);
+    return {dispatch, combine, selected};
 }
 
 /* The gradients of soft_moe_routing's x, phi and scale (0 without normalization) from those of logits, dispatch and
@@ -875,6 +910,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           pybind11::arg("kept_lanes_by") = int64_t(LANES_AUTO));
     m.def("soft_moe_mixing_backward", &soft_moe_mixing_backward);
     m.def("soft_moe_routing", &soft_moe_routing);
+    m.def("soft_moe_routing_top_k", &soft_moe_routing_top_k, pybind11::arg("x"), pybind11::arg("phi"),
+          pybind11::arg("scale"), pybind11::arg("mode"), pybind11::arg("isa"), pybind11::arg("onednn"),
+          pybind11::arg("slots_per_expert"), pybind11::arg("k"));
     m.def("soft_moe_routing_backward", &soft_moe_routing_backward);
     m.def("top_k_combine", &top_k_combine, pybind11::arg("combine"), pybind11::arg("slots_per_expert"),
           pybind11::arg("k"), pybind11::arg("isa"));

@@ -226,9 +226,12 @@ static void input_grads(float *gxb, float *acc, const float *xb, const float *gp
 
 /* logits (B, M, S) holds P = x phi on entry, or with phi_rows (D, SOFTMOE_ROUTING_SMALL_SLOTS: phi's rows, zeros past
  * S; S <= SOFTMOE_ROUTING_SMALL_SLOTS) P is computed here; the logits on return. r (B, M) gets rsqrt(|x|^2 + 1e-6)
- * of the tokens of x (B, M, D) when `router`, else ones. */
+ * of the tokens of x (B, M, D) when `router`, else ones. With k >= 1, Algorithm 1's choice of k experts of P slots
+ * each is made from each input's combine weights while they are in cache (top_k_input, top_k_combine.h): selected
+ * (B, k) gets the kept experts, combine is zeroed outside their slots. */
 void soft_moe_routing_forward(float *logits, const float *x, const float *phi_rows, float *dispatch, float *combine,
-                              float *r, long B, long M, long S, long D, int router, int threads)
+                              float *r, long B, long M, long S, long D, int router, long P, long k, int64_t *selected,
+                              int threads)
 {
     const long SV = (S + LANES - 1) / LANES * LANES; /* the columns' buffers in whole vectors */
 #pragma omp parallel num_threads(threads)
@@ -237,6 +240,7 @@ void soft_moe_routing_forward(float *logits, const float *x, const float *phi_ro
            inverse; per row (token): the maximum over the slots, then the inverse of the sum */
         float *colmax = (float *)malloc((2 * SV + 2 * M) * sizeof(float));
         float *colsum = colmax + SV, *rowmax = colsum + SV, *rowinv = rowmax + M;
+        void *choice = k ? softmoe_scratch(0, top_k_scratch_bytes(S, P)) : NULL;
 #pragma omp for schedule(static)
         for (long b = 0; b < B; b++) {
             float *lb = logits + b * M * S, *db = dispatch + b * M * S, *cb = combine + b * M * S;
@@ -283,7 +287,9 @@ void soft_moe_routing_forward(float *logits, const float *x, const float *phi_ro
                     store_n(crow + s, load_n(crow + s, count) * inverse, count);
                 }
             }
+            if (k) top_k_input(cb, cb, selected + b * k, M, S, P, k, choice);
         }
+        if (k) softmoe_scratch_release(0);
         free(colmax);
     }
 }

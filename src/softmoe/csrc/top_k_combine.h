@@ -113,61 +113,74 @@ static void select_kept(const uint64_t *key, int32_t *high, int32_t *low, int32_
  * experts took 0.7x the time of the selection above (AMD EPYC Zen 5, AVX-512). */
 #define RANK_MAX_EXPERTS 32
 
+/* The scratch top_k_input takes for S slots of P per expert: the scores, the keys and their halves, the low halves of
+ * the keys tied at the k-th high half, the kept experts in order (one place to write past them), per expert and per
+ * slot all ones where kept. */
+long top_k_scratch_bytes(long S, long P)
+{
+    const long n = S / P;
+    return 8 * n + 8 * n + 8 * (n + 1) + 4 * n * 4 + 4 * S;
+}
+
+/* One input's choice, as the comment at the top says: cb (M, S) -> kept (M, S; cb itself may be given: each value is
+ * read before it is written), selected (k); scratch of top_k_scratch_bytes(S, P). */
+void top_k_input(const float *cb, float *kept, int64_t *selected, long M, long S, long P, long k, void *scratch)
+{
+    const long n = S / P;
+    double *score = (double *)scratch;
+    uint64_t *key = (uint64_t *)(score + n);
+    int64_t *order = (int64_t *)(key + n);
+    int32_t *high = (int32_t *)(order + n + 1), *low = high + n, *tied = low + n;
+    uint32_t *keep = (uint32_t *)(tied + n), *mask = keep + n;
+    for (long j = 0; j < n; j++) score[j] = 0.0;
+    for (long m = 0; m < M; m++) {
+        const float *row = cb + m * S;
+        if (P == 1) /* the common case, in vectors */
+            for (long j = 0; j < n; j++) score[j] += row[j];
+        else
+            for (long j = 0; j < n; j++)
+                for (long i = 0; i < P; i++) score[j] += row[j * P + i];
+    }
+    for (long j = 0; j < n; j++) key[j] = order_key(score[j]);
+    if (n <= RANK_MAX_EXPERTS) { /* each expert's rank: how many come before it */
+        for (long j = 0; j < n; j++) {
+            long rank = 0;
+            for (long i = 0; i < n; i++) rank += (key[i] > key[j]) | ((key[i] == key[j]) & (i < j));
+            keep[j] = rank < k ? ~0u : 0u;
+        }
+    } else {
+        select_kept(key, high, low, tied, keep, n, k);
+    }
+    for (long j0 = 0, count = 0; j0 < n; j0 += 64) { /* the kept experts in order: 64 to a word of bits */
+        const long width = n - j0 < 64 ? n - j0 : 64;
+        uint64_t word = 0;
+        for (long i = 0; i < width; i++) word |= (uint64_t)(keep[j0 + i] & 1) << i;
+        for (; word; word &= word - 1) order[count++] = j0 + __builtin_ctzll(word);
+    }
+    memcpy(selected, order, k * sizeof(int64_t));
+    if (P > 1)
+        for (long j = 0; j < n; j++)
+            for (long i = 0; i < P; i++) mask[j * P + i] = keep[j];
+    for (long m = 0; m < M; m++) { /* zeros (NaN too) outside the kept slots */
+        const uint32_t *row = (const uint32_t *)(cb + m * S);
+        uint32_t *o = (uint32_t *)(kept + m * S);
+        for (long s = 0; s < S; s++) o[s] = row[s] & (P == 1 ? keep : mask)[s];
+    }
+}
+
 /* combine (B, M, S) -> kept (B, M, S), selected (B, k) as the comment at the top says; `threads` OpenMP threads
  * split the inputs. */
 void top_k_combine(const float *combine, float *kept, int64_t *selected, long B, long M, long S, long P, long k,
                    int threads)
 {
-    const long n = S / P;
     if (threads > B) threads = (int)B;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        /* per thread: the scores, the keys and their halves, the low halves of the keys tied at the k-th high half,
-           the kept experts in order (one place to write past them), per expert and per slot all ones where kept */
-        double *score = (double *)softmoe_scratch(0, 8 * n + 8 * n + 8 * (n + 1) + 4 * n * 4 + 4 * S);
-        uint64_t *key = (uint64_t *)(score + n);
-        int64_t *order = (int64_t *)(key + n);
-        int32_t *high = (int32_t *)(order + n + 1), *low = high + n, *tied = low + n;
-        uint32_t *keep = (uint32_t *)(tied + n), *mask = keep + n;
+        void *scratch = softmoe_scratch(0, top_k_scratch_bytes(S, P));
 #pragma omp for schedule(static)
-        for (long b = 0; b < B; b++) {
-            const float *cb = combine + b * M * S;
-            for (long j = 0; j < n; j++) score[j] = 0.0;
-            for (long m = 0; m < M; m++) {
-                const float *row = cb + m * S;
-                if (P == 1) /* the common case, in vectors */
-                    for (long j = 0; j < n; j++) score[j] += row[j];
-                else
-                    for (long j = 0; j < n; j++)
-                        for (long i = 0; i < P; i++) score[j] += row[j * P + i];
-            }
-            for (long j = 0; j < n; j++) key[j] = order_key(score[j]);
-            if (n <= RANK_MAX_EXPERTS) { /* each expert's rank: how many come before it */
-                for (long j = 0; j < n; j++) {
-                    long rank = 0;
-                    for (long i = 0; i < n; i++) rank += (key[i] > key[j]) | ((key[i] == key[j]) & (i < j));
-                    keep[j] = rank < k ? ~0u : 0u;
-                }
-            } else {
-                select_kept(key, high, low, tied, keep, n, k);
-            }
-            for (long j0 = 0, count = 0; j0 < n; j0 += 64) { /* the kept experts in order: 64 to a word of bits */
-                const long width = n - j0 < 64 ? n - j0 : 64;
-                uint64_t word = 0;
-                for (long i = 0; i < width; i++) word |= (uint64_t)(keep[j0 + i] & 1) << i;
-                for (; word; word &= word - 1) order[count++] = j0 + __builtin_ctzll(word);
-            }
-            memcpy(selected + b * k, order, k * sizeof(int64_t));
-            if (P > 1)
-                for (long j = 0; j < n; j++)
-                    for (long i = 0; i < P; i++) mask[j * P + i] = keep[j];
-            for (long m = 0; m < M; m++) { /* zeros (NaN too) outside the kept slots */
-                const uint32_t *row = (const uint32_t *)(cb + m * S);
-                uint32_t *o = (uint32_t *)(kept + (b * M + m) * S);
-                for (long s = 0; s < S; s++) o[s] = row[s] & (P == 1 ? keep : mask)[s];
-            }
-        }
+        for (long b = 0; b < B; b++)
+            top_k_input(combine + b * M * S, kept + b * M * S, selected + b * k, M, S, P, k, scratch);
         softmoe_scratch_release(0);
     }
 }

@@ -16,7 +16,8 @@ Two kinds, each taken only where it applies (float32 CPU tensors), with torch's 
   - ``torch.ops.softmoe.soft_moe_mixing`` (and ``soft_moe_mixing_backward``): the whole Soft MoE mixing of many
     small relu experts in one pass (:mod:`softmoe.kernels.soft_moe_mixing`);
   - ``torch.ops.softmoe.soft_moe_routing`` (and ``soft_moe_routing_backward``): a layer's logits, dispatch and
-    combine weights in one call (:mod:`softmoe.kernels.soft_moe_routing`);
+    combine weights in one call (:mod:`softmoe.kernels.soft_moe_routing`; in inference :func:`soft_moe_routing_top_k`
+    makes Algorithm 1's choice in the same pass);
   - ``torch.ops.softmoe.top_k_combine``: Algorithm 1's choice of experts from the combine weights, and the combine
     weights with the others' slots zeroed, in one call (:mod:`softmoe.kernels.top_k_combine`).
 
@@ -66,7 +67,7 @@ from softmoe.kernels.soft_moe_mixing import (
     soft_moe_mixing,
 )
 from softmoe.kernels.routing_softmaxes import fused_routing_applies, routing_softmaxes
-from softmoe.kernels.soft_moe_routing import native_routing_applies, soft_moe_routing
+from softmoe.kernels.soft_moe_routing import native_routing_applies, soft_moe_routing, soft_moe_routing_top_k
 from softmoe.kernels.top_k_combine import native_top_k_applies, top_k_combine
 
 __all__ = [
@@ -101,6 +102,7 @@ __all__ = [
     "routing_softmaxes",
     "soft_moe_mixing",
     "soft_moe_routing",
+    "soft_moe_routing_top_k",
     "supported_isas",
     "top_k_combine",
     "transforms_active",

@@ -147,6 +147,37 @@ def soft_moe_routing(x: Tensor, phi: Tensor, scale: Tensor | None, normalize: st
     slots) and ``scale`` (a 0-dim tensor; None for "none"), normalized as ``normalize`` says ("router", "inputs"
     or "none", as :func:`softmoe.layer.soft_moe_logits`), in one native call; differentiable in x, phi and scale.
     Only where :func:`native_routing_applies`."""
+    isa, scale = _checked(x, phi, scale, normalize)
+    # inference: the op's code without the dispatcher's host time
+    route = _run_routing if direct_call_ok("cpu", x, phi, scale) else torch.ops.softmoe.soft_moe_routing
+    logits, dispatch, combine, _ = route(x, phi, scale, normalize, isa)
+    return logits, dispatch, combine
+
+
+def soft_moe_routing_top_k(
+    x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str, slots_per_expert: int, k: int
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Inference's routing with Algorithm 1's choice made in the same native pass, each input's combine weights
+    still in cache: (dispatch, combine zero outside the slots of the kept experts, the kept experts (batch, k) int64
+    ascending), what :func:`soft_moe_routing` then :func:`~softmoe.kernels.top_k_combine` give (arguments as
+    theirs). None where the op's code may not be called directly (:func:`native_routing_applies` and
+    :func:`~softmoe.kernels.modes.direct_call_ok`: no gradient recorded, nothing watching the dispatcher): the
+    caller takes the ops then. A ValueError for a k outside [1, n] or slots that are not n * slots_per_expert."""
+    if not (native_routing_applies(x, phi, scale) and direct_call_ok("cpu", x, phi, scale)):
+        return None
+    isa, scale = _checked(x, phi, scale, normalize)
+    slots = phi.shape[1]
+    if isinstance(slots_per_expert, bool) or not isinstance(slots_per_expert, int) or slots_per_expert < 1 \
+            or slots % slots_per_expert:
+        raise ValueError(f"phi's {slots} slots are not a whole number of experts of {slots_per_expert!r} slots")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= slots // slots_per_expert:
+        raise ValueError(f"k must be an integer in [1, {slots // slots_per_expert}] (the experts), got {k!r}")
+    return native_module().soft_moe_routing_top_k(x, phi, scale, ROUTING_MODES[normalize], isa,
+                                                  _products_in_onednn(x, phi), slots_per_expert, k)
+
+
+def _checked(x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str) -> tuple[str, Tensor | None]:
+    """The variant to run and the scale the kernel takes (None for "none"), after checking the arguments."""
     if normalize not in ROUTING_MODES:
         raise ValueError(f"normalize must be one of {tuple(ROUTING_MODES)}, got {normalize!r}")
     if normalize != "none" and (scale is None or scale.numel() != 1):
@@ -154,8 +185,4 @@ def soft_moe_routing(x: Tensor, phi: Tensor, scale: Tensor | None, normalize: st
     if x.dim() != 3 or phi.dim() != 2 or x.shape[2] != phi.shape[0]:
         raise ValueError(f"x must be (batch, tokens, dim) and phi (dim, slots), got {tuple(x.shape)} and "
                          f"{tuple(phi.shape)}")
-    isa, scale = required_isa(), scale if normalize != "none" else None
-    # inference: the op's code without the dispatcher's host time
-    route = _run_routing if direct_call_ok("cpu", x, phi, scale) else torch.ops.softmoe.soft_moe_routing
-    logits, dispatch, combine, _ = route(x, phi, scale, normalize, isa)
-    return logits, dispatch, combine
+    return required_isa(), scale if normalize != "none" else None
