@@ -115,9 +115,8 @@ bool always() { return true; }
     Variant                                                                                                           \
     {                                                                                                                 \
         label, lanes, supported, ns::expert_matmul, ns::expert_matmul_nt, ns::expert_matmul_tn,                      \
-            ns::soft_moe_small_forward, ns::soft_moe_small_forward_pairs, ns::soft_moe_small_forward_rows,                \
-            ns::soft_moe_small_backward,                \
-            ns::soft_moe_small_lanes,                                                                                 \
+            ns::soft_moe_small_forward, ns::soft_moe_small_forward_pairs, ns::soft_moe_small_forward_rows,            \
+            ns::soft_moe_small_backward, ns::soft_moe_small_lanes,                                                    \
             ns::soft_moe_routing_forward, ns::soft_moe_routing_backward, ns::top_k_combine                            \
     }
 
@@ -368,11 +367,20 @@ enum { LANES_AUTO, LANES_BY_INPUTS, LANES_BY_ROWS, LANES_BY_PAIRS };
  * inputs' rows costs (gathered, then written back, once for all their slots); PAIR_TOKEN_OPS and PAIR_WEIGHT_OPS:
  * what a slot of one pair costs per token float (its dispatch and combine) and per weight of its expert (the pair
  * streams them alone, in short loops along hidden), the same with AVX-512 and AVX2 (215 ns + 0.077 ns a weight per
- * slot, where the groups' operations take 0.16 ns); ROW_TOKEN_OPS: what a slot run for one row of an expert costs
- * per vector of its tokens' rows (its dispatch, its combine and their moves) beside its products. Fitted to the op's
- * times on an AMD EPYC Zen 5 (AVX-512 and AVX2, 2 threads, the MNIST layer at 8, 64 and 256 experts, batch 1-256;
- * docs/performance.md). */
-constexpr double INPUT_GROUP_MOVES = 10.0, PAIR_TOKEN_OPS = 1.7, PAIR_WEIGHT_OPS = 0.48, ROW_TOKEN_OPS = 10.0;
+ * slot, where the groups' operations take 0.16 ns). Fitted to the op's times on an AMD EPYC Zen 5 (AVX-512 and AVX2,
+ * 2 threads, the MNIST layer at 8, 64 and 256 experts, batch 1-256; docs/performance.md). */
+constexpr double INPUT_GROUP_MOVES = 10.0, PAIR_TOKEN_OPS = 1.7, PAIR_WEIGHT_OPS = 0.48;
+
+/* The rows of an expert in the same units, per instruction set, with `products` = Dm ceil(Hd / lanes) + Hd ceil(Dm /
+ * lanes) (its slot's two products for one row, in vectors along hidden and dim): a row of a slot costs `row` x
+ * products and `token` per vector of its tokens' rows (M ceil(Dm / lanes): its dispatch, its combine and their
+ * moves); a block of up to SOFTMOE_MIXING_ROWS rows of a slot `block` and `block_products` x products (the expert's
+ * weights streamed once for the block). Fitted as above at batch 2 (a row a block) and 256 (full blocks); the AVX2
+ * constants serve the portable variant too. */
+struct RowCosts {
+    double row, token, block, block_products;
+};
+constexpr RowCosts ROW_COSTS_AVX512 = {0.7, 7.6, 1040.0, 3.4}, ROW_COSTS_AVX2 = {0.31, 9.0, 870.0, 2.1};
 
 /* What a slot run costs more in groups of the inputs sorted by the slots they keep than in groups of the inputs as
  * they come, whose rows lie side by side: the op with a kept combine on inputs sorted beforehand (the order then the
@@ -383,12 +391,11 @@ constexpr double SORTED_GROUP_COST = 0.05;
 /* The layout of the lanes for kept combine (B, M, S) with P slots per expert of Hd hidden units and dim Dm, `lanes`
  * per vector and `threads` threads: `how` one of the layouts, or LANES_AUTO for the one of fewest vector operations
  * counted. A slot run for a group of lanes costs its dispatch, both layers and its combine (2 M Dm + 2 Dm Hd
- * multiply-adds of a vector), a group's rows (M Dm vectors) INPUT_GROUP_MOVES each; a slot of an expert's row its
- * products in vectors along hidden and dim (Dm ceil(Hd / lanes) + Hd ceil(Dm / lanes)) and ROW_TOKEN_OPS per vector
- * of its tokens' rows (M ceil(Dm / lanes)); a slot of a pair PAIR_TOKEN_OPS M Dm + PAIR_WEIGHT_OPS Dm Hd; each over
- * the threads that its units of work (groups of inputs, parts, inputs or with fewer inputs than threads pairs) can
- * keep busy. The groups of inputs are counted only where a bound on their cost (from the kept slots' count) does not
- * rule them out. */
+ * multiply-adds of a vector), a group's rows (M Dm vectors) INPUT_GROUP_MOVES each; the rows of an expert as
+ * RowCosts says; a slot of a pair PAIR_TOKEN_OPS M Dm + PAIR_WEIGHT_OPS Dm Hd; each over the threads that its units
+ * of work (groups of inputs, parts, inputs or with fewer inputs than threads pairs) can keep busy. The groups of
+ * inputs and the blocks of rows are counted only where bounds on the costs (from the kept slots' count) do not rule
+ * them out. */
 KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int64_t P, int64_t Hd, int64_t Dm,
                      int64_t lanes, int64_t threads, int how)
 {
@@ -396,7 +403,9 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
     const std::vector<uint64_t> bits = slot_bits(combine, B, M, S, words);
     const double slot_cost = 2.0 * M * Dm + 2.0 * Dm * Hd, rows = double(M) * Dm;
     const double dim_vectors = double((Dm + lanes - 1) / lanes), hidden_vectors = double((Hd + lanes - 1) / lanes);
-    const double row_slot_cost = Dm * hidden_vectors + Hd * dim_vectors + ROW_TOKEN_OPS * M * dim_vectors;
+    const RowCosts &row = lanes == 16 ? ROW_COSTS_AVX512 : ROW_COSTS_AVX2;
+    const double products = Dm * hidden_vectors + Hd * dim_vectors;
+    const double row_slot_cost = row.row * products + row.token * M * dim_vectors;
     const double pair_slot_cost = PAIR_TOKEN_OPS * M * Dm + PAIR_WEIGHT_OPS * Dm * Hd;
     const int64_t parts = std::max<int64_t>(1, std::min(threads, B)); /* each thread's share of the inputs */
     /* each expert of input b that keeps a slot, through the set bits */
@@ -415,12 +424,34 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
     const double busy_groups = std::max(1.0, std::min(double(threads), groups)); /* threads the layouts keep busy */
     const double busy_pairs = std::max(1.0, std::min(double(threads), std::max(double(B), double(pair_slots) / P)));
     const double pairs_cost = pair_slots * pair_slot_cost / busy_pairs;
-    const double rows_cost = pair_slots * row_slot_cost / double(parts);
+    const double rows_least = (pair_slots * row_slot_cost + pair_slots / double(SOFTMOE_MIXING_ROWS(lanes)) * P *
+                               (row.block + row.block_products * products)) / double(parts);
+    double rows_counted = -1.0; /* with the blocks counted: each part's inputs that keep an expert, ROWS a block */
+    const auto rows_cost = [&] {
+        if (rows_counted < 0.0) {
+            std::vector<int64_t> count(n);
+            double blocks = 0.0;
+            for (int64_t part = 0; part < parts; part++) {
+                std::fill(count.begin(), count.end(), 0);
+                for (int64_t b = B * part / parts; b < B * (part + 1) / parts; b++)
+                    for_each_expert(b, [&](int64_t j) { count[j]++; });
+                for (int64_t j = 0; j < n; j++)
+                    blocks += double(P * ((count[j] + SOFTMOE_MIXING_ROWS(lanes) - 1) / SOFTMOE_MIXING_ROWS(lanes)));
+            }
+            rows_counted = (pair_slots * row_slot_cost + blocks * (row.block + row.block_products * products)) /
+                           double(parts);
+        }
+        return rows_counted;
+    };
+    /* the cheapest of the rows and the pairs: the blocks counted only where they may decide */
+    const auto rows_or_pairs = [&] {
+        return rows_least >= pairs_cost ? pairs_cost : std::min(rows_cost(), pairs_cost);
+    };
     /* a group runs at least the mean of its inputs' kept slots */
     const double inputs_least =
         (double(pair_slots) / lanes * slot_cost + groups * INPUT_GROUP_MOVES * rows) / busy_groups;
     KeptLanes layout;
-    if (how == LANES_BY_INPUTS || (how == LANES_AUTO && inputs_least < std::min(rows_cost, pairs_cost))) {
+    if (how == LANES_BY_INPUTS || (how == LANES_AUTO && inputs_least < std::min(rows_least, pairs_cost))) {
         bool same = true;
         for (int64_t b = 1; b < B && same; b++)
             same = std::equal(bits.begin() + b * words, bits.begin() + (b + 1) * words, bits.begin());
@@ -449,12 +480,15 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
         const bool sort = sorted_cost < runs;
         const double inputs_cost =
             ((sort ? sorted_cost : double(runs)) * slot_cost + groups * INPUT_GROUP_MOVES * rows) / busy_groups;
-        if (how == LANES_BY_INPUTS || (how == LANES_AUTO && inputs_cost <= std::min(rows_cost, pairs_cost))) {
+        if (how == LANES_BY_INPUTS ||
+            (how == LANES_AUTO && inputs_cost <= std::min(rows_least, pairs_cost)) ||
+            (how == LANES_AUTO && inputs_cost <= rows_or_pairs())) {
             if (sort) layout.order = std::move(order);
             return layout;
         }
     }
-    if (how == LANES_BY_PAIRS || (how == LANES_AUTO && pairs_cost < rows_cost)) {
+    if (how == LANES_BY_PAIRS || (how == LANES_AUTO && pairs_cost <= rows_least) ||
+        (how == LANES_AUTO && pairs_cost < rows_cost())) {
         layout.first.push_back(0);
         for (int64_t b = 0; b < B; b++) {
             for_each_expert(b, [&](int64_t j) { layout.pair_experts.push_back(long(j)); });

@@ -8,6 +8,11 @@
  * or oneDNN. */
 #define SOFTMOE_ROUTING_SMALL_SLOTS 32
 
+/* Inputs of one expert whose slots run together when Algorithm 1's kept combine runs as the rows of each expert
+ * (soft_moe_small.h; bindings.cpp's cost model counts its blocks): each weight vector loaded once for them. With
+ * AVX-512's 32 registers 8 rows of 2 vectors of accumulators, else 4. */
+#define SOFTMOE_MIXING_ROWS(lanes) ((lanes) == 16 ? 8 : 4)
+
 #define SOFTMOE_DECLARE_KERNELS(ns)                                                                                  \
     namespace ns {                                                                                                    \
     void expert_matmul(const float *x, const float *w, const float *bias, float *out, long E, long M, long K, long N, \

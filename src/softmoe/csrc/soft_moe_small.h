@@ -36,6 +36,8 @@
 #error "soft_moe_small.h is included by a variant unit that defines SOFTMOE_LANES and SOFTMOE_NS (see variant.h)"
 #endif
 
+#include "kernels.h" /* SOFTMOE_MIXING_ROWS */
+
 namespace SOFTMOE_NS {
 
 #define LANES SOFTMOE_LANES
@@ -575,11 +577,7 @@ void soft_moe_small_forward_pairs(const float *x, const float *dispatch, const f
 
 /* Inputs of one expert whose slots run together, and vectors of hidden units (layer 1) or of dim (layer 2) per
  * register block: ROWS x ROW_VECS accumulators, each weight vector loaded once for ROWS inputs. */
-#if LANES == 16
-#define ROWS 8
-#else
-#define ROWS 4
-#endif
+#define ROWS SOFTMOE_MIXING_ROWS(LANES)
 #define ROW_VECS 2
 
 /* The first count floats at p (all LANES where count >= LANES), zeros after. */
@@ -624,7 +622,8 @@ INLINE void rows_product_of(float *RESTRICT out, long ldo, const float *RESTRICT
                             long ldw, const float *RESTRICT bias, long E, long C, const int R)
 {
     long c0 = 0;
-    for (; c0 + ROW_VECS * LANES <= C; c0 += ROW_VECS * LANES) rows_block(out, ldo, in, lds, w, ldw, bias, E, C, c0, R, ROW_VECS);
+    for (; c0 + ROW_VECS * LANES <= C; c0 += ROW_VECS * LANES)
+        rows_block(out, ldo, in, lds, w, ldw, bias, E, C, c0, R, ROW_VECS);
     if (c0 < C) {
         if (C - c0 > LANES)
             rows_block(out, ldo, in, lds, w, ldw, bias, E, C, c0, R, 2);
