@@ -42,9 +42,11 @@ static long count_at_least(const int32_t *v, long n, int32_t t)
     return count;
 }
 
-/* The k-th largest of n values (1 <= k <= n): the largest t that at least k values reach, by bisection between
- * their least and largest (at most 32 counts), stopped early where exactly k values reach the midpoint (the k-th is
- * then the least of those). */
+/* The k-th largest of n values (1 <= k <= n): the largest t that at least k values reach, searched between their
+ * least and largest by counts, stopped early where exactly k values reach a probe (the k-th is then the least of
+ * those). The probes alternate between the point where the counts at the ends, interpolated linearly, reach k (a few
+ * counts for values spread smoothly, as the keys of summed combine weights are) and the midpoint (at most twice the
+ * 32 counts of a bisection whatever the values). */
 static int32_t kth_largest(const int32_t *v, long n, long k)
 {
     int32_t least = INT32_MAX, most = INT32_MIN;
@@ -53,10 +55,15 @@ static int32_t kth_largest(const int32_t *v, long n, long k)
         most = v[j] > most ? v[j] : most;
     }
     if (k == n) return least;
-    if (count_at_least(v, n, most) >= k) return most;
-    long lo = least, hi = most; /* at least k values reach lo, fewer than k reach hi */
-    while (hi - lo > 1) {
-        const long mid = lo + (hi - lo) / 2, count = count_at_least(v, n, (int32_t)mid);
+    long lo = least, hi = most, at_lo = n, at_hi = count_at_least(v, n, most); /* at_lo >= k > at_hi */
+    if (at_hi >= k) return most;
+    for (int interpolate = 1; hi - lo > 1; interpolate = !interpolate) {
+        long mid = lo + (hi - lo) / 2;
+        if (interpolate) {
+            mid = lo + (long)((double)(hi - lo) * (double)(at_lo - k) / (double)(at_lo - at_hi));
+            mid = mid <= lo ? lo + 1 : mid >= hi ? hi - 1 : mid;
+        }
+        const long count = count_at_least(v, n, (int32_t)mid);
         if (count == k) {
             const int32_t t = (int32_t)mid; /* (32-bit comparisons: the loop vectorizes) */
             int32_t kth = INT32_MAX;
@@ -67,9 +74,9 @@ static int32_t kth_largest(const int32_t *v, long n, long k)
             return kth;
         }
         if (count > k)
-            lo = mid;
+            lo = mid, at_lo = count;
         else
-            hi = mid;
+            hi = mid, at_hi = count;
     }
     return (int32_t)lo;
 }
@@ -133,9 +140,15 @@ void top_k_input(const float *cb, float *kept, int64_t *selected, long M, long S
     int32_t *high = (int32_t *)(order + n + 1), *low = high + n, *tied = low + n;
     uint32_t *keep = (uint32_t *)(tied + n), *mask = keep + n;
     for (long j = 0; j < n; j++) score[j] = 0.0;
-    for (long m = 0; m < M; m++) {
+    long m = 0;
+    if (P == 1) /* the common case, in vectors, four tokens a pass (added in the same order) */
+        for (; m + 4 <= M; m += 4) {
+            const float *r0 = cb + m * S, *r1 = r0 + S, *r2 = r1 + S, *r3 = r2 + S;
+            for (long j = 0; j < n; j++) score[j] = (((score[j] + r0[j]) + r1[j]) + r2[j]) + r3[j];
+        }
+    for (; m < M; m++) {
         const float *row = cb + m * S;
-        if (P == 1) /* the common case, in vectors */
+        if (P == 1)
             for (long j = 0; j < n; j++) score[j] += row[j];
         else
             for (long j = 0; j < n; j++)
