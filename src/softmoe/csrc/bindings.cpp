@@ -364,23 +364,24 @@ struct KeptLanes {
 enum { LANES_AUTO, LANES_BY_INPUTS, LANES_BY_ROWS, LANES_BY_PAIRS };
 
 /* The cost model below counts multiply-adds of a vector. INPUT_GROUP_MOVES: what moving one vector of a group of
- * inputs' rows costs (gathered, then written back, once for all their slots); PAIR_TOKEN_OPS and PAIR_WEIGHT_OPS:
- * what a slot of one pair costs per token float (its dispatch and combine) and per weight of its expert (the pair
- * streams them alone, in short loops along hidden), the same with AVX-512 and AVX2 (215 ns + 0.077 ns a weight per
- * slot, where the groups' operations take 0.16 ns). Fitted to the op's times on an AMD EPYC Zen 5 (AVX-512 and AVX2,
- * 2 threads, the MNIST layer at 8, 64 and 256 experts, batch 1-256; docs/performance.md). */
-constexpr double INPUT_GROUP_MOVES = 10.0, PAIR_TOKEN_OPS = 1.7, PAIR_WEIGHT_OPS = 0.48;
-
-/* The rows of an expert in the same units, per instruction set, with `products` = Dm ceil(Hd / lanes) + Hd ceil(Dm /
- * lanes) (its slot's two products for one row, in vectors along hidden and dim): a row of a slot costs `row` x
- * products and `token` per vector of its tokens' rows (M ceil(Dm / lanes): its dispatch, its combine and their
- * moves); a block of up to SOFTMOE_MIXING_ROWS rows of a slot `block` and `block_products` x products (the expert's
- * weights streamed once for the block). Fitted as above at batch 2 (a row a block) and 256 (full blocks); the AVX2
- * constants serve the portable variant too. */
-struct RowCosts {
-    double row, token, block, block_products;
+ * inputs' rows costs (gathered, then written back, once for all their slots). The other layouts' costs per
+ * instruction set (LayoutCosts): a slot of one pair `pair_token` per token float (its dispatch and combine) and
+ * `pair_weight` per weight of its expert (the pair streams them alone, in short loops along hidden); for the rows of
+ * an expert, with `products` = Dm ceil(Hd / lanes) + Hd ceil(Dm / lanes) (a slot's two products for one row, in
+ * vectors along hidden and dim), a block of r <= SOFTMOE_MIXING_ROWS rows of a slot `row_block`, `row_block_products`
+ * x products (the expert's weights streamed once for the block) and `row` x products x max(r, 4) (a block of fewer
+ * than 4 rows takes as long as one of 4: its few chains of multiply-adds wait on each other), and each row `row_token`
+ * per vector of its tokens' rows (M ceil(Dm / lanes): its dispatch, its combine and their moves). Fitted by least
+ * squares (relative) to the op's times on an AMD EPYC Zen 5, 2 threads: the MNIST layer at 8, 64 and 256 experts,
+ * batch 2-64, k = n/8, n/4 and n/2, each layout forced, in units of the groups' times in the same process (median
+ * error 4-8%, the worst cells 30-50%; docs/performance.md). The AVX2 constants serve the portable variant too. */
+constexpr double INPUT_GROUP_MOVES = 10.0;
+struct LayoutCosts {
+    double pair_token, pair_weight, row_block, row_block_products, row, row_token;
 };
-constexpr RowCosts ROW_COSTS_AVX512 = {0.7, 7.6, 1040.0, 3.4}, ROW_COSTS_AVX2 = {0.31, 9.0, 870.0, 2.1};
+constexpr LayoutCosts LAYOUT_COSTS_AVX512 = {1.26, 0.42, 430.0, 2.4, 0.69, 12.8},
+                      LAYOUT_COSTS_AVX2 = {1.64, 0.57, 1300.0, 0.23, 0.93, 7.4};
+constexpr int64_t ROW_LATENCY_ROWS = 4;
 
 /* What a slot run costs more in groups of the inputs sorted by the slots they keep than in groups of the inputs as
  * they come, whose rows lie side by side: the op with a kept combine on inputs sorted beforehand (the order then the
@@ -391,8 +392,8 @@ constexpr double SORTED_GROUP_COST = 0.05;
 /* The layout of the lanes for kept combine (B, M, S) with P slots per expert of Hd hidden units and dim Dm, `lanes`
  * per vector and `threads` threads: `how` one of the layouts, or LANES_AUTO for the one of fewest vector operations
  * counted. A slot run for a group of lanes costs its dispatch, both layers and its combine (2 M Dm + 2 Dm Hd
- * multiply-adds of a vector), a group's rows (M Dm vectors) INPUT_GROUP_MOVES each; the rows of an expert as
- * RowCosts says; a slot of a pair PAIR_TOKEN_OPS M Dm + PAIR_WEIGHT_OPS Dm Hd; each over the threads that its units
+ * multiply-adds of a vector), a group's rows (M Dm vectors) INPUT_GROUP_MOVES each; the rows of an expert and the
+ * pairs as LayoutCosts says; each over the threads that its units
  * of work (groups of inputs, parts, inputs or with fewer inputs than threads pairs) can keep busy. The groups of
  * inputs and the blocks of rows are counted only where bounds on the costs (from the kept slots' count) do not rule
  * them out. */
@@ -403,10 +404,11 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
     const std::vector<uint64_t> bits = slot_bits(combine, B, M, S, words);
     const double slot_cost = 2.0 * M * Dm + 2.0 * Dm * Hd, rows = double(M) * Dm;
     const double dim_vectors = double((Dm + lanes - 1) / lanes), hidden_vectors = double((Hd + lanes - 1) / lanes);
-    const RowCosts &row = lanes == 16 ? ROW_COSTS_AVX512 : ROW_COSTS_AVX2;
+    const LayoutCosts &c = lanes == 16 ? LAYOUT_COSTS_AVX512 : LAYOUT_COSTS_AVX2;
+    const int64_t block_rows = SOFTMOE_MIXING_ROWS(lanes);
     const double products = Dm * hidden_vectors + Hd * dim_vectors;
-    const double row_slot_cost = row.row * products + row.token * M * dim_vectors;
-    const double pair_slot_cost = PAIR_TOKEN_OPS * M * Dm + PAIR_WEIGHT_OPS * Dm * Hd;
+    const double row_block_cost = c.row_block + c.row_block_products * products;
+    const double pair_slot_cost = c.pair_token * M * Dm + c.pair_weight * Dm * Hd;
     const int64_t parts = std::max<int64_t>(1, std::min(threads, B)); /* each thread's share of the inputs */
     /* each expert of input b that keeps a slot, through the set bits */
     const auto for_each_expert = [&](int64_t b, auto &&use) {
@@ -424,22 +426,28 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
     const double busy_groups = std::max(1.0, std::min(double(threads), groups)); /* threads the layouts keep busy */
     const double busy_pairs = std::max(1.0, std::min(double(threads), std::max(double(B), double(pair_slots) / P)));
     const double pairs_cost = pair_slots * pair_slot_cost / busy_pairs;
-    const double rows_least = (pair_slots * row_slot_cost + pair_slots / double(SOFTMOE_MIXING_ROWS(lanes)) * P *
-                               (row.block + row.block_products * products)) / double(parts);
-    double rows_counted = -1.0; /* with the blocks counted: each part's inputs that keep an expert, ROWS a block */
+    const double row_token_cost = pair_slots * c.row_token * M * dim_vectors; /* (full blocks: the least) */
+    const double rows_least = (row_token_cost + double(pair_slots) / double(block_rows) * row_block_cost +
+                               pair_slots * c.row * products * double(std::max(block_rows, ROW_LATENCY_ROWS)) /
+                                   double(block_rows)) / double(parts);
+    double rows_counted = -1.0; /* with the blocks counted: each part's inputs that keep an expert, a block at a time */
     const auto rows_cost = [&] {
         if (rows_counted < 0.0) {
             std::vector<int64_t> count(n);
-            double blocks = 0.0;
+            double blocks = 0.0, block_row_work = 0.0; /* the blocks, and their rows but at least 4 each */
             for (int64_t part = 0; part < parts; part++) {
                 std::fill(count.begin(), count.end(), 0);
                 for (int64_t b = B * part / parts; b < B * (part + 1) / parts; b++)
                     for_each_expert(b, [&](int64_t j) { count[j]++; });
-                for (int64_t j = 0; j < n; j++)
-                    blocks += double(P * ((count[j] + SOFTMOE_MIXING_ROWS(lanes) - 1) / SOFTMOE_MIXING_ROWS(lanes)));
+                for (int64_t j = 0; j < n; j++) {
+                    const int64_t full = count[j] / block_rows, rest = count[j] % block_rows;
+                    blocks += double(P * (full + (rest > 0)));
+                    block_row_work += double(P * (full * std::max(block_rows, ROW_LATENCY_ROWS) +
+                                                  (rest > 0 ? std::max(rest, ROW_LATENCY_ROWS) : 0)));
+                }
             }
-            rows_counted = (pair_slots * row_slot_cost + blocks * (row.block + row.block_products * products)) /
-                           double(parts);
+            rows_counted =
+                (row_token_cost + blocks * row_block_cost + block_row_work * c.row * products) / double(parts);
         }
         return rows_counted;
     };
