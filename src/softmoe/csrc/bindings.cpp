@@ -428,13 +428,12 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
     const double pairs_cost = pair_slots * pair_slot_cost / busy_pairs;
     const double row_token_cost = pair_slots * c.row_token * M * dim_vectors; /* (full blocks: the least) */
     const double rows_least = (row_token_cost + double(pair_slots) / double(block_rows) * row_block_cost +
-                               pair_slots * c.row * products * double(std::max(block_rows, ROW_LATENCY_ROWS)) /
-                                   double(block_rows)) / double(parts);
+                               pair_slots * c.row * products) / double(parts); /* (block_rows >= 4) */
     double rows_counted = -1.0; /* with the blocks counted: each part's inputs that keep an expert, a block at a time */
     const auto rows_cost = [&] {
         if (rows_counted < 0.0) {
             std::vector<int64_t> count(n);
-            double blocks = 0.0, block_row_work = 0.0; /* the blocks, and their rows but at least 4 each */
+            double blocks = 0.0, block_row_work = 0.0; /* the blocks, and their rows but at least 4 a block */
             for (int64_t part = 0; part < parts; part++) {
                 std::fill(count.begin(), count.end(), 0);
                 for (int64_t b = B * part / parts; b < B * (part + 1) / parts; b++)
@@ -442,8 +441,8 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
                 for (int64_t j = 0; j < n; j++) {
                     const int64_t full = count[j] / block_rows, rest = count[j] % block_rows;
                     blocks += double(P * (full + (rest > 0)));
-                    block_row_work += double(P * (full * std::max(block_rows, ROW_LATENCY_ROWS) +
-                                                  (rest > 0 ? std::max(rest, ROW_LATENCY_ROWS) : 0)));
+                    const int64_t last = rest > 0 ? std::max(rest, ROW_LATENCY_ROWS) : 0;
+                    block_row_work += double(P * (full * block_rows + last));
                 }
             }
             rows_counted =
@@ -451,10 +450,8 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
         }
         return rows_counted;
     };
-    /* the cheapest of the rows and the pairs: the blocks counted only where they may decide */
-    const auto rows_or_pairs = [&] {
-        return rows_least >= pairs_cost ? pairs_cost : std::min(rows_cost(), pairs_cost);
-    };
+    /* whether a cost is at most the rows': the blocks counted only where the bound does not decide */
+    const auto at_most_rows = [&](double cost) { return cost <= rows_least || cost <= rows_cost(); };
     /* a group runs at least the mean of its inputs' kept slots */
     const double inputs_least =
         (double(pair_slots) / lanes * slot_cost + groups * INPUT_GROUP_MOVES * rows) / busy_groups;
@@ -488,15 +485,12 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
         const bool sort = sorted_cost < runs;
         const double inputs_cost =
             ((sort ? sorted_cost : double(runs)) * slot_cost + groups * INPUT_GROUP_MOVES * rows) / busy_groups;
-        if (how == LANES_BY_INPUTS ||
-            (how == LANES_AUTO && inputs_cost <= std::min(rows_least, pairs_cost)) ||
-            (how == LANES_AUTO && inputs_cost <= rows_or_pairs())) {
+        if (how == LANES_BY_INPUTS || (how == LANES_AUTO && inputs_cost <= pairs_cost && at_most_rows(inputs_cost))) {
             if (sort) layout.order = std::move(order);
             return layout;
         }
     }
-    if (how == LANES_BY_PAIRS || (how == LANES_AUTO && pairs_cost <= rows_least) ||
-        (how == LANES_AUTO && pairs_cost < rows_cost())) {
+    if (how == LANES_BY_PAIRS || (how == LANES_AUTO && at_most_rows(pairs_cost))) {
         layout.first.push_back(0);
         for (int64_t b = 0; b < B; b++) {
             for_each_expert(b, [&](int64_t j) { layout.pair_experts.push_back(long(j)); });

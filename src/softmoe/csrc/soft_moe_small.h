@@ -292,8 +292,9 @@ enum { MOVE_GATHER, MOVE_SCATTER };
 
 /* Between the routing layout and vectors of a group: v[(s - s0) * M + t][l] = routing[(input_of(grp, l) * M + t) *
  * S + s] for slots s0 <= s < s0 + count and t < M, one vector per (slot, token). MOVE_GATHER copies the routing
- * weights into v (zero in lanes past the group's inputs); MOVE_SCATTER writes v's gradients back into routing. Rows move LANES slots at a time, transposed in registers (the lanes past the group's
- * inputs neither read nor written); the remaining slots one float at a time. */
+ * weights into v (zero in lanes past the group's inputs); MOVE_SCATTER writes v's gradients back into routing.
+ * Rows move LANES slots at a time, transposed in registers (the lanes past the group's inputs neither read nor
+ * written); the remaining slots one float at a time. */
 static void move_slots(vec *RESTRICT v, float *RESTRICT routing, group_t grp, long s0, long count, long M, long S,
                        int mode)
 {
@@ -482,23 +483,38 @@ static void add_rows(float *RESTRICT rows, const float *RESTRICT vecs, long ld, 
     }
 }
 
+/* slot (Dm) = sum_t db[t * S + s] xb[t]: slot s of one input, from its tokens xb (M, Dm) and dispatch db (M, S). */
+static void input_slot(float *RESTRICT slot, const float *RESTRICT xb, const float *db, long s, long M, long S,
+                       long Dm)
+{
+    float d[MAX_TOKENS];
+    for (long t = 0; t < M; t++) d[t] = db[t * S + s];
+    for (long i = 0; i < Dm; i++) slot[i] = 0.0f;
+    add_rows(slot, xb, Dm, d, M, Dm);
+}
+
+/* ob[t] += cb[t * S + s] y for t < M: slot s's outputs y (Dm) combined into one input's rows ob (M, Dm). */
+static void combine_slot(float *RESTRICT ob, const float *RESTRICT y, const float *cb, long s, long M, long S, long Dm)
+{
+    for (long t = 0; t < M; t++) {
+        const float c = cb[t * S + s];
+        for (long i = 0; i < Dm; i++) ob[t * Dm + i] += c * y[i];
+    }
+}
+
 /* One slot s of expert j for input b, the outputs added to ob (M, Dm): vectors along dim and hidden (the compiler's),
  * slot (Dm) and h (Hd) scratch. */
 static void forward_pair_slot(float *RESTRICT ob, const float *RESTRICT xb, const float *db, const float *cb,
                               long s, long j, long M, long S, long Hd, long Dm, const float *w1, const float *b1,
                               const float *w2, const float *b2, float *RESTRICT slot, float *RESTRICT h)
 {
-    float d[MAX_TOKENS], c[MAX_TOKENS];
-    for (long t = 0; t < M; t++) d[t] = db[t * S + s], c[t] = cb[t * S + s];
-    for (long i = 0; i < Dm; i++) slot[i] = 0.0f;
-    add_rows(slot, xb, Dm, d, M, Dm);                                       /* slot = sum_t d[t] x[t] */
+    input_slot(slot, xb, db, s, M, S, Dm);
     for (long k = 0; k < Hd; k++) h[k] = b1 ? b1[j * Hd + k] : 0.0f;
     add_rows(h, w1 + j * Dm * Hd, Hd, slot, Dm, Hd);                        /* h = slot w1[j] + b1[j] */
     for (long k = 0; k < Hd; k++) h[k] = h[k] > 0.0f ? h[k] : 0.0f;          /* relu */
     for (long i = 0; i < Dm; i++) slot[i] = b2 ? b2[j * Dm + i] : 0.0f;     /* y, in slot's place */
     add_rows(slot, w2 + j * Hd * Dm, Dm, h, Hd, Dm);                        /* y = relu(h) w2[j] + b2[j] */
-    for (long t = 0; t < M; t++)
-        for (long i = 0; i < Dm; i++) ob[t * Dm + i] += c[t] * slot[i];     /* out[t] += c[t] y */
+    combine_slot(ob, slot, cb, s, M, S, Dm);
 }
 
 /* The kept slots of pair e (input b's expert experts[e]), outputs added to ob (input b's rows): a slot whose combine
@@ -658,23 +674,14 @@ static void forward_rows_slot(float *RESTRICT out, const long *in, long R, long 
                               const float *w1, const float *b1, const float *w2, const float *b2, float *RESTRICT slot,
                               float *RESTRICT h, long ld)
 {
-    for (long r = 0; r < R; r++) {
-        float d[MAX_TOKENS];
-        for (long t = 0; t < M; t++) d[t] = dispatch[(in[r] * M + t) * S + s];
-        for (long i = 0; i < Dm; i++) slot[r * ld + i] = 0.0f;
-        add_rows(slot + r * ld, x + in[r] * M * Dm, Dm, d, M, Dm);          /* slot = sum_t d[t] x[t] */
-    }
+    for (long r = 0; r < R; r++) /* slot = sum_t d[t] x[t] */
+        input_slot(slot + r * ld, x + in[r] * M * Dm, dispatch + in[r] * M * S, s, M, S, Dm);
     rows_product(h, ld, slot, ld, w1 + j * Dm * Hd, Hd, b1 ? b1 + j * Hd : NULL, Dm, Hd, R);
     for (long r = 0; r < R; r++)
         for (long k = 0; k < Hd; k++) h[r * ld + k] = h[r * ld + k] > 0.0f ? h[r * ld + k] : 0.0f; /* relu */
     rows_product(slot, ld, h, ld, w2 + j * Hd * Dm, Dm, b2 ? b2 + j * Dm : NULL, Hd, Dm, R); /* y, in slot's place */
-    for (long r = 0; r < R; r++) {
-        float *ob = out + in[r] * M * Dm;
-        for (long t = 0; t < M; t++) {
-            const float c = combine[(in[r] * M + t) * S + s];
-            for (long i = 0; i < Dm; i++) ob[t * Dm + i] += c * slot[r * ld + i]; /* out[t] += c[t] y */
-        }
-    }
+    for (long r = 0; r < R; r++) /* out[t] += c[t] y */
+        combine_slot(out + in[r] * M * Dm, slot + r * ld, combine + in[r] * M * S, s, M, S, Dm);
 }
 
 /* Algorithm 1's kept rows, for calls without a backward pass (arguments as soft_moe_small_forward's with experts):

@@ -36,6 +36,7 @@ from torch import Tensor
 from softmoe.kernels.build import native_available, native_module, required_isa
 from softmoe.kernels.modes import direct_call_ok, transforms_active
 from softmoe.kernels.onednn import onednn_pays
+from softmoe.kernels.top_k_combine import check_choice
 
 # The layer's normalize argument -> the kernel's mode (ROUTING_* in bindings.cpp).
 ROUTING_MODES = {"none": 0, "router": 1, "inputs": 2}
@@ -166,12 +167,7 @@ def soft_moe_routing_top_k(
     if not (native_routing_applies(x, phi, scale) and direct_call_ok("cpu", x, phi, scale)):
         return None
     isa, scale = _checked(x, phi, scale, normalize)
-    slots = phi.shape[1]
-    if isinstance(slots_per_expert, bool) or not isinstance(slots_per_expert, int) or slots_per_expert < 1 \
-            or slots % slots_per_expert:
-        raise ValueError(f"phi's {slots} slots are not a whole number of experts of {slots_per_expert!r} slots")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= slots // slots_per_expert:
-        raise ValueError(f"k must be an integer in [1, {slots // slots_per_expert}] (the experts), got {k!r}")
+    check_choice("phi", phi.shape[1], slots_per_expert, k)
     return native_module().soft_moe_routing_top_k(x, phi, scale, ROUTING_MODES[normalize], isa,
                                                   _products_in_onednn(x, phi), slots_per_expert, k)
 

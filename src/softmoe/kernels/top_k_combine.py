@@ -70,16 +70,21 @@ def native_top_k_applies(combine: Tensor) -> bool:
     )
 
 
+def check_choice(name: str, slots: int, slots_per_expert: int, k: int) -> None:
+    """A ValueError unless the ``slots`` of ``name`` are whole experts of ``slots_per_expert`` and k lies in [1, n]."""
+    if isinstance(slots_per_expert, bool) or not isinstance(slots_per_expert, int) or slots_per_expert < 1 \
+            or slots % slots_per_expert:
+        raise ValueError(f"{name}'s {slots} slots are not a whole number of experts of {slots_per_expert!r} slots")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= slots // slots_per_expert:
+        raise ValueError(f"k must be an integer in [1, {slots // slots_per_expert}] (the experts), got {k!r}")
+
+
 def top_k_combine(combine: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor]:
     """Algorithm 1 on combine (batch, tokens, n * p): (combine with the unselected experts' slots zeroed, the
     selected experts (batch, k) int64 ascending), by ``softmoe::top_k_combine`` (its code called directly where
     :func:`~softmoe.kernels.modes.direct_call_ok`) with the variant :func:`~softmoe.kernels.cpu_isa` names. Only
     where :func:`native_top_k_applies`; a ValueError for a k outside [1, n] or slots that are not n * p."""
-    slots = combine.shape[-1]
-    if slots_per_expert < 1 or slots % slots_per_expert:
-        raise ValueError(f"combine's {slots} slots are not a whole number of experts of {slots_per_expert} slots")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= slots // slots_per_expert:
-        raise ValueError(f"k must be an integer in [1, {slots // slots_per_expert}] (the experts), got {k!r}")
+    check_choice("combine", combine.shape[-1], slots_per_expert, k)
     isa = required_isa()
     if direct_call_ok("cpu", combine):  # the op's code without the dispatcher's host time
         return native_module().top_k_combine(combine, slots_per_expert, k, isa)
