@@ -185,6 +185,7 @@ def measure_interleaved(
     min_repeats: int = 3,
     device: torch.device | str = "cpu",
     burst: int = 1,
+    setups: Mapping[str, Callable[[], object]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Like :func:`measure` for several functions timed round-robin (``burst`` calls of each per round).
 
@@ -198,14 +199,23 @@ def measure_interleaved(
     another function (caches filled with its data, the thread pool possibly asleep) and is reported apart, as
     ``cold`` (the same statistics), the others make the main statistics: the function's time when it runs again and
     again, as in a training loop or under ``timeit``.
+
+    ``setups``: per name, a function run untimed before each call of that function (what the call needs in place,
+    e.g. a layer's selector).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if burst < 1:
         raise ValueError(f"burst must be >= 1, got {burst}")
+    setups = setups or {}
+
+    def prepared(name: str) -> Callable[[], object]:
+        setups.get(name, lambda: None)()
+        return fns[name]
+
     for _ in range(warmup):
-        for fn in fns.values():
-            fn()
+        for name in fns:
+            prepared(name)()
     times: dict[str, list[float]] = {name: [] for name in fns}
     cold: dict[str, list[float]] = {name: [] for name in fns}
     spent = 0.0
@@ -215,7 +225,7 @@ def measure_interleaved(
             break
         for name in order:
             for call in range(burst):
-                elapsed = timed_call(fns[name], device)
+                elapsed = timed_call(prepared(name), device)
                 (cold if burst > 1 and call == 0 else times)[name].append(elapsed)
                 spent += elapsed
         shuffle(order)

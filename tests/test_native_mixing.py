@@ -130,9 +130,19 @@ def kept_combine_inputs(shape, seed):
 LAYOUTS = {"auto": 0, "by inputs": 1, "by rows": 2, "by pairs": 3}
 
 
-def kept_mixing(inputs, layout):
-    """The native op's inference on a kept combine with the lanes laid out as ``layout`` says."""
-    return native_module().soft_moe_mixing(*inputs, False, True, kernels.cpu_isa(), LAYOUTS[layout])[0]
+def kept_mixing(inputs, layout, kept_slots=None):
+    """The native op's inference on a kept combine with the lanes laid out as ``layout`` says, the kept slots found
+    from the nonzero combine weights or given as bits."""
+    return native_module().soft_moe_mixing(*inputs, False, True, kernels.cpu_isa(), LAYOUTS[layout],
+                                           kept_slots=kept_slots)[0]
+
+
+def slot_words(kept: torch.Tensor) -> torch.Tensor:
+    """bool (batch, slots) -> the kept slots as bits, (batch, ceil(slots / 64)) int64, bit s % 64 of word s // 64."""
+    batch, slots = kept.shape
+    padded = torch.zeros(batch, (slots + 63) // 64 * 64, dtype=torch.int64)
+    padded[:, :slots] = kept.long()
+    return (padded.view(batch, -1, 64) << torch.arange(64)).sum(-1)  # distinct bits: the sum is their OR
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -143,11 +153,17 @@ def test_inference_skips_idle_slots_and_matches_float64(isa, shape, layout, thre
     that keep the same slots (the slots whose combine weights are zero for a whole group skipped), as the rows of
     each expert (its inputs up to 8 at a time, vectors along hidden and dim: partial blocks of rows and of vectors,
     hidden and dim below, at and above one vector) or as each input's kept experts one at a time, as the op finds
-    cheaper or as forced: the output is exact in every layout."""
+    cheaper or as forced: the output is exact in every layout, and the same with the kept slots given
+    as bits."""
     inputs = kept_combine_inputs(shape, seed=sum(shape))
     with torch.no_grad():
         out = soft_moe_mixing(*inputs) if layout == "as they come" else kept_mixing(inputs, layout)
     assert relative_error(out, mixing_reference(*(t.double() for t in inputs))) < 1e-5
+    if layout != "as they come":
+        words = slot_words(inputs[2].ne(0).any(dim=1))
+        assert torch.equal(kept_mixing(inputs, layout, words), out)
+        with pytest.raises(RuntimeError, match=r"kept_slots must have shape \[\d+, \d+\], got \[\d+, \d+\]"):
+            kept_mixing(inputs, layout, torch.cat([words, words], dim=1))
 
 
 def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):

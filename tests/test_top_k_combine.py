@@ -28,7 +28,8 @@ def torch_top_k_combine(combine: torch.Tensor, p: int, k: int) -> tuple[torch.Te
 
 SHAPES = [((1, 1, 1), 1, 1), ((3, 5, 8), 1, 1), ((3, 5, 8), 1, 7), ((4, 197, 8), 1, 2), ((6, 4, 12), 3, 2),
           ((5, 4, 128), 1, 32), ((2, 7, 260), 2, 129), ((70, 4, 16), 1, 4), ((9, 3, 30), 5, 6),
-          ((64, 4, 256), 1, 64), ((40, 4, 33), 1, 33)]  # the last two: threads split the inputs; every expert kept
+          ((64, 4, 256), 1, 64), ((40, 4, 33), 1, 33),  # threads split the inputs; every expert kept
+          ((5, 4, 256), 1, 250), ((7, 3, 200), 2, 90), ((6, 4, 130), 1, 100)]  # most kept: runs, few zeroed
 
 
 @pytest.mark.parametrize("shape, p, k", SHAPES)
@@ -112,16 +113,25 @@ ROUTING_SHAPES = [(5, 4, 20, 8, 1, 3, "router"), (3, 1, 7, 6, 2, 6, "inputs"), (
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 def test_the_routing_makes_the_same_choice_in_its_pass(isa, threads, batch, tokens, dim, n, p, k, normalize):
     """soft_moe_routing_top_k gives exactly what the routing then the op give: dispatch, the kept combine (zeros
-    elsewhere) and the kept experts."""
+    elsewhere) and the kept experts, with the kept slots as bits; without the list of kept experts the rest the
+    same."""
     torch.manual_seed(batch + n + k)
     x, phi, scale = torch.randn(batch, tokens, dim), torch.randn(dim, n * p), torch.tensor(2.5)
     with torch.no_grad():
         _, dispatch, combine = soft_moe_routing(x, phi, scale, normalize)
         want_kept, want_selected = top_k_combine(combine, p, k)
         got = soft_moe_routing_top_k(x, phi, scale, normalize, p, k)
-    assert got is not None
-    assert torch.equal(got[0], dispatch) and torch.equal(got[1], want_kept) and torch.equal(got[2], want_selected)
-    assert torch.equal(got[2], torch_top_k_combine(combine, p, k)[1])
+        unlisted = soft_moe_routing_top_k(x, phi, scale, normalize, p, k, with_selected=False)
+    assert got is not None and unlisted is not None
+    assert torch.equal(got[0], dispatch) and torch.equal(got[1], want_kept) and torch.equal(got[3], want_selected)
+    assert torch.equal(got[3], torch_top_k_combine(combine, p, k)[1])
+    slots = n * p
+    assert got[2].dtype == torch.int64 and got[2].shape == (batch, (slots + 63) // 64)
+    bits = (got[2].unsqueeze(-1) >> torch.arange(64)) & 1  # (batch, words, 64), bit s % 64 of word s // 64
+    kept_slot = torch.zeros(batch, bits[0].numel(), dtype=torch.int64)
+    kept_slot[:, :slots] = kept_slots(want_selected, n, p).view(batch, slots).long()
+    assert torch.equal(bits.view(batch, -1), kept_slot)  # the words' bits past the slots clear
+    assert all(torch.equal(a, b) for a, b in zip(unlisted[:3], got[:3])) and unlisted[3] is None
 
 
 def test_the_routing_with_the_choice_checks_its_arguments_and_declines_what_it_cannot_serve():
@@ -148,7 +158,7 @@ def test_the_layer_runs_algorithm1_through_the_ops_on_the_cpu(monkeypatch, p, pl
     chosen, routed = [], []
     monkeypatch.setattr(layer_module, "top_k_combine", lambda *args: chosen.append(args) or top_k_combine(*args))
     monkeypatch.setattr(layer_module, "soft_moe_routing_top_k",
-                        lambda *args: routed.append(soft_moe_routing_top_k(*args)) or routed[-1])
+                        lambda *args, **kwargs: routed.append(soft_moe_routing_top_k(*args, **kwargs)) or routed[-1])
     monkeypatch.setattr(Selector, "select", lambda self, combine: pytest.fail("select() called"))
     torch.manual_seed(3)
     layer = SoftMoE(12, 6, slots_per_expert=p, expert_hidden=20).eval()
@@ -167,19 +177,26 @@ def test_the_layer_runs_algorithm1_through_the_ops_on_the_cpu(monkeypatch, p, pl
 
 @pytest.mark.parametrize("batch", [1, 37])
 @pytest.mark.parametrize("k", [1, 3])
-def test_algorithm1_on_the_fused_small_experts_equals_the_masked_forward(batch, k):
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_algorithm1_on_the_fused_small_experts_equals_the_masked_forward(monkeypatch, batch, k, renormalize):
     """The paper's kind of layer (4 tokens, small relu experts: the fused native mixing): in inference the dense
-    plan runs the mixing with the inputs grouped by their kept experts and idle slots skipped, exactly."""
+    plan runs the mixing with the inputs grouped by their kept experts and idle slots skipped, exactly; the routing
+    hands it the kept slots as bits and lists the kept experts only for plan "selected"."""
+    listed = []
+    monkeypatch.setattr(layer_module, "soft_moe_routing_top_k",
+                        lambda *args, with_selected: listed.append(with_selected)
+                        or soft_moe_routing_top_k(*args, with_selected=with_selected))
     torch.manual_seed(batch + k)
     layer = SoftMoE(20, 8, expert_hidden=6, activation="relu").eval()
     x = torch.randn(batch, 4, 20)
     assert layer.backend_for(x).name == "native"
     with torch.no_grad():
         selected = top_k_by_combine(layer.route(x).combine.double(), k)
-        want = masked_reference_forward(layer, x, selected)
-        for plan in ("auto", "dense"):
-            with select_experts(layer, k=k, plan=plan):
+        want = masked_reference_forward(layer, x, selected, renormalize=renormalize)
+        for plan in ("auto", "dense", "selected"):
+            with select_experts(layer, k=k, plan=plan, renormalize=renormalize):
                 torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
+    assert listed == [False, False, True]
 
 
 def test_algorithm1_on_the_fused_small_experts_takes_the_dense_plan_without_the_cost_model(monkeypatch):

@@ -215,8 +215,9 @@ class MLPExperts(nn.Module):
     ) -> bool:
         """Whether ``mix(backend, x, dispatch, combine, ..., kept_combine=True)`` itself runs only the kept experts'
         work: the fused native mixing called directly in inference, which lays each call's kept combine out by
-        inputs, by the rows of each expert or by pairs (:func:`~softmoe.kernels.soft_moe_mixing`; routing weights not given are
-        taken as recording no gradient). Algorithm 1's plan "auto" then runs the dense plan."""
+        inputs, by the rows of each expert or by pairs (:func:`~softmoe.kernels.soft_moe_mixing`; routing weights not
+        given are taken as recording no gradient). Algorithm 1's plan "auto" then runs the dense plan, and where the
+        native routing made the choice passes its kept slots as bits (``mix``'s ``kept_slots``)."""
         if backend != "native" or not self._fused_native_applies(x):
             return False
         # (nn.Module.__getattr__ costs 0.4 us a name, and this runs on every call: the registered parameters first)
@@ -269,13 +270,15 @@ class MLPExperts(nn.Module):
 
     def mix(
         self, backend: str, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, slots_per_expert: int,
-        kept_combine: bool = False,
+        kept_combine: bool = False, kept_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """C f(D^T X) with the "slots", "tokens" or "native" backend: x (batch, tokens, dim), dispatch and combine
         (batch, tokens, n * p) float32 or wider -> (batch, tokens, out_dim). With ``kept_combine`` (combine zero
         outside each input's kept experts) the fused native mixing runs only the kept experts in inference
-        (:func:`~softmoe.kernels.soft_moe_mixing`)."""
-        dispatch, combine = dispatch.to(x.dtype), combine.to(x.dtype)
+        (:func:`~softmoe.kernels.soft_moe_mixing`, which takes ``kept_slots``, the kept slots as bits, where the
+        routing gives them)."""
+        if dispatch.dtype != x.dtype or combine.dtype != x.dtype:
+            dispatch, combine = dispatch.to(x.dtype), combine.to(x.dtype)
         if backend == "tokens":
             shape = (*x.shape[:2], self.num_experts, slots_per_expert)
             return self.forward_through_tokens(x, dispatch.view(shape), combine.view(shape))
@@ -283,7 +286,7 @@ class MLPExperts(nn.Module):
         if backend == "slots":
             return _SlotMixing.apply(x, dispatch, combine, *weights, slots_per_expert, self.activation)
         if self._fused_native_applies(x):
-            return soft_moe_mixing(x, dispatch, combine, *weights, kept_combine=kept_combine)
+            return soft_moe_mixing(x, dispatch, combine, *weights, kept_combine=kept_combine, kept_slots=kept_slots)
         rows = _expert_rows(torch.bmm(dispatch.transpose(1, 2), x), self.num_experts, slots_per_expert)
         if needs_grad(rows, self.weight1, self.bias1):
             h = self.act(expert_matmul(rows, self.weight1, self.bias1))

@@ -500,13 +500,22 @@ class SoftMoE(nn.Module):
             dispatch, combine, selected = run_routing_softmaxes(logits, self.slots_per_expert, k)
             return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize,
                                           self.selector.plan, combine_is_kept=True)
-        if plain and (routed := soft_moe_routing_top_k(x, phi, self.scale, self.normalize, self.slots_per_expert,
-                                                      k)) is not None:
+        if plain and x.is_cpu:
             # CPU inference: Algorithm 1's choice made in the native routing's pass (combine zero outside the kept
-            # slots).
-            dispatch, combine, selected = routed
-            return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize,
-                                          self.selector.plan, combine_is_kept=True)
+            # slots); where the mixing skips the unkept experts itself (the dense plan runs only the kept ones), it
+            # takes the kept slots as bits and the kept experts are not listed
+            backend = self.backend_for(x).name if self.selector.plan != "selected" else None
+            direct = backend is not None and self._mix_skips_unkept(backend, x)
+            routed = soft_moe_routing_top_k(x, phi, self.scale, self.normalize, self.slots_per_expert, k,
+                                            with_selected=not direct)
+            if routed is not None:
+                dispatch, combine, slots, selected = routed
+                if direct:
+                    combine = renormalized(combine) if self.selector.renormalize else combine
+                    return self.experts.mix(backend, x, dispatch, combine, self.slots_per_expert, kept_combine=True,
+                                            kept_slots=slots)
+                return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize,
+                                              self.selector.plan, combine_is_kept=True)
         _, dispatch, combine = self._route_flat(x, mask)
         if plain and native_top_k_applies(combine):
             # Algorithm 1's choice and the kept combine weights in one native call (CPU with gradients recorded or

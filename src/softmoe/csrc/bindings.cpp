@@ -393,15 +393,17 @@ constexpr double SORTED_GROUP_COST = 0.05;
  * per vector and `threads` threads: `how` one of the layouts, or LANES_AUTO for the one of fewest vector operations
  * counted. A slot run for a group of lanes costs its dispatch, both layers and its combine (2 M Dm + 2 Dm Hd
  * multiply-adds of a vector), a group's rows (M Dm vectors) INPUT_GROUP_MOVES each; the rows of an expert and the
- * pairs as LayoutCosts says; each over the threads that its units
- * of work (groups of inputs, parts, inputs or with fewer inputs than threads pairs) can keep busy. The groups of
- * inputs and the blocks of rows are counted only where bounds on the costs (from the kept slots' count) do not rule
- * them out. */
-KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int64_t P, int64_t Hd, int64_t Dm,
-                     int64_t lanes, int64_t threads, int how)
+ * pairs as LayoutCosts says; each over the threads that its units of work (groups of inputs, parts, inputs or with
+ * fewer inputs than threads pairs) can keep busy. The groups of inputs and the blocks of rows are counted only where
+ * bounds on the costs (from the kept slots' count) do not rule them out. The slots each input keeps: `kept_slots`
+ * (B, ceil(S / 64) words of bits, as the routing's choice gives them), or where NULL those of nonzero combine
+ * weights (slot_bits). */
+KeptLanes kept_lanes(const float *combine, const uint64_t *kept_slots, int64_t B, int64_t M, int64_t S, int64_t P,
+                     int64_t Hd, int64_t Dm, int64_t lanes, int64_t threads, int how)
 {
     const int64_t words = (S + 63) / 64, n = S / P;
-    const std::vector<uint64_t> bits = slot_bits(combine, B, M, S, words);
+    const std::vector<uint64_t> found = kept_slots ? std::vector<uint64_t>() : slot_bits(combine, B, M, S, words);
+    const uint64_t *bits = kept_slots ? kept_slots : found.data();
     const double slot_cost = 2.0 * M * Dm + 2.0 * Dm * Hd, rows = double(M) * Dm;
     const double dim_vectors = double((Dm + lanes - 1) / lanes), hidden_vectors = double((Hd + lanes - 1) / lanes);
     const LayoutCosts &c = lanes == 16 ? LAYOUT_COSTS_AVX512 : LAYOUT_COSTS_AVX2;
@@ -421,7 +423,7 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
             }
     };
     int64_t pair_slots = 0; /* kept (input, slot) pairs */
-    for (const uint64_t word : bits) pair_slots += __builtin_popcountll(word);
+    for (int64_t i = 0; i < B * words; i++) pair_slots += __builtin_popcountll(bits[i]);
     const double groups = double((B + lanes - 1) / lanes);
     const double busy_groups = std::max(1.0, std::min(double(threads), groups)); /* threads the layouts keep busy */
     const double busy_pairs = std::max(1.0, std::min(double(threads), std::max(double(B), double(pair_slots) / P)));
@@ -457,34 +459,41 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
         (double(pair_slots) / lanes * slot_cost + groups * INPUT_GROUP_MOVES * rows) / busy_groups;
     KeptLanes layout;
     if (how == LANES_BY_INPUTS || (how == LANES_AUTO && inputs_least < std::min(rows_least, pairs_cost))) {
+        /* a group runs the slots one of its inputs keeps: the runs of the groups of inputs in `order` (NULL: as
+           they come) */
+        const auto group_runs = [&](const long *order) {
+            int64_t runs = 0;
+            for (int64_t g = 0; g < B; g += lanes)
+                for (int64_t w = 0; w < words; w++) {
+                    uint64_t any = 0;
+                    for (int64_t l = g; l < std::min(B, g + lanes); l++)
+                        any |= bits[(order ? order[l] : l) * words + w];
+                    runs += __builtin_popcountll(any);
+                }
+            return runs;
+        };
+        double runs = double(group_runs(nullptr)); /* (sorted: times 1 + SORTED_GROUP_COST) */
+        /* sorted, the groups still run their inputs' kept slots (pair_slots / lanes at least): sorted only where
+           that bound leaves a saving */
         bool same = true;
-        for (int64_t b = 1; b < B && same; b++)
-            same = std::equal(bits.begin() + b * words, bits.begin() + (b + 1) * words, bits.begin());
-        std::vector<long> order(B);
-        for (int64_t b = 0; b < B; b++) order[b] = long(b);
-        if (!same) /* by their bits, then their index (a stable order); the first words nearly always decide */
+        for (int64_t b = 1; b < B && same; b++) same = std::equal(bits + b * words, bits + (b + 1) * words, bits);
+        bool sort = !same && runs > (1.0 + SORTED_GROUP_COST) * double(pair_slots) / double(lanes);
+        std::vector<long> order;
+        if (sort) { /* by their bits, then their index (a stable order); the first words nearly always decide */
+            order.resize(B);
+            for (int64_t b = 0; b < B; b++) order[b] = long(b);
             std::sort(order.begin(), order.end(), [&](long a, long c) {
-                const uint64_t *x = bits.data() + a * words, *y = bits.data() + c * words;
+                const uint64_t *x = bits + a * words, *y = bits + c * words;
                 if (x[0] != y[0]) return x[0] < y[0];
                 for (int64_t w = 1; w < words; w++)
                     if (x[w] != y[w]) return x[w] < y[w];
                 return a < c;
             });
-        int64_t sorted_runs = 0, runs = 0; /* a group runs the slots one of its inputs keeps */
-        for (int64_t g = 0; g < B; g += lanes)
-            for (int64_t w = 0; w < words; w++) {
-                uint64_t any = 0, any_sorted = 0;
-                for (int64_t l = g; l < std::min(B, g + lanes); l++) {
-                    any |= bits[l * words + w];
-                    any_sorted |= bits[order[l] * words + w];
-                }
-                runs += __builtin_popcountll(any);
-                sorted_runs += __builtin_popcountll(any_sorted);
-            }
-        const double sorted_cost = sorted_runs * (1.0 + SORTED_GROUP_COST);
-        const bool sort = sorted_cost < runs;
-        const double inputs_cost =
-            ((sort ? sorted_cost : double(runs)) * slot_cost + groups * INPUT_GROUP_MOVES * rows) / busy_groups;
+            const double sorted_runs = double(group_runs(order.data())) * (1.0 + SORTED_GROUP_COST);
+            sort = sorted_runs < runs;
+            runs = sort ? sorted_runs : runs;
+        }
+        const double inputs_cost = (runs * slot_cost + groups * INPUT_GROUP_MOVES * rows) / busy_groups;
         if (how == LANES_BY_INPUTS || (how == LANES_AUTO && inputs_cost <= pairs_cost && at_most_rows(inputs_cost))) {
             if (sort) layout.order = std::move(order);
             return layout;
@@ -519,13 +528,15 @@ KeptLanes kept_lanes(const float *combine, int64_t B, int64_t M, int64_t S, int6
  * Hd (+ Dm with keep_outputs), lanes) with lanes those of the variant (16, 8 or 4): the pre-activations, then with
  * keep_outputs the slots' outputs. kept_combine, for inference only (saved is then incomplete, or empty where the
  * layout has no groups of inputs): combine is zero outside the slots each input keeps (Algorithm 1's dense plan);
- * the work is laid out by kept_lanes (kept_lanes_by: LANES_AUTO, or one layout forced), and a slot whose combine
- * weights are zero for every input of a group of lanes is not run for that group. */
+ * the work is laid out by kept_lanes (kept_lanes_by: LANES_AUTO, or one layout forced) from the slots each input
+ * keeps (kept_slots, the routing's choice as bits, or where None its nonzero combine weights), and a slot whose
+ * combine weights are zero for every input of a group of lanes is not run for that group. */
 std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const at::Tensor &dispatch_in,
                                                    const at::Tensor &combine_in, const at::Tensor &w1_in,
                                                    const c10::optional<at::Tensor> &b1_in, const at::Tensor &w2_in,
                                                    const c10::optional<at::Tensor> &b2_in, bool keep_outputs,
-                                                   bool kept_combine, const std::string &isa, int64_t kept_lanes_by)
+                                                   bool kept_combine, const std::string &isa, int64_t kept_lanes_by,
+                                                   const c10::optional<at::Tensor> &kept_slots)
 {
     const Variant &v = variant(isa);
     const MixingShapes s = check_mixing(x_in, dispatch_in, combine_in, w1_in, w2_in, b2_in);
@@ -543,11 +554,18 @@ std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const
                 LANES_AUTO, " (auto), ", LANES_BY_INPUTS, " (by inputs), ", LANES_BY_ROWS, " (by rows) or ",
                 LANES_BY_PAIRS, " (by pairs), got ", kept_lanes_by);
     const int64_t P = s.S / s.n, width = s.Hd + (keep_outputs ? s.Dm : 0);
+    TORCH_CHECK(!kept_slots || kept_combine, "softmoe: kept_slots are for a kept combine: it takes kept_combine");
+    if (kept_slots) {
+        TORCH_CHECK(kept_slots->scalar_type() == at::kLong && kept_slots->device().is_cpu() &&
+                        kept_slots->is_contiguous(), "softmoe: kept_slots must be a contiguous int64 CPU tensor");
+        check_shape(*kept_slots, "kept_slots", {s.B, (s.S + 63) / 64});
+    }
     KeptLanes layout;
     if (kept_combine) {
         pybind11::gil_scoped_release no_gil;
-        layout = kept_lanes(combine.data_ptr<float>(), s.B, s.M, s.S, P, s.Hd, s.Dm, lanes, threads(),
-                            int(kept_lanes_by));
+        layout = kept_lanes(combine.data_ptr<float>(),
+                            kept_slots ? reinterpret_cast<const uint64_t *>(kept_slots->data_ptr<int64_t>()) : nullptr,
+                            s.B, s.M, s.S, P, s.Hd, s.Dm, lanes, threads(), int(kept_lanes_by));
     }
     at::Tensor out = at::empty({s.B, s.M, s.Dm}, x.options());
     const auto no_records = [&] { return at::empty({0, s.S, width, lanes}, x.options()); };
@@ -759,10 +777,11 @@ void check_routing(const at::Tensor &x, const at::Tensor &phi, int64_t mode)
  * 35-80 us for the MNIST layer's logits (1024 x 196 by 196 x 2-16; AMD EPYC Zen 5, 2 threads), oneDNN 33-50; at
  * 17-32 slots the op took 0.60-0.67x its time with MKL's product (AVX-512), 0.74-0.98x (AVX2). With k >= 1 also
  * Algorithm 1's choice of k experts of p slots, made in the same pass (combine then zero outside their slots) ->
- * selected (B, k) (empty for k = 0). */
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+ * selected (B, k) where `with_selected` (else undefined), and the kept slots as bits, (B, ceil(S / 64)) int64 (empty
+ * for k = 0). */
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 routing_forward(const at::Tensor &x_in, const at::Tensor &phi_in, const c10::optional<at::Tensor> &scale, int64_t mode,
-                const std::string &isa, bool onednn, int64_t p, int64_t k)
+                const std::string &isa, bool onednn, int64_t p, int64_t k, bool with_selected)
 {
     const Variant &v = variant(isa);
     check_routing(x_in, phi_in, mode);
@@ -776,14 +795,17 @@ routing_forward(const at::Tensor &x_in, const at::Tensor &phi_in, const c10::opt
     at::Tensor logits = small ? at::empty({B, M, S}, x.options())
                               : linear_product(x.view({B * M, D}), phi_t, onednn).view({B, M, S});
     at::Tensor dispatch = at::empty_like(logits), combine = at::empty_like(logits);
-    at::Tensor r = at::empty({B, M}, x.options()), selected = at::empty({B, k}, x.options().dtype(at::kLong));
+    at::Tensor r = at::empty({B, M}, x.options());
+    const at::Tensor selected = with_selected ? at::empty({B, k}, x.options().dtype(at::kLong)) : at::Tensor();
+    const at::Tensor slots = at::empty({B, k ? (S + 63) / 64 : 0}, x.options().dtype(at::kLong));
     {
         pybind11::gil_scoped_release no_gil;
         v.routing_forward(logits.data_ptr<float>(), x.data_ptr<float>(), small ? columns.data_ptr<float>() : nullptr,
                           dispatch.data_ptr<float>(), combine.data_ptr<float>(), r.data_ptr<float>(), B, M, S, D,
-                          mode == ROUTING_ROUTER, p, k, selected.data_ptr<int64_t>(), threads());
+                          mode == ROUTING_ROUTER, p, k, with_selected ? selected.data_ptr<int64_t>() : nullptr,
+                          reinterpret_cast<uint64_t *>(slots.data_ptr<int64_t>()), threads());
     }
-    return {logits, dispatch, combine, r, selected};
+    return {logits, dispatch, combine, r, selected, slots};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> soft_moe_routing(const at::Tensor &x_in,
@@ -792,20 +814,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> soft_moe_routing(cons
                                                                             int64_t mode, const std::string &isa,
                                                                             bool onednn)
 {
-    const auto [logits, dispatch, combine, r, _] = routing_forward(x_in, phi_in, scale, mode, isa, onednn, 1, 0);
+    const auto [logits, dispatch, combine, r, selected, slots] =
+        routing_forward(x_in, phi_in, scale, mode, isa, onednn, 1, 0, false);
     return {logits, dispatch, combine, r};
 }
 
 /* Inference's routing with Algorithm 1's choice in the same pass: (dispatch, combine zero outside the kept experts'
- * slots, selected (B, k) ascending), as soft_moe_routing and top_k_combine would give them. */
-std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_top_k(const at::Tensor &x, const at::Tensor &phi,
-                                                                      const c10::optional<at::Tensor> &scale,
-                                                                      int64_t mode, const std::string &isa,
-                                                                      bool onednn, int64_t p, int64_t k)
+ * slots, the kept slots as bits (B, ceil(S / 64)) int64 (bit s % 64 of word s / 64 for slot s), selected (B, k)
+ * ascending where `with_selected`, else None), as soft_moe_routing and top_k_combine would give them. */
+std::tuple<at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>>
+soft_moe_routing_top_k(const at::Tensor &x, const at::Tensor &phi, const c10::optional<at::Tensor> &scale, int64_t mode,
+                       const std::string &isa, bool onednn, int64_t p, int64_t k, bool with_selected)
 {
     TORCH_CHECK(k >= 1, "softmoe: k must be at least 1, got ", k);
-    const auto [logits, dispatch, combine, r, selected] = routing_forward(x, phi, scale, mode, isa, onednn, p, k);
-    return {dispatch, combine, selected};
+    const auto [logits, dispatch, combine, r, selected, slots] =
+        routing_forward(x, phi, scale, mode, isa, onednn, p, k, with_selected);
+    return {dispatch, combine, slots, with_selected ? c10::optional<at::Tensor>(selected) : c10::nullopt};
 }
 
 /* The gradients of soft_moe_routing's x, phi and scale (0 without normalization) from those of logits, dispatch and
@@ -943,12 +967,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("soft_moe_mixing", &soft_moe_mixing, pybind11::arg("x"), pybind11::arg("dispatch"), pybind11::arg("combine"),
           pybind11::arg("weight1"), pybind11::arg("bias1"), pybind11::arg("weight2"), pybind11::arg("bias2"),
           pybind11::arg("keep_outputs"), pybind11::arg("kept_combine"), pybind11::arg("isa"),
-          pybind11::arg("kept_lanes_by") = int64_t(LANES_AUTO));
+          pybind11::arg("kept_lanes_by") = int64_t(LANES_AUTO), pybind11::arg("kept_slots") = pybind11::none());
     m.def("soft_moe_mixing_backward", &soft_moe_mixing_backward);
     m.def("soft_moe_routing", &soft_moe_routing);
     m.def("soft_moe_routing_top_k", &soft_moe_routing_top_k, pybind11::arg("x"), pybind11::arg("phi"),
           pybind11::arg("scale"), pybind11::arg("mode"), pybind11::arg("isa"), pybind11::arg("onednn"),
-          pybind11::arg("slots_per_expert"), pybind11::arg("k"));
+          pybind11::arg("slots_per_expert"), pybind11::arg("k"), pybind11::arg("with_selected") = true);
     m.def("soft_moe_routing_backward", &soft_moe_routing_backward);
     m.def("top_k_combine", &top_k_combine, pybind11::arg("combine"), pybind11::arg("slots_per_expert"),
           pybind11::arg("k"), pybind11::arg("isa"));

@@ -40,10 +40,11 @@
     void top_k_combine(const float *combine, float *kept, int64_t *selected, long B, long M, long S, long P, long k, \
                        int threads);                                                                                  \
     long top_k_scratch_bytes(long S, long P);                                                                         \
-    void top_k_input(const float *cb, float *kept, int64_t *selected, long M, long S, long P, long k, void *scratch); \
+    void top_k_input(const float *cb, float *kept, int64_t *selected, uint64_t *slots, long M, long S, long P,      \
+                     long k, void *scratch);                                                                          \
     void soft_moe_routing_forward(float *logits, const float *x, const float *phi_rows, float *dispatch,            \
                                   float *combine, float *r, long B, long M, long S, long D, int router, long P,      \
-                                  long k, int64_t *selected, int threads);                                            \
+                                  long k, int64_t *selected, uint64_t *slots, int threads);                          \
     void soft_moe_routing_backward(const float *gl, const float *gd, const float *gc, const float *logits,           \
                                    const float *dispatch, const float *combine, const float *r, float *gp,           \
                                    float *dot, const float *x, const float *phi_t, float *grad_x,                    \

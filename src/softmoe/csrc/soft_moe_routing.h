@@ -228,10 +228,11 @@ static void input_grads(float *gxb, float *acc, const float *xb, const float *gp
  * S; S <= SOFTMOE_ROUTING_SMALL_SLOTS) P is computed here; the logits on return. r (B, M) gets rsqrt(|x|^2 + 1e-6)
  * of the tokens of x (B, M, D) when `router`, else ones. With k >= 1, Algorithm 1's choice of k experts of P slots
  * each is made from each input's combine weights while they are in cache (top_k_input, top_k_combine.h): selected
- * (B, k) gets the kept experts, combine is zeroed outside their slots. */
+ * (B, k; NULL: not written) gets the kept experts, slots (B, ceil(S / 64)) their slots as bits, and combine is zeroed
+ * outside them. */
 void soft_moe_routing_forward(float *logits, const float *x, const float *phi_rows, float *dispatch, float *combine,
                               float *r, long B, long M, long S, long D, int router, long P, long k, int64_t *selected,
-                              int threads)
+                              uint64_t *slots, int threads)
 {
     const long SV = (S + LANES - 1) / LANES * LANES; /* the columns' buffers in whole vectors */
 #pragma omp parallel num_threads(threads)
@@ -287,7 +288,9 @@ void soft_moe_routing_forward(float *logits, const float *x, const float *phi_ro
                     store_n(crow + s, load_n(crow + s, count) * inverse, count);
                 }
             }
-            if (k) top_k_input(cb, cb, selected + b * k, M, S, P, k, choice);
+            if (k)
+                top_k_input(cb, cb, selected ? selected + b * k : NULL, slots + b * ((S + 63) / 64), M, S, P, k,
+                            choice);
         }
         if (k) softmoe_scratch_release(0);
         free(colmax);

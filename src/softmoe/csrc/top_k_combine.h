@@ -120,24 +120,72 @@ static void select_kept(const uint64_t *key, int32_t *high, int32_t *low, int32_
  * experts took 0.7x the time of the selection above (AMD EPYC Zen 5, AVX-512). */
 #define RANK_MAX_EXPERTS 32
 
+/* The experts kept as words of bits, 64 to a word: keep (n, all ones or zero) -> bits (ceil(n / 64)). */
+static void kept_words(const uint32_t *keep, uint64_t *bits, long n)
+{
+    for (long j0 = 0; j0 < n; j0 += 64) {
+        const long width = n - j0 < 64 ? n - j0 : 64;
+        uint64_t word = 0;
+        for (long i = 0; i < width; i++) word |= (uint64_t)(keep[j0 + i] & 1) << i;
+        bits[j0 / 64] = word;
+    }
+}
+
+/* The bits of a word of `width` experts that are not kept. */
+static inline uint64_t dropped_in(uint64_t word, long width)
+{
+    return ~word & (width == 64 ? ~(uint64_t)0 : ((uint64_t)1 << width) - 1);
+}
+
+/* out[count ...] = first ... end - 1 (a vectorized store); the count after them. */
+static inline long write_run(int64_t *out, long count, long first, long end)
+{
+    for (long i = 0; i < end - first; i++) out[count + i] = first + i;
+    return count + (end > first ? end - first : 0);
+}
+
+/* The kept experts in ascending order from their words of bits: in a word keeping at most half its experts the set
+ * bits one at a time (count trailing zeros), in one keeping more the runs between the clear bits (at k = n - 1 one
+ * bit at a time took a third of the choice's time: each step waits on the last). */
+static void kept_in_order(const uint64_t *bits, long n, int64_t *out)
+{
+    long count = 0;
+    for (long j0 = 0; j0 < n; j0 += 64) {
+        const long width = n - j0 < 64 ? n - j0 : 64;
+        uint64_t word = bits[j0 / 64];
+        if (2 * __builtin_popcountll(word) <= width) {
+            for (; word; word &= word - 1) out[count++] = j0 + __builtin_ctzll(word);
+            continue;
+        }
+        long first = j0;
+        for (uint64_t gaps = dropped_in(word, width); gaps; gaps &= gaps - 1) {
+            const long gap = j0 + __builtin_ctzll(gaps);
+            count = write_run(out, count, first, gap);
+            first = gap + 1;
+        }
+        count = write_run(out, count, first, j0 + width);
+    }
+}
+
 /* The scratch top_k_input takes for S slots of P per expert: the scores, the keys and their halves, the low halves of
- * the keys tied at the k-th high half, the kept experts in order (one place to write past them), per expert and per
- * slot all ones where kept. */
+ * the keys tied at the k-th high half, per expert all ones where kept and their words of bits, per slot all ones
+ * where kept. */
 long top_k_scratch_bytes(long S, long P)
 {
     const long n = S / P;
-    return 8 * n + 8 * n + 8 * (n + 1) + 4 * n * 4 + 4 * S;
+    return 8 * n + 8 * n + 4 * n * 4 + 8 * ((n + 63) / 64) + 4 * S;
 }
 
 /* One input's choice, as the comment at the top says: cb (M, S) -> kept (M, S; cb itself may be given: each value is
- * read before it is written), selected (k); scratch of top_k_scratch_bytes(S, P). */
-void top_k_input(const float *cb, float *kept, int64_t *selected, long M, long S, long P, long k, void *scratch)
+ * read before it is written), selected (k; NULL: not written), slots (ceil(S / 64) words, bit s % 64 of word s / 64
+ * set for each slot s of a kept expert; NULL: not written); scratch of top_k_scratch_bytes(S, P). */
+void top_k_input(const float *cb, float *kept, int64_t *selected, uint64_t *slots, long M, long S, long P, long k,
+                 void *scratch)
 {
-    const long n = S / P;
+    const long n = S / P, words = (n + 63) / 64;
     double *score = (double *)scratch;
-    uint64_t *key = (uint64_t *)(score + n);
-    int64_t *order = (int64_t *)(key + n);
-    int32_t *high = (int32_t *)(order + n + 1), *low = high + n, *tied = low + n;
+    uint64_t *key = (uint64_t *)(score + n), *bits = key + n;
+    int32_t *high = (int32_t *)(bits + words), *low = high + n, *tied = low + n;
     uint32_t *keep = (uint32_t *)(tied + n), *mask = keep + n;
     for (long j = 0; j < n; j++) score[j] = 0.0;
     long m = 0;
@@ -164,16 +212,23 @@ void top_k_input(const float *cb, float *kept, int64_t *selected, long M, long S
     } else {
         select_kept(key, high, low, tied, keep, n, k);
     }
-    for (long j0 = 0, count = 0; j0 < n; j0 += 64) { /* the kept experts in order: 64 to a word of bits */
-        const long width = n - j0 < 64 ? n - j0 : 64;
-        uint64_t word = 0;
-        for (long i = 0; i < width; i++) word |= (uint64_t)(keep[j0 + i] & 1) << i;
-        for (; word; word &= word - 1) order[count++] = j0 + __builtin_ctzll(word);
-    }
-    memcpy(selected, order, k * sizeof(int64_t));
+    kept_words(keep, bits, n);
+    if (selected) kept_in_order(bits, n, selected);
     if (P > 1)
         for (long j = 0; j < n; j++)
             for (long i = 0; i < P; i++) mask[j * P + i] = keep[j];
+    if (slots && P == 1)
+        memcpy(slots, bits, words * sizeof(uint64_t));
+    else if (slots)
+        kept_words(mask, slots, S);
+    if ((n - k) * SOFTMOE_LANES <= n) { /* few dropped: their slots zeroed one by one (NaN too) */
+        if (kept != cb) memcpy(kept, cb, M * S * sizeof(float));
+        for (long j0 = 0; j0 < n; j0 += 64)
+            for (uint64_t gaps = dropped_in(bits[j0 / 64], n - j0 < 64 ? n - j0 : 64); gaps; gaps &= gaps - 1)
+                for (long m = 0; m < M; m++)
+                    memset(kept + m * S + (j0 + __builtin_ctzll(gaps)) * P, 0, P * sizeof(float));
+        return;
+    }
     for (long m = 0; m < M; m++) { /* zeros (NaN too) outside the kept slots */
         const uint32_t *row = (const uint32_t *)(cb + m * S);
         uint32_t *o = (uint32_t *)(kept + m * S);
@@ -193,7 +248,7 @@ void top_k_combine(const float *combine, float *kept, int64_t *selected, long B,
         void *scratch = softmoe_scratch(0, top_k_scratch_bytes(S, P));
 #pragma omp for schedule(static)
         for (long b = 0; b < B; b++)
-            top_k_input(combine + b * M * S, kept + b * M * S, selected + b * k, M, S, P, k, scratch);
+            top_k_input(combine + b * M * S, kept + b * M * S, selected + b * k, NULL, M, S, P, k, scratch);
         softmoe_scratch_release(0);
     }
 }

@@ -133,7 +133,7 @@ def native_mixing_applies(x: Tensor, hidden: int, activation: str) -> bool:
     variant :func:`~softmoe.kernels.cpu_isa` names. Eager, torch.compile and autocast all qualify."""
     return (
         activation == "relu"
-        and x.device.type == "cpu"
+        and x.is_cpu
         and x.dtype == torch.float32
         and 1 <= x.shape[1] <= MIXING_MAX_TOKENS
         and not transforms_active()
@@ -151,6 +151,7 @@ def soft_moe_mixing(
     weight2: Tensor,
     bias2: Tensor | None,
     kept_combine: bool = False,
+    kept_slots: Tensor | None = None,
 ) -> Tensor:
     """The Soft MoE mixing C relu-MLP(D^T X) of small experts in one native pass, differentiable in every input.
 
@@ -164,19 +165,26 @@ def soft_moe_mixing(
     laid out per call in the cheapest of three ways the kernel counts: groups of inputs that keep the same slots (a
     slot run for a group where one of its inputs keeps it), the rows of each expert (its inputs that keep it, 8 at a
     time with AVX-512 and 4 with AVX2, vectors along hidden and dim: each weight vector serves them all), or each
-    input's kept experts one at a time with vectors along dim and hidden (small batches). Finite outputs are the
-    same either way; an expert whose outputs are not finite adds NaN (its output times a zero weight) only to the
-    inputs of the groups that run it. Only where :func:`native_mixing_applies`;
-    other dtypes, devices, more than MIXING_MAX_TOKENS tokens or inconsistent shapes raise a ValueError. Runs
-    ``softmoe::soft_moe_mixing`` with the variant :func:`~softmoe.kernels.cpu_isa` names.
+    input's kept experts one at a time with vectors along dim and hidden (small batches). ``kept_slots`` (with
+    ``kept_combine``: the kept slots as bits, as :func:`~softmoe.kernels.soft_moe_routing_top_k` gives them with that
+    combine) saves finding them from its nonzero weights. Finite outputs are the same either way; an expert whose
+    outputs are not finite adds NaN (its output times a zero weight) only to the inputs of the groups that run it.
+    Only where :func:`native_mixing_applies`; other dtypes, devices, more than MIXING_MAX_TOKENS tokens or
+    inconsistent shapes raise a ValueError. Runs ``softmoe::soft_moe_mixing`` with the variant
+    :func:`~softmoe.kernels.cpu_isa` names.
     """
-    _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2)
     isa = required_isa()
     if direct_call_ok("cpu", x, dispatch, combine, weight1, bias1, weight2, bias2):
         # inference: the op's code without the dispatcher; with kept_combine only the kept experts run (no backward
-        # reads the records of the others)
-        return native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, False,
-                                               kept_combine, isa)[0]
+        # reads the records of the others). The kernel checks the same as _check_mixing_inputs, whose clearer
+        # errors (4 us a call) are only needed where it refuses its inputs.
+        try:
+            return native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, False,
+                                                   kept_combine, isa, kept_slots=kept_slots if kept_combine else None)[0]
+        except RuntimeError:
+            _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2)
+            raise
+    _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2)
     # the outputs are kept only for a backward pass: none under no_grad or for inputs without gradients
     keep = weight1.shape[2] >= MIXING_KEEP_OUTPUTS_MIN_HIDDEN and needs_grad(
         x, dispatch, combine, weight1, bias1, weight2, bias2

@@ -135,7 +135,8 @@ def native_routing_applies(x: Tensor, phi: Tensor, scale: Tensor | None) -> bool
     """Whether :func:`soft_moe_routing` serves tokens x (batch, tokens, dim) with phi (dim, slots): float32 CPU
     tensors (scale too), no torch.func transform active (the ops have no vmap rule) and the kernels built."""
     return (
-        x.device.type == phi.device.type == "cpu"
+        x.is_cpu
+        and phi.is_cpu
         and x.dtype == phi.dtype == torch.float32
         and (scale is None or scale.dtype == torch.float32)
         and not transforms_active()
@@ -156,20 +157,24 @@ def soft_moe_routing(x: Tensor, phi: Tensor, scale: Tensor | None, normalize: st
 
 
 def soft_moe_routing_top_k(
-    x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str, slots_per_expert: int, k: int
-) -> tuple[Tensor, Tensor, Tensor] | None:
+    x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str, slots_per_expert: int, k: int,
+    with_selected: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
     """Inference's routing with Algorithm 1's choice made in the same native pass, each input's combine weights
-    still in cache: (dispatch, combine zero outside the slots of the kept experts, the kept experts (batch, k) int64
-    ascending), what :func:`soft_moe_routing` then :func:`~softmoe.kernels.top_k_combine` give (arguments as
-    theirs). None where the op's code may not be called directly (:func:`native_routing_applies` and
-    :func:`~softmoe.kernels.modes.direct_call_ok`: no gradient recorded, nothing watching the dispatcher): the
-    caller takes the ops then. A ValueError for a k outside [1, n] or slots that are not n * slots_per_expert."""
+    still in cache: (dispatch, combine zero outside the slots of the kept experts, the kept slots as bits (batch,
+    ceil(slots / 64)) int64, bit s % 64 of word s // 64 set for each slot s of a kept expert, the kept experts (batch,
+    k) int64 ascending, or None without ``with_selected``), what :func:`soft_moe_routing` then
+    :func:`~softmoe.kernels.top_k_combine` give (arguments as theirs; the bits are what
+    :func:`~softmoe.kernels.soft_moe_mixing` takes as ``kept_slots``). None where the op's code may not be called
+    directly (:func:`native_routing_applies` and :func:`~softmoe.kernels.modes.direct_call_ok`: no gradient recorded,
+    nothing watching the dispatcher): the caller takes the ops then. A ValueError for a k outside [1, n] or slots
+    that are not n * slots_per_expert."""
     if not (native_routing_applies(x, phi, scale) and direct_call_ok("cpu", x, phi, scale)):
         return None
     isa, scale = _checked(x, phi, scale, normalize)
     check_choice("phi", phi.shape[1], slots_per_expert, k)
     return native_module().soft_moe_routing_top_k(x, phi, scale, ROUTING_MODES[normalize], isa,
-                                                  _products_in_onednn(x, phi), slots_per_expert, k)
+                                                  _products_in_onednn(x, phi), slots_per_expert, k, with_selected)
 
 
 def _checked(x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str) -> tuple[str, Tensor | None]:
