@@ -55,9 +55,9 @@ def test_ties_go_to_the_lower_expert_and_nan_comes_first():
 
 
 @pytest.mark.parametrize("p", [1, 2])
-@pytest.mark.parametrize("slots", [24, 136])
+@pytest.mark.parametrize("slots", [16, 24, 136])
 def test_many_ties_signed_zeros_infinities_and_nans_rank_as_the_selector_ranks(isa, p, slots):
-    """The kernel ranks by a key per expert (no sort): up to 32 experts by counting ranks, beyond by a selection of
+    """The kernel ranks by a key per expert (no sort): up to 16 experts by counting ranks, beyond by a selection of
     the k-th largest key; sums drawn from a few values (+0 and -0 equal, infinities, NaNs from inf - inf and NaN
     entries) tie in many ways, at every k, on every kernel variant."""
     gen = torch.Generator().manual_seed(p)
@@ -103,7 +103,7 @@ def test_bad_arguments_are_value_errors_and_other_tensors_are_not_served():
 
 
 # (batch, tokens, dim, experts, slots per expert, k, normalize): the kernel's own products (<= 32 slots) and MKL's or
-# oneDNN's (more), the rank path (<= 32 experts) and the bisection, k = 1 and k = n, experts of several slots, one
+# oneDNN's (more), the rank path (<= 16 experts) and the bisection, k = 1 and k = n, experts of several slots, one
 # token, threads splitting the inputs (the last).
 ROUTING_SHAPES = [(5, 4, 20, 8, 1, 3, "router"), (3, 1, 7, 6, 2, 6, "inputs"), (4, 3, 12, 40, 1, 1, "none"),
                   (2, 5, 9, 30, 3, 17, "router"), (6, 4, 16, 300, 1, 77, "router"), (64, 4, 196, 64, 1, 16, "router")]

@@ -220,11 +220,15 @@ class MLPExperts(nn.Module):
         native routing made the choice passes its kept slots as bits (``mix``'s ``kept_slots``)."""
         if backend != "native" or not self._fused_native_applies(x):
             return False
-        # (nn.Module.__getattr__ costs 0.4 us a name, and this runs on every call: the registered parameters first)
+        return direct_call_ok("cpu", x, dispatch, combine, *self._weights())
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(weight1, bias1, weight2, bias2): the registered parameters looked up directly (nn.Module.__getattr__
+        costs 0.4 us a name, and this runs on every call), others (e.g. under torch.nn.utils.parametrize) as
+        attributes."""
         params = self._parameters
-        weights = [params[name] if name in params else getattr(self, name)
-                   for name in ("weight1", "bias1", "weight2", "bias2")]
-        return direct_call_ok("cpu", x, dispatch, combine, *weights)
+        return tuple([params[name] if name in params else getattr(self, name)
+                      for name in ("weight1", "bias1", "weight2", "bias2")])
 
     def _unavailable(self, backend: str, x: torch.Tensor) -> str | None:
         """Why ``backend`` cannot run tokens x, or None when it can."""
@@ -233,7 +237,7 @@ class MLPExperts(nn.Module):
         if backend in ("slots", "native") and autocast_on(x):
             return "autocast is on (use 'reference')"
         if backend == "native":
-            if x.device.type != "cpu" or x.dtype != torch.float32 or self.weight1.dtype != torch.float32:
+            if not x.is_cpu or x.dtype != torch.float32 or self.weight1.dtype != torch.float32:
                 return f"the native ops take float32 CPU tensors, got {x.dtype} on {x.device}"
             if not native_available():
                 return native_status()
@@ -248,12 +252,13 @@ class MLPExperts(nn.Module):
             return BackendChoice(backend, "requested")
         if transforms_active():
             return BackendChoice("reference", "a torch.func transform is active: plain torch ops")
-        slots = self._unavailable("slots", x) is None
-        if x.device.type != "cpu":
+        # what _unavailable checks, each once (this runs on every call)
+        slots = not autocast_on(x)
+        if not x.is_cpu:
             if not slots:
                 return BackendChoice("reference", "autocast is on: plain torch ops")
             return BackendChoice("slots", f"on {x.device.type}: torch's batched matmuls (the CPU cost model is not used)")
-        native = self._unavailable("native", x) is None
+        native = slots and x.dtype == self._weights()[0].dtype == torch.float32 and native_available()
         if native and self._fused_native_applies(x):
             return BackendChoice("native", "many small relu experts on few float32 tokens: the fused native mixing")
         batch, tokens, _ = x.shape
@@ -282,7 +287,7 @@ class MLPExperts(nn.Module):
         if backend == "tokens":
             shape = (*x.shape[:2], self.num_experts, slots_per_expert)
             return self.forward_through_tokens(x, dispatch.view(shape), combine.view(shape))
-        weights = (self.weight1, self.bias1, self.weight2, self.bias2)
+        weights = self._weights()
         if backend == "slots":
             return _SlotMixing.apply(x, dispatch, combine, *weights, slots_per_expert, self.activation)
         if self._fused_native_applies(x):

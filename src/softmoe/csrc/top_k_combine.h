@@ -116,9 +116,10 @@ static void select_kept(const uint64_t *key, int32_t *high, int32_t *low, int32_
     }
 }
 
-/* Up to this many experts each expert's rank is counted instead (n^2 comparisons in vectors): 256 inputs of 8
- * experts took 0.7x the time of the selection above (AMD EPYC Zen 5, AVX-512). */
-#define RANK_MAX_EXPERTS 32
+/* Up to this many experts each expert's rank is counted instead (n^2 comparisons in vectors): per input, at 8
+ * experts 0.63-0.71x the time of the selection above, at 16 0.74-0.98x, at 24-32 1.1-2.3x (AMD EPYC Zen 5, AVX-512
+ * and AVX2). */
+#define RANK_MAX_EXPERTS 16
 
 /* The experts kept as words of bits, 64 to a word: keep (n, all ones or zero) -> bits (ceil(n / 64)). */
 static void kept_words(const uint32_t *keep, uint64_t *bits, long n)
