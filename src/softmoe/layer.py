@@ -515,7 +515,7 @@ class SoftMoE(nn.Module):
                     return self.experts.mix(backend, x, dispatch, combine, self.slots_per_expert, kept_combine=True,
                                             kept_slots=slots)
                 return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize,
-                                              self.selector.plan, combine_is_kept=True)
+                                              self.selector.plan, combine_is_kept=True, backend=backend)
         _, dispatch, combine = self._route_flat(x, mask)
         if plain and native_top_k_applies(combine):
             # Algorithm 1's choice and the kept combine weights in one native call (CPU with gradients recorded or
@@ -686,13 +686,14 @@ class SoftMoE(nn.Module):
         renormalize: bool,
         plan: str,
         combine_is_kept: bool = False,
+        backend: str | None = None,
     ) -> torch.Tensor:
         """Algorithm 1's mixing on the ``plan`` given or found cheaper; ``combine_is_kept``: combine is already
-        zero on the slots of unselected experts (the dense plan then needs no mask)."""
+        zero on the slots of unselected experts (the dense plan then needs no mask); ``backend``: the one
+        :meth:`backend_for` names, where the caller has it."""
         keep = None if combine_is_kept or plan == "selected" else mask_from_subsets(selected, self.num_experts)
-        backend = None
         if plan == "auto" and x.device.type == "cpu":  # (where a mixing skips them: the fused native kernel)
-            backend = self.backend_for(x).name
+            backend = backend or self.backend_for(x).name
             if self._mix_skips_unkept(backend, x, dispatch, combine):
                 plan = "dense"  # the mixing itself runs only the kept experts' work
         if plan == "auto":
