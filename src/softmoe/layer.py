@@ -716,7 +716,8 @@ class SoftMoE(nn.Module):
     ) -> bool:
         """Whether the experts' mixing of x on ``backend`` (None: :meth:`backend_for`'s; one that cannot serve x
         skips nothing) skips the unkept experts' work by itself (the optional ``mix_skips_unkept`` of an expert bank,
-        e.g. :meth:`softmoe.experts.MLPExperts.mix_skips_unkept`)."""
+        e.g. :meth:`softmoe.experts.MLPExperts.mix_skips_unkept`; such a bank's ``mix`` also takes the routing's kept
+        slots as bits, ``kept_slots``)."""
         skips = getattr(self.experts, "mix_skips_unkept", None)
         if skips is None:
             return False
