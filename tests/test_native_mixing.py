@@ -166,6 +166,27 @@ def test_inference_skips_idle_slots_and_matches_float64(isa, shape, layout, thre
             kept_mixing(inputs, layout, torch.cat([words, words], dim=1))
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
+def test_inference_lays_out_every_slot_and_matches_float64(isa, shape, layout, threads):
+    """Inference without Algorithm 1 lays the work out as for a kept combine with every slot kept (groups of lanes,
+    the rows of each expert or each input's experts one at a time) where some thread would have no full group of
+    lanes, as the op finds cheaper or as forced, and skips nothing: exact in every layout."""
+    inputs = tuple(t.detach() for t in random_inputs(*shape, bias=True, seed=sum(shape)))
+    with torch.no_grad():
+        out = native_module().soft_moe_mixing(*inputs, False, False, kernels.cpu_isa(), LAYOUTS[layout],
+                                              every_slot=True)[0]
+    assert relative_error(out, mixing_reference(*(t.double() for t in inputs))) < 1e-5
+
+
+def test_every_slot_and_a_kept_combine_are_for_inference_and_exclusive():
+    inputs = tuple(t.detach() for t in random_inputs(4, 4, 8, 2, 1, 3, bias=True))
+    for keep_outputs, kept_combine in ((True, False), (False, True)):
+        with pytest.raises(RuntimeError, match="every_slot"):
+            native_module().soft_moe_mixing(*inputs, keep_outputs, kept_combine, kernels.cpu_isa(), every_slot=True)
+
+
 def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):
     """An expert with a NaN bias, kept by every third input: run for a group, it makes every output of the group NaN
     (its outputs enter the combine at weight 0). With kept_combine (48 inputs: two full groups of those that do not
@@ -188,6 +209,11 @@ def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):
         assert out[users].isnan().all() and out[others].isfinite().all()
         assert relative_error(out[others], want) < 1e-5
     assert as_they_come[others].isnan().all()
+    few = tuple(t[:3] for t in inputs[:3]) + inputs[3:]  # every slot laid out below a group of lanes per thread
+    for layout in LAYOUTS:  # and run in every layout: NaN times a zero weight reaches every input, as in torch
+        every = native_module().soft_moe_mixing(*few, False, False, kernels.cpu_isa(), LAYOUTS[layout],
+                                                every_slot=True)[0]
+        assert every.isnan().all(), layout
     assert soft_moe_mixing(x.requires_grad_(), *inputs[1:], kept_combine=True).isnan().all()
 
 

@@ -27,11 +27,11 @@
     void soft_moe_small_forward_pairs(const float *x, const float *dispatch, const float *combine, const float *w1,  \
                                       const float *b1, const float *w2, const float *b2, float *out, long B, long M,  \
                                       long S, long P, long Hd, long Dm, const long *first, const long *experts,       \
-                                      int threads);                                                                    \
+                                      int skip_idle, int threads);                                                     \
     void soft_moe_small_forward_rows(const float *x, const float *dispatch, const float *combine, const float *w1,   \
                                      const float *b1, const float *w2, const float *b2, float *out, long M, long S,    \
                                      long P, long Hd, long Dm, const long *order, const long *experts,                \
-                                     const long *parts, long n_parts, int threads);                                   \
+                                     const long *parts, long n_parts, int skip_idle, int threads);                    \
     int soft_moe_small_backward(const float *grad_out, const float *x, const float *dispatch, const float *combine,  \
                                 const float *w1, const float *w2, const float *b2, const float *saved,               \
                                 float *grad_x, float *grad_dispatch, float *grad_combine,                           \

@@ -517,16 +517,16 @@ static void forward_pair_slot(float *RESTRICT ob, const float *RESTRICT xb, cons
     combine_slot(ob, slot, cb, s, M, S, Dm);
 }
 
-/* The kept slots of pair e (input b's expert experts[e]), outputs added to ob (input b's rows): a slot whose combine
- * weights are all zero (of either sign) over b's tokens is not run. */
+/* The slots of pair e (input b's expert experts[e]), outputs added to ob (input b's rows): with skip_idle a slot
+ * whose combine weights are all zero (of either sign) over b's tokens is not run. */
 static void forward_pair(float *RESTRICT ob, long b, long e, const float *x, const float *dispatch,
                          const float *combine, const float *w1, const float *b1, const float *w2, const float *b2,
-                         long M, long S, long P, long Hd, long Dm, const long *experts, float *RESTRICT slot,
-                         float *RESTRICT h)
+                         long M, long S, long P, long Hd, long Dm, const long *experts, int skip_idle,
+                         float *RESTRICT slot, float *RESTRICT h)
 {
     const float *cb = combine + b * M * S;
     for (long s = experts[e] * P; s < (experts[e] + 1) * P; s++) {
-        uint32_t any = 0;
+        uint32_t any = !skip_idle;
         for (long t = 0; t < M; t++) any |= ((const uint32_t *)cb)[t * S + s] & 0x7fffffffu;
         if (any)
             forward_pair_slot(ob, x + b * M * Dm, dispatch + b * M * S, cb, s, experts[e], M, S, Hd, Dm, w1, b1, w2,
@@ -534,16 +534,16 @@ static void forward_pair(float *RESTRICT ob, long b, long e, const float *x, con
     }
 }
 
-/* Algorithm 1's kept pairs one at a time, for calls without a backward pass (arguments as soft_moe_small_forward's):
- * input b's kept experts are experts[first[b]] ... experts[first[b + 1] - 1], each run on its kept slots with
- * vectors along dim and hidden instead of across inputs: for small batches, whose groups of lanes would run mostly
- * empty. Threads split the inputs; with fewer inputs than threads they split the pairs, each adding its outputs into
- * a partial sum of its own (the first into out), which they then add up, a range of floats each. out is written
- * whole (zeros for an input that keeps nothing). */
+/* The kept pairs one at a time, for calls without a backward pass (arguments as soft_moe_small_forward's): input
+ * b's kept experts are experts[first[b]] ... experts[first[b + 1] - 1], each run on its slots (with skip_idle those
+ * of nonzero combine weights) with vectors along dim and hidden instead of across inputs: for small batches, whose
+ * groups of lanes would run mostly empty. Threads split the inputs; with fewer inputs than threads they split the
+ * pairs, each adding its outputs into a partial sum of its own (the first into out), which they then add up, a range
+ * of floats each. out is written whole (zeros for an input that keeps nothing). */
 void soft_moe_small_forward_pairs(const float *x, const float *dispatch, const float *combine, const float *w1,
                                   const float *b1, const float *w2, const float *b2, float *out, long B, long M,
                                   long S, long P, long Hd, long Dm, const long *first, const long *experts,
-                                  int threads)
+                                  int skip_idle, int threads)
 {
     const long E = first[B], total = B * M * Dm;
     if (B >= threads || E <= 1) {
@@ -557,7 +557,8 @@ void soft_moe_small_forward_pairs(const float *x, const float *dispatch, const f
                 float *ob = out + b * M * Dm;
                 memset(ob, 0, M * Dm * sizeof(float));
                 for (long e = first[b]; e < first[b + 1]; e++)
-                    forward_pair(ob, b, e, x, dispatch, combine, w1, b1, w2, b2, M, S, P, Hd, Dm, experts, slot, h);
+                    forward_pair(ob, b, e, x, dispatch, combine, w1, b1, w2, b2, M, S, P, Hd, Dm, experts, skip_idle,
+                                 slot, h);
             }
             softmoe_scratch_release(0);
         }
@@ -575,7 +576,7 @@ void soft_moe_small_forward_pairs(const float *x, const float *dispatch, const f
         for (long e = E * t / count; e < E * (t + 1) / count; e++) {
             while (first[b + 1] <= e) b++;
             forward_pair(mine + b * M * Dm, b, e, x, dispatch, combine, w1, b1, w2, b2, M, S, P, Hd, Dm, experts,
-                         slot, h);
+                         skip_idle, slot, h);
         }
         softmoe_scratch_release(0);
 #pragma omp barrier
@@ -684,16 +685,16 @@ static void forward_rows_slot(float *RESTRICT out, const long *in, long R, long 
         combine_slot(out + in[r] * M * Dm, slot + r * ld, combine + in[r] * M * S, s, M, S, Dm);
 }
 
-/* Algorithm 1's kept rows, for calls without a backward pass (arguments as soft_moe_small_forward's with experts):
- * group g holds the inputs order[experts[3 g]] ... (experts[3 g + 1] of them) that keep expert experts[3 g + 2],
- * the groups split into parts (no input in two parts, a thread runs whole parts); each slot of the expert runs for
- * ROWS of the group's inputs at a time, vectors along hidden and dim, an input left out of a slot whose combine
+/* The kept rows, for calls without a backward pass (arguments as soft_moe_small_forward's with experts): group g
+ * holds the inputs order[experts[3 g]] ... (experts[3 g + 1] of them) that keep expert experts[3 g + 2], the groups
+ * split into parts (no input in two parts, a thread runs whole parts); each slot of the expert runs for ROWS of the
+ * group's inputs at a time, vectors along hidden and dim, with skip_idle an input left out of a slot whose combine
  * weights are all zero (of either sign) over its tokens. out holds zeros on the call; each input's outputs are
  * added to it. */
 void soft_moe_small_forward_rows(const float *x, const float *dispatch, const float *combine, const float *w1,
                                  const float *b1, const float *w2, const float *b2, float *out, long M, long S,
                                  long P, long Hd, long Dm, const long *order, const long *experts, const long *parts,
-                                 long n_parts, int threads)
+                                 long n_parts, int skip_idle, int threads)
 {
     if (threads > n_parts) threads = (int)n_parts;
     if (threads < 1) threads = 1;
@@ -708,7 +709,7 @@ void soft_moe_small_forward_rows(const float *x, const float *dispatch, const fl
                 long in[ROWS], R = 0;
                 for (long l = 0; l < e[1]; l++) {
                     const long b = order[e[0] + l];
-                    uint32_t any = 0;
+                    uint32_t any = !skip_idle;
                     for (long tk = 0; tk < M; tk++)
                         any |= ((const uint32_t *)combine)[(b * M + tk) * S + s] & 0x7fffffffu;
                     if (any) in[R++] = b;
