@@ -230,6 +230,10 @@ class MLPExperts(nn.Module):
         return tuple([params[name] if name in params else getattr(self, name)
                       for name in ("weight1", "bias1", "weight2", "bias2")])
 
+    def _native_dtypes(self, x: torch.Tensor) -> bool:
+        """Whether tokens x and the weights are what the native ops take: float32, on the CPU."""
+        return x.is_cpu and x.dtype == self._weights()[0].dtype == torch.float32
+
     def _unavailable(self, backend: str, x: torch.Tensor) -> str | None:
         """Why ``backend`` cannot run tokens x, or None when it can."""
         if backend in ("slots", "native") and transforms_active():
@@ -237,7 +241,7 @@ class MLPExperts(nn.Module):
         if backend in ("slots", "native") and autocast_on(x):
             return "autocast is on (use 'reference')"
         if backend == "native":
-            if not x.is_cpu or x.dtype != torch.float32 or self.weight1.dtype != torch.float32:
+            if not self._native_dtypes(x):
                 return f"the native ops take float32 CPU tensors, got {x.dtype} on {x.device}"
             if not native_available():
                 return native_status()
@@ -258,7 +262,7 @@ class MLPExperts(nn.Module):
             if not slots:
                 return BackendChoice("reference", "autocast is on: plain torch ops")
             return BackendChoice("slots", f"on {x.device.type}: torch's batched matmuls (the CPU cost model is not used)")
-        native = slots and x.dtype == self._weights()[0].dtype == torch.float32 and native_available()
+        native = slots and self._native_dtypes(x) and native_available()
         if native and self._fused_native_applies(x):
             return BackendChoice("native", "many small relu experts on few float32 tokens: the fused native mixing")
         batch, tokens, _ = x.shape

@@ -436,10 +436,9 @@ KeptLanes kept_lanes(const float *combine, const uint64_t *kept_slots, int64_t B
         if (rows_counted < 0.0) {
             std::vector<int64_t> count(n);
             double blocks = 0.0, block_row_work = 0.0; /* the blocks, and their rows but at least 4 a block */
-            const bool every = pair_slots == B * S; /* each input keeps every expert: nothing to count */
             for (int64_t part = 0; part < parts; part++) {
-                std::fill(count.begin(), count.end(), every ? B * (part + 1) / parts - B * part / parts : 0);
-                for (int64_t b = B * part / parts; b < B * (part + 1) / parts && !every; b++)
+                std::fill(count.begin(), count.end(), 0);
+                for (int64_t b = B * part / parts; b < B * (part + 1) / parts; b++)
                     for_each_expert(b, [&](int64_t j) { count[j]++; });
                 for (int64_t j = 0; j < n; j++) {
                     const int64_t full = count[j] / block_rows, rest = count[j] % block_rows;
