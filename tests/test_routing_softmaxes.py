@@ -7,9 +7,11 @@ import contextlib
 import importlib.util
 import os
 import sys
+import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import softmoe.layer as layer_module
 from softmoe import SoftMoE, masked_reference_forward, select_experts
@@ -22,6 +24,13 @@ F64 = torch.float64
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else (
     "cpu" if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") else None)
 needs_kernel = pytest.mark.skipif(KERNEL_DEVICE is None, reason="needs CUDA, or Triton's interpreter")
+
+
+@pytest.fixture(autouse=True)
+def launch_failure_kept_per_test(monkeypatch):
+    """A test that forces the kernel where it cannot run (CPU tensors, with Triton installed) records a launch
+    failure for the process; each test starts from the state before it."""
+    monkeypatch.setattr(fused, "_launch_failure", fused._launch_failure)
 
 
 def slow_reference(logits: torch.Tensor, p: int, k: int):
@@ -131,6 +140,12 @@ def test_the_layer_takes_the_op_only_in_cuda_inference(monkeypatch):
     assert len(asked) == 1
 
 
+def kernel_stand_in(logits, slots_per_expert, k, kernel=None):
+    """The op's torch implementation where the layer asks for the kernel (whose applying it has checked)."""
+    assert kernel is True
+    return fused.reference_routing_softmaxes(logits, slots_per_expert, k)
+
+
 @pytest.mark.parametrize("p", [1, 2])
 @pytest.mark.parametrize("plan", ["auto", "dense", "selected"])
 @pytest.mark.parametrize("renormalize", [False, True])
@@ -138,6 +153,7 @@ def test_the_layer_runs_algorithm1_from_the_op_as_from_its_selector(monkeypatch,
     """The layer's fused path (forced on the CPU: the op's torch implementation stands in for the kernel): the
     selector's select() is not called, and every plan equals the paper's masked forward; the plain forward too."""
     monkeypatch.setattr(layer_module, "fused_routing_applies", lambda *args: True)
+    monkeypatch.setattr(fused, "run_routing_softmaxes", kernel_stand_in)
     monkeypatch.setattr(Selector, "select", lambda self, combine: pytest.fail("select() called"))
     torch.manual_seed(0)
     layer = SoftMoE(12, 6, slots_per_expert=p, expert_hidden=20, dtype=F64).eval()
@@ -154,6 +170,37 @@ def test_the_layer_runs_algorithm1_from_the_op_as_from_its_selector(monkeypatch,
             x, layer.phi, layer.scale, layer.experts, layer.normalize), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("watcher", ["profiler", "dispatch mode"])
+def test_a_watched_layer_calls_the_op_through_the_dispatcher(monkeypatch, watcher):
+    """Under the profiler or a dispatch mode the layer's fused path goes through the op (forced on the CPU, where the
+    op is torch's ops), so they see it and the kernels it runs, as the layer runs unwatched."""
+    monkeypatch.setattr(layer_module, "fused_routing_applies", lambda *args: True)
+    monkeypatch.setattr(fused, "run_routing_softmaxes",  # the op's torch implementation for the kernel, both ways
+                        lambda logits, p, k, kernel=None: fused.reference_routing_softmaxes(logits, p, k))
+    torch.manual_seed(0)
+    layer = SoftMoE(12, 6, expert_hidden=20, dtype=F64).eval()
+    x = torch.randn(3, 7, 12, dtype=F64)
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        want = masked_reference_forward(layer, x, top_k_by_combine(layer.route(x).combine, 2))
+        with select_experts(layer, k=2):
+            if watcher == "profiler":
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    got = layer(x)
+                seen = [event.name for event in prof.events()]
+            else:
+                with Ops():
+                    got = layer(x)
+    assert {"softmoe::routing_softmaxes", "softmoe.routing_softmaxes"} & set(seen)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_a_kernel_that_cannot_launch_leaves_torchs_ops_for_the_process(monkeypatch):
     """E.g. Triton installed without a C compiler for its launcher: one warning, the reference's result, and the
     kernel not tried again."""
@@ -161,7 +208,6 @@ def test_a_kernel_that_cannot_launch_leaves_torchs_ops_for_the_process(monkeypat
     monkeypatch.setattr(fused, "_launch_failure", None)
     monkeypatch.setattr(fused, "triton_installed", lambda: True)
     monkeypatch.setattr(fused, "kernel_applies", lambda *args: fused.triton_available())
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     launches = []
 
     def launch(*args, **kwargs):
@@ -237,65 +283,142 @@ def test_a_compiled_kernel_called_again_equals_torchs_ops():
             assert torch.equal(got[2], want[2])
 
 
-class _FakeCompiled:
-    """Stands for a kernel Triton compiled: records the grid and arguments of each call."""
+class _FakeLauncher:
+    """Stands for Triton 3.6's launcher of a compiled kernel: its C function records each call's arguments."""
 
-    def __init__(self, calls):
+    launch_cooperative_grid, launch_pdl, profile_scratch_size = False, True, 0
+
+    def __init__(self, calls, scratch):
+        self.launch = lambda *args: calls.append(("bare", args))
+        self.global_scratch_size = scratch
+
+
+class _FakeCompiled:
+    """Stands for a kernel Triton compiled: records the grid and arguments of each call through Triton."""
+
+    function, packed_metadata = 1234, (4, 1, 0)
+
+    def __init__(self, calls, scratch):
         self.calls = calls
+        self.run = _FakeLauncher(calls, scratch)
 
     def __getitem__(self, grid):
         return lambda *args: self.calls.append(("compiled", grid, args))
 
 
 class _FakeJit:
-    """Stands for the JIT kernel: each launch records its arguments and returns a new compiled kernel."""
+    """Stands for the JIT kernel: each launch records its arguments and returns a new compiled kernel (needing
+    global scratch memory where ``scratch``)."""
 
-    def __init__(self):
+    def __init__(self, scratch=0):
         self.calls = []
+        self.scratch = scratch
 
     def __getitem__(self, grid):
         def run(*args, **meta):
             self.calls.append(("jit", grid, args, meta))
-            return _FakeCompiled(self.calls)
+            return _FakeCompiled(self.calls, self.scratch)
         return run
 
 
-def test_a_compiled_kernel_is_called_directly_per_shape_and_alignment(monkeypatch):
-    """The launch logic without a GPU: the first launch of a key goes through the JIT kernel, later ones call what
-    it compiled with every argument (the constexprs in the kernel's order); another shape, k, choice or
-    alignment of a pointer is another key; with DIRECT_LAUNCH off (before Triton 3.6) every launch is the JIT's."""
-    triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
-    jit = _FakeJit()
+class Chain:
+    """Stands for Triton 3.6's chain of launch hooks."""
+
+    def __init__(self, *calls):
+        self.calls = list(calls)
+
+
+def fake_triton_launches(monkeypatch, triton_module, scratch=0):
+    """The triton module's launch with a fake JIT kernel, on CPU tensors (stream 77), direct launches on."""
+    jit = _FakeJit(scratch)
+    hooks = types.SimpleNamespace(launch_enter_hook=Chain(), launch_exit_hook=Chain())  # Triton 3.6's, empty
+    knobs = types.SimpleNamespace(runtime=hooks)
+    monkeypatch.setattr(triton_module, "triton", types.SimpleNamespace(knobs=knobs))
     monkeypatch.setattr(triton_module, "routing_softmaxes_kernel", jit)
     monkeypatch.setattr(triton_module, "DIRECT_LAUNCH", True)
     monkeypatch.setattr(triton_module, "_COMPILED", {})
-    storage = torch.zeros(2 * 20 * 12 + 4)
-    logits = storage[:2 * 20 * 12].view(2, 20, 12)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
 
     def launch(logits, p=2, k=3, choose=True):
         outputs = torch.empty_like(logits), torch.empty_like(logits), torch.empty(2, k, dtype=torch.int64)
         triton_module.launch(logits, *outputs, p, k, choose)
         return outputs
 
+    return jit, knobs, launch
+
+
+def test_a_compiled_kernel_is_called_directly_per_shape_and_alignment(monkeypatch):
+    """The launch logic without a GPU: the first launch of a key goes through the JIT kernel, later ones call the C
+    function of what it compiled with the stream, the kernel's handle, flags and metadata, then every argument (the
+    pointers as integers, the constexprs in the kernel's order); another shape, k, choice or alignment of a pointer
+    is another key; with DIRECT_LAUNCH off (before Triton 3.6) every launch is the JIT's."""
+    triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
+    jit, knobs, launch = fake_triton_launches(monkeypatch, triton_module)
+    storage = torch.zeros(2 * 20 * 12 + 4)
+    logits = storage[:2 * 20 * 12].view(2, 20, 12)
     out = launch(logits)
     assert [c[0] for c in jit.calls] == ["jit"]
+    assert jit.calls[0][2][:4] == (logits, *out) and jit.calls[0][2][4:] == (20, 12, 2, 6, 3)
     assert jit.calls[0][3] == dict(BLOCK_T=32, BLOCK_S=16, BLOCK_E=16, CHOOSE=True, num_warps=4)
     out = launch(logits)
-    kind, grid, args = jit.calls[1]
-    assert kind == "compiled" and grid == (2, 1, 1)
-    assert args[:4] == (logits, *out) and args[4:] == (20, 12, 2, 6, 3, 32, 16, 16, True)
+    kind, args = jit.calls[1]
+    pointers = tuple(t.data_ptr() for t in (logits, *out))
+    assert kind == "bare" and args[:4] == (2, 1, 1, 77)
+    assert args[4:13] == (1234, False, True, None, None, (4, 1, 0), None, None, None)
+    assert args[13:] == (*pointers, 20, 12, 2, 6, 3, 32, 16, 16, True)
+    # a profiler's hooks (Triton 3.6's chains, or before it a hook): Triton's own call runs them
+    for enter, exit in (Chain(print), Chain()), (Chain(), Chain(print)), (print, None):
+        knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook = enter, exit
+        out = launch(logits)
+        kind, grid, args = jit.calls[-1]
+        assert kind == "compiled" and grid == (2, 1, 1)
+        assert args[:4] == (logits, *out) and args[4:] == (20, 12, 2, 6, 3, 32, 16, 16, True)
+    knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook = None, None
+    launch(logits)
+    assert jit.calls[-1][0] == "bare"
     launch(logits, k=4)
     launch(logits, p=1)
     launch(logits, k=0, choose=False)
     launch(storage[1:1 + 2 * 20 * 12].view(2, 20, 12))  # 4 bytes off: another specialization
     launch(storage[4:].view(2, 20, 12))  # 16 bytes off: aligned like the first
-    assert [c[0] for c in jit.calls[2:]] == ["jit", "jit", "jit", "jit", "compiled"]
-    assert jit.calls[4][2][3] is jit.calls[4][2][1]  # without a choice the kernel gets dispatch for selected
+    assert [c[0] for c in jit.calls[6:]] == ["jit", "jit", "jit", "jit", "bare"]
+    assert jit.calls[8][2][3] is jit.calls[8][2][1]  # without a choice the kernel gets dispatch for selected
     monkeypatch.setattr(triton_module, "DIRECT_LAUNCH", False)
     monkeypatch.setattr(triton_module, "_COMPILED", {})
     launch(logits)
     launch(logits)
-    assert [c[0] for c in jit.calls[7:]] == ["jit", "jit"]
+    assert [c[0] for c in jit.calls[11:]] == ["jit", "jit"]
+
+
+def test_a_kernel_needing_scratch_memory_is_called_through_triton(monkeypatch):
+    """Triton allocates a kernel's global scratch memory in its own call: such a kernel is never called bare."""
+    triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
+    jit, _, launch = fake_triton_launches(monkeypatch, triton_module, scratch=64)
+    logits = torch.zeros(2, 20, 12)
+    launch(logits)
+    launch(logits)
+    assert [c[0] for c in jit.calls] == ["jit", "compiled"]
+
+
+def test_a_launch_on_another_device_runs_under_its_guard(monkeypatch):
+    """Triton launches on the current device: logits elsewhere are launched with their device made current."""
+    triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
+    _, _, launch = fake_triton_launches(monkeypatch, triton_module)
+    current = [3]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+
+    @contextlib.contextmanager
+    def device(index):
+        saved, current[0] = current[0], index
+        yield
+        current[0] = saved
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    seen = []
+    monkeypatch.setattr(_FakeJit, "__getitem__", lambda self, grid: lambda *args, **meta: seen.append(current[0]))
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 1)))
+    launch(torch.zeros(2, 20, 12))
+    assert seen == [1] and current == [3]
 
 
 @needs_kernel

@@ -43,7 +43,7 @@ from softmoe.kernels import onednn_linear, top_k_combine
 from softmoe.kernels import soft_moe_routing as native_routing
 from softmoe.kernels import soft_moe_routing_top_k
 from softmoe.kernels.modes import host_reads_are_free, transforms_active
-from softmoe.kernels.routing_softmaxes import fused_routing_applies, run_routing_softmaxes
+from softmoe.kernels.routing_softmaxes import fused_routing_applies, fused_routing_softmaxes
 from softmoe.selection_plan import (
     check_plan,
     counts_decide,
@@ -495,9 +495,9 @@ class SoftMoE(nn.Module):
         plain = isinstance(k, int) and k >= 1 and mask is None and not (self.training and self.noise_std > 0)
         if plain and fused_routing_applies(x, phi, self.scale, self.slots_per_expert, k):
             # Algorithm 1 in one kernel with the softmaxes (eager CUDA inference: the op's own code, called without
-            # the dispatcher's host time); combine comes back zero outside the kept slots.
+            # the dispatcher's host time where nothing watches it); combine comes back zero outside the kept slots.
             logits = soft_moe_logits(x, phi, self.scale, self.normalize)
-            dispatch, combine, selected = run_routing_softmaxes(logits, self.slots_per_expert, k)
+            dispatch, combine, selected = fused_routing_softmaxes(logits, self.slots_per_expert, k)
             return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize,
                                           self.selector.plan, combine_is_kept=True)
         if plain and x.is_cpu:

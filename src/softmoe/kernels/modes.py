@@ -34,19 +34,31 @@ def plain_eager_mode(device_type: str) -> bool:
     )
 
 
-def direct_call_ok(device_type: str, *tensors: torch.Tensor | None) -> bool:
-    """Whether an op's code may be called directly, without the dispatcher's host time (13-40 us per call on the CPU
-    machines of docs/performance.md): plain eager mode for ``device_type`` (:func:`plain_eager_mode`), no gradient
-    recorded for ``tensors`` (reverse or forward mode), no tensor subclass with its own ``__torch_function__`` among
-    them, and nothing that watches the dispatcher and would miss the call: a TorchDispatchMode or TorchFunctionMode
-    (e.g. ``FlopCounterMode``), the profiler, or ``torch.jit.trace``."""
+def eager_inference(device_type: str, *tensors: torch.Tensor | None) -> bool:
+    """Whether ops on ``tensors`` run as written and record no gradient: plain eager mode for ``device_type``
+    (:func:`plain_eager_mode`) and no gradient recorded for them, in reverse or forward mode."""
     return (
         plain_eager_mode(device_type)
         and not needs_grad(*tensors)
         and forward_ad._current_level < 0  # no forward-mode AD level open (its duals do not require grad)
-        and not torch._C._has_torch_function(tensors)
-        and not torch._C._len_torch_dispatch_stack()
-        and not torch._C._is_torch_function_mode_enabled()
-        and not torch._C._autograd._profiler_enabled()
-        and torch._C._get_tracing_state() is None
     )
+
+
+def dispatcher_watched(*tensors: torch.Tensor | None) -> bool:
+    """Whether something watches the dispatcher and would miss an op's code called directly: a tensor subclass
+    with its own ``__torch_function__`` among ``tensors``, a TorchDispatchMode or TorchFunctionMode (e.g.
+    ``FlopCounterMode``), the profiler, or ``torch.jit.trace``."""
+    return (
+        torch._C._has_torch_function(tensors)
+        or bool(torch._C._len_torch_dispatch_stack())
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._autograd._profiler_enabled()
+        or torch._C._get_tracing_state() is not None
+    )
+
+
+def direct_call_ok(device_type: str, *tensors: torch.Tensor | None) -> bool:
+    """Whether an op's code may be called directly, without the dispatcher's host time (13-40 us per call on the CPU
+    machines of docs/performance.md): :func:`eager_inference` and nothing watches the dispatcher
+    (:func:`dispatcher_watched`)."""
+    return eager_inference(device_type, *tensors) and not dispatcher_watched(*tensors)

@@ -15,11 +15,13 @@ On a GPU an eager Soft MoE call is bound by the host's launches (docs/performanc
 choice takes about sixteen kernels after the two softmaxes (a sum, two sorts, a mask from the indices, the masked
 combine weights); on CUDA this op is one Triton kernel for all of it (:mod:`softmoe.kernels.routing_softmaxes_triton`),
 so a layer running Algorithm 1 in eager inference launches one kernel fewer than the plain layer. The layer calls the
-op's code directly there (:func:`run_routing_softmaxes`: no autograd to record, and the dispatcher's Python wrapper
-cost 20-25 us of host time per call on an H200 machine, where the kernel's launch took 17 us and two softmaxes of
-torch 14-16 us together; so the plain layer keeps torch's softmaxes). Elsewhere, and on CUDA without Triton or with
-``SOFTMOE_TRITON=0``, the op is torch's ops. Differentiable in the logits (the choice is a constant of the backward,
-as in the unfused path).
+op's code directly there (:func:`fused_routing_softmaxes`: no autograd to record, and the dispatcher's Python wrapper
+cost 20-25 us of host time per call on an H200 machine), through the dispatcher where something watches it. The plain
+layer keeps torch's two softmaxes: with the kernel in their place it ran 0.90-1.04x as fast, mostly slower, where the
+host bounds it (Table 3's layer at batch 1-16, the MNIST layer), 1.17x at ViT-S's batch of 128 (an H200 machine,
+docs/performance.md).
+Elsewhere, and on CUDA without Triton or with ``SOFTMOE_TRITON=0``, the op is torch's ops. Differentiable in the
+logits (the choice is a constant of the backward, as in the unfused path).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from softmoe.kernels.modes import direct_call_ok
+from softmoe.kernels.modes import dispatcher_watched, eager_inference
 from softmoe.selection_plan import kept_slots
 from softmoe.topk import top_k
 
@@ -62,13 +64,22 @@ def fused_routing_applies(
     tokens: Tensor, phi: Tensor, scale: Tensor | None, slots_per_expert: int = 1, k: int = 0
 ) -> bool:
     """Whether a layer routing ``tokens`` (batch, tokens, dim) with ``phi`` (dim, slots) and ``scale`` takes this
-    op for its softmaxes (and, with k > 0, Algorithm 1's choice) rather than torch's ops: inference where the op's
-    code may be called directly (:func:`~softmoe.kernels.modes.direct_call_ok`) and runs its kernel on the logits
-    (:func:`kernel_applies`)."""
-    if not (tokens.is_cuda and direct_call_ok("cuda", tokens, phi, scale)):
+    op for its softmaxes (and, with k > 0, Algorithm 1's choice) rather than torch's ops
+    (:func:`fused_routing_softmaxes`): eager inference on CUDA (:func:`~softmoe.kernels.modes.eager_inference`)
+    where the op runs its kernel on the logits (:func:`kernel_applies`)."""
+    if not (tokens.is_cuda and eager_inference("cuda", tokens, phi, scale)):
         return False
     dtype = torch.promote_types(torch.promote_types(tokens.dtype, phi.dtype), torch.float32)
     return kernel_applies((*tokens.shape[:2], phi.shape[1]), dtype, tokens.device, slots_per_expert, k)
+
+
+def fused_routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The op for a layer that :func:`fused_routing_applies` to: its code called directly (no dispatcher's host
+    time), or through the dispatcher where something watches it (the profiler, a dispatch mode: they then see the
+    op and the kernel that runs unwatched)."""
+    if dispatcher_watched(logits):
+        return routing_softmaxes(logits, slots_per_expert, k)
+    return run_routing_softmaxes(logits, slots_per_expert, k, kernel=True)
 
 
 def kernel_applies(
@@ -111,17 +122,21 @@ def routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -> tuple[Te
     return run_routing_softmaxes(logits, slots_per_expert, k)
 
 
-def run_routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The op's computation, called directly (no dispatcher, no autograd): the kernel where it applies."""
+def run_routing_softmaxes(
+    logits: Tensor, slots_per_expert: int, k: int, kernel: bool | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The op's computation, called directly (no dispatcher, no autograd): the kernel where it applies (``kernel``:
+    whether it does, where the caller has asked :func:`kernel_applies` already)."""
     check_routing_softmaxes(logits, slots_per_expert, k)
     batch, tokens, slots = logits.shape
-    if kernel_applies(logits.shape, logits.dtype, logits.device, slots_per_expert, k):
+    if kernel is None:
+        kernel = kernel_applies(logits.shape, logits.dtype, logits.device, slots_per_expert, k)
+    if kernel and _launch_failure is None:
         logits = logits.contiguous()
         dispatch, combine = torch.empty_like(logits), torch.empty_like(logits)
         selected = logits.new_empty(batch, k, dtype=torch.int64)
         try:
-            with torch.cuda.device(logits.device):  # Triton launches on the current device and its stream
-                _triton_module().launch(logits, dispatch, combine, selected, slots_per_expert, k, choose=k > 0)
+            _triton_module().launch(logits, dispatch, combine, selected, slots_per_expert, k, choose=k > 0)
             return dispatch, combine, selected
         except Exception as error:  # e.g. no C compiler for Triton's launcher: torch's ops from now on
             _record_launch_failure(error)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from softmoe.kernels.routing_softmaxes import block_size
 
 try:
@@ -65,29 +67,64 @@ if triton is not None:
 # Whether a compiled kernel is called directly (below): from Triton 3.6, the version tested, its call takes every
 # argument, the constexprs too (older launchers took fewer).
 DIRECT_LAUNCH = triton is not None and tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2]) >= (3, 6)
-# The kernel compiled for each device, shape and alignment of the pointers (what Triton specializes it on), once
-# launched: later launches call it directly, without the argument binding and cache lookup of Triton's JIT dispatch.
-# Between a layer's other launches on an H200 machine, the JIT's launch cost 18-20 us of host time, the compiled
-# kernel's 11-13 us, torch's two softmaxes 14 us (docs/performance.md).
-_COMPILED: dict[tuple, object] = {}
+# Per device, shape and alignment of the pointers (what Triton specializes the kernel on), once launched: the kernel
+# compiled for it, the kernel's arguments after the pointers and, where its launcher allows, the launcher's C
+# function with what it takes besides the kernel's arguments. On an H200 machine the op took 16-25 us of host time a
+# call with the C function called bare, 25-45 through the compiled kernel's call (launch metadata built and empty
+# hook chains called at every launch), torch's two softmaxes 15-25 (docs/performance.md).
+_COMPILED: dict[tuple, tuple] = {}
 
 
 def launch(logits, dispatch, combine, selected, slots_per_expert: int, k: int, choose: bool) -> None:
     """Run the kernel over ``logits`` (batch, tokens, slots) float32 contiguous into the outputs (same shapes;
-    selected (batch, k) int64, not written unless ``choose``), one program per input, on the current device."""
+    selected (batch, k) int64, not written unless ``choose``), one program per input, on the logits' device."""
     batch, tokens, slots = logits.shape
-    num_experts = slots // slots_per_expert
-    block_t, block_s, block_e = block_size(tokens), block_size(slots), block_size(num_experts)
-    args = (logits, dispatch, combine, selected if choose else dispatch, tokens, slots, slots_per_expert,
-            num_experts, k)
-    key = (logits.device.index, *args[4:], choose, *(t.data_ptr() % 16 == 0 for t in args[:4]))
-    compiled = _COMPILED.get(key)
-    if compiled is not None:
-        compiled[(batch, 1, 1)](*args, block_t, block_s, block_e, choose)
+    device = logits.device.index
+    if device is not None and device != torch.cuda.current_device():  # Triton launches on the current device
+        # (None: CPU tensors in Triton's interpreter)
+        with torch.cuda.device(device):
+            return launch(logits, dispatch, combine, selected, slots_per_expert, k, choose)
+    if not choose:
+        selected = dispatch  # (not written)
+    pointers = (logits.data_ptr(), dispatch.data_ptr(), combine.data_ptr(), selected.data_ptr())
+    key = (device, tokens, slots, slots_per_expert, k, choose, *(pointer % 16 for pointer in pointers))
+    known = _COMPILED.get(key)
+    if known is None:
+        num_experts = slots // slots_per_expert
+        meta = (block_size(tokens), block_size(slots), block_size(num_experts), choose)
+        compiled = routing_softmaxes_kernel[(batch,)](
+            logits, dispatch, combine, selected, tokens, slots, slots_per_expert, num_experts, k,
+            BLOCK_T=meta[0], BLOCK_S=meta[1], BLOCK_E=meta[2], CHOOSE=choose,
+            num_warps=8 if meta[0] * meta[1] >= 8192 else 4,
+        )
+        if compiled is not None and DIRECT_LAUNCH:  # None from Triton's interpreter, which compiles nothing
+            _COMPILED[key] = (compiled, (tokens, slots, slots_per_expert, num_experts, k, *meta),
+                              _bare_launcher(compiled))
         return
-    warps = 8 if block_t * block_s >= 8192 else 4
-    compiled = routing_softmaxes_kernel[(batch,)](
-        *args, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_E=block_e, CHOOSE=choose, num_warps=warps,
-    )
-    if compiled is not None and DIRECT_LAUNCH:  # None from Triton's interpreter, which compiles nothing
-        _COMPILED[key] = compiled
+    compiled, args, bare = known
+    if bare is None or _hooked(triton.knobs.runtime):  # (a profiler's launch hooks: Triton's call runs them)
+        compiled[(batch, 1, 1)](logits, dispatch, combine, selected, *args)
+        return
+    c_launch, head = bare
+    c_launch(batch, 1, 1, torch._C._cuda_getCurrentRawStream(device), *head, *pointers, *args)
+
+
+def _hooked(runtime) -> bool:
+    """Whether Triton's launch hooks (``triton.knobs.runtime``) have anything to call: a hook, or in Triton 3.6 a
+    chain of hooks that is not empty."""
+    return any(hook is not None and getattr(hook, "calls", True)
+               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+def _bare_launcher(compiled) -> tuple | None:
+    """The C function Triton 3.6's launcher of ``compiled`` calls, and what it takes between the stream and the
+    kernel's arguments (the kernel's handle, cooperative-grid and PDL flags, no scratch buffers, the packed metadata, no
+    launch hooks), where the launcher is that one and needs no scratch memory; else None (Triton's call instead).
+    The kernel's pointers go in as integers, which the C function takes without asking the driver about them."""
+    launcher = compiled.run
+    fields = ("launch", "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid", "launch_pdl")
+    if not all(hasattr(launcher, name) for name in fields) or launcher.global_scratch_size or \
+            launcher.profile_scratch_size:
+        return None
+    return launcher.launch, (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                             compiled.packed_metadata, None, None, None)
