@@ -36,18 +36,37 @@ def plain_eager_mode(device_type: str) -> bool:
 
 def eager_inference(device_type: str, *tensors: torch.Tensor | None) -> bool:
     """Whether ops on ``tensors`` run as written and record no gradient: plain eager mode for ``device_type``
-    (:func:`plain_eager_mode`) and no gradient recorded for them, in reverse or forward mode."""
-    return (
-        plain_eager_mode(device_type)
-        and not needs_grad(*tensors)
-        and forward_ad._current_level < 0  # no forward-mode AD level open (its duals do not require grad)
-    )
+    (:func:`plain_eager_mode`) and no gradient recorded for them (:func:`needs_grad`), in reverse or forward mode."""
+    return _eager_inference(device_type, tensors)
 
 
 def dispatcher_watched(*tensors: torch.Tensor | None) -> bool:
     """Whether something watches the dispatcher and would miss an op's code called directly: a tensor subclass
     with its own ``__torch_function__`` among ``tensors``, a TorchDispatchMode or TorchFunctionMode (e.g.
     ``FlopCounterMode``), the profiler, or ``torch.jit.trace``."""
+    return _watched(tensors)
+
+
+def direct_call_ok(device_type: str, *tensors: torch.Tensor | None) -> bool:
+    """Whether an op's code may be called directly, without the dispatcher's host time (13-40 us per call on the CPU
+    machines of docs/performance.md): :func:`eager_inference` and nothing watches the dispatcher
+    (:func:`dispatcher_watched`)."""
+    return _eager_inference(device_type, tensors) and not _watched(tensors)
+
+
+# The checks on a tuple of tensors, the calls written out: they run a few times in every layer call, where each
+# Python call and repacking of the tensors costs 0.1 us.
+def _eager_inference(device_type: str, tensors: tuple) -> bool:
+    return (
+        not torch.compiler.is_compiling()
+        and not torch._C._are_functorch_transforms_active()
+        and not torch.is_autocast_enabled(device_type)
+        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+        and forward_ad._current_level < 0  # no forward-mode AD level open (its duals do not require grad)
+    )
+
+
+def _watched(tensors: tuple) -> bool:
     return (
         torch._C._has_torch_function(tensors)
         or bool(torch._C._len_torch_dispatch_stack())
@@ -55,10 +74,3 @@ def dispatcher_watched(*tensors: torch.Tensor | None) -> bool:
         or torch._C._autograd._profiler_enabled()
         or torch._C._get_tracing_state() is not None
     )
-
-
-def direct_call_ok(device_type: str, *tensors: torch.Tensor | None) -> bool:
-    """Whether an op's code may be called directly, without the dispatcher's host time (13-40 us per call on the CPU
-    machines of docs/performance.md): :func:`eager_inference` and nothing watches the dispatcher
-    (:func:`dispatcher_watched`)."""
-    return eager_inference(device_type, *tensors) and not dispatcher_watched(*tensors)
