@@ -1153,17 +1153,17 @@ def test_inputs_normalization_is_scale_free_and_finite_at_a_zero_token():
     assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
 
 
-class _Doubled(nn.Module):
+class _Shifted(nn.Module):
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return 2 * t
+        return t + 0.25
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32 (native paths)"])
-@pytest.mark.parametrize("normalize", ["router", "inputs"])
+@pytest.mark.parametrize("normalize", ["router", "inputs", "none"])
 def test_a_parametrized_phi_and_scale_serve_every_path(normalize, dtype):
     """The layer looks phi, scale and the experts up without nn.Module's __getattr__ on every call; under
-    torch.nn.utils.parametrize (phi and scale then properties) the plain forward, route() and Algorithm 1 use the
-    parametrized values."""
+    torch.nn.utils.parametrize (phi and scale then properties; a parametrization that turns phi's columns, so the
+    normalized logits change too) the plain forward, route() and Algorithm 1 use the parametrized values."""
     from torch.nn.utils import parametrize
 
     from softmoe import masked_reference_forward
@@ -1174,16 +1174,29 @@ def test_a_parametrized_phi_and_scale_serve_every_path(normalize, dtype):
     plain = SoftMoE(12, 6, expert_hidden=10, activation="relu", normalize=normalize, dtype=dtype).eval()
     plain.load_state_dict(layer.state_dict())
     with torch.no_grad():
-        plain.phi.mul_(2)
-        plain.scale.mul_(2)
-    parametrize.register_parametrization(layer, "phi", _Doubled())
-    parametrize.register_parametrization(layer, "scale", _Doubled())
+        plain.phi.add_(0.25)
+        parametrize.register_parametrization(layer, "phi", _Shifted())
+        if normalize != "none":
+            plain.scale.add_(0.25)
+            parametrize.register_parametrization(layer, "scale", _Shifted())
     x = torch.randn(5, 7, 12, dtype=dtype)
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
     with torch.no_grad():
+        assert not torch.allclose(plain(x), SoftMoE.forward(_unshifted(layer, plain), x), **tol)  # it shows
         torch.testing.assert_close(layer(x), plain(x), **tol)
         torch.testing.assert_close(layer.route(x).combine, plain.route(x).combine, **tol)
         selected = top_k_by_combine(plain.route(x).combine, 2)
         with select_experts(layer, k=2):
             got = layer(x)
         torch.testing.assert_close(got, masked_reference_forward(plain, x, selected), **tol)
+
+
+def _unshifted(layer: SoftMoE, plain: SoftMoE) -> SoftMoE:
+    """A copy of ``plain`` with the parametrized layer's original (unshifted) phi and scale."""
+    other = SoftMoE(12, 6, expert_hidden=10, activation="relu", normalize=plain.normalize, dtype=plain.phi.dtype).eval()
+    other.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        other.phi.copy_(layer.parametrizations.phi.original)
+        if plain.scale is not None:
+            other.scale.copy_(layer.parametrizations.scale.original)
+    return other

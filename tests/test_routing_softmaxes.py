@@ -336,6 +336,7 @@ def fake_triton_launches(monkeypatch, triton_module, scratch=0):
     monkeypatch.setattr(triton_module, "triton", types.SimpleNamespace(knobs=knobs))
     monkeypatch.setattr(triton_module, "routing_softmaxes_kernel", jit)
     monkeypatch.setattr(triton_module, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(triton_module, "_bare_layout_known", lambda: True)  # (Triton 3.6 for NVIDIA GPUs)
     monkeypatch.setattr(triton_module, "_COMPILED", {})
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
 
@@ -400,6 +401,31 @@ def test_a_kernel_needing_scratch_memory_is_called_through_triton(monkeypatch):
     assert [c[0] for c in jit.calls] == ["jit", "compiled"]
 
 
+def test_other_launcher_layouts_and_refused_arguments_take_tritons_call(monkeypatch):
+    """Launchers other than Triton 3.6's for NVIDIA GPUs take other arguments: never called bare. A bare call whose
+    arguments the C function refuses runs through Triton's call, as does every later launch of that key."""
+    triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
+    jit, _, launch = fake_triton_launches(monkeypatch, triton_module)
+    monkeypatch.setattr(triton_module, "_bare_layout_known", lambda: False)
+    logits = torch.zeros(2, 20, 12)
+    launch(logits)
+    launch(logits)
+    assert [c[0] for c in jit.calls] == ["jit", "compiled"]
+    monkeypatch.setattr(triton_module, "_bare_layout_known", lambda: True)
+    monkeypatch.setattr(triton_module, "_COMPILED", {})
+    launch(logits)
+    (key, (compiled, args, (_, head))), = triton_module._COMPILED.items()
+
+    def refuse(*arguments):
+        jit.calls.append(("refused", arguments))
+        raise TypeError("function takes exactly 14 arguments")
+
+    triton_module._COMPILED[key] = (compiled, args, (refuse, head))
+    launch(logits)
+    launch(logits)
+    assert [c[0] for c in jit.calls[2:]] == ["jit", "refused", "compiled", "compiled"]
+
+
 def test_a_launch_on_another_device_runs_under_its_guard(monkeypatch):
     """Triton launches on the current device: logits elsewhere are launched with their device made current."""
     triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
@@ -435,6 +461,35 @@ def test_the_kernel_breaks_ties_and_ranks_nan_like_torch():
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_a_second_launch_runs_on_the_current_stream():
+    """A shape's later launches (on Triton 3.6 its launcher's C function called bare) go to the current stream:
+    logits written on a side stream after a long wait are read after them, not before (they would read zeros)."""
+    from softmoe.kernels.routing_softmaxes_triton import launch
+
+    z = torch.randn(3, 197, 8, device="cuda") * 3
+
+    def run(logits):
+        got = (torch.empty_like(logits), torch.empty_like(logits), torch.empty(3, 2, dtype=torch.int64,
+                                                                               device="cuda"))
+        launch(logits, *got, 1, 2, choose=True)
+        return got
+
+    run(z)  # the first launch of the shape: Triton's JIT
+    logits = torch.zeros_like(z)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # (GPU cycles: tens of milliseconds)
+        logits.copy_(z)
+        got = run(logits)
+    torch.cuda.synchronize()
+    want = fused.reference_routing_softmaxes(z, 1, 2)
+    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-7)
+    assert torch.equal(got[2], want[2])
 
 
 @cuda

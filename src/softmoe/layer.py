@@ -452,7 +452,7 @@ class SoftMoE(nn.Module):
 
         A ValueError when the requested backend cannot serve x (e.g. "native" for a CUDA tensor).
         """
-        return self._weights()[2].choose_backend(self.backend, x, self.slots_per_expert)
+        return self._experts().choose_backend(self.backend, x, self.slots_per_expert)
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor | None, Experts]:
         """(phi, scale, experts) looked up directly: nn.Module.__getattr__ costs 0.4-0.8 us a name, and a call looks
@@ -461,7 +461,11 @@ class SoftMoE(nn.Module):
         params = self._parameters
         phi = params["phi"] if "phi" in params else self.phi
         scale = params["scale"] if "scale" in params else self.scale
-        return phi, scale, self._modules["experts"]
+        return phi, scale, self._experts()
+
+    def _experts(self) -> Experts:
+        """The experts, looked up directly as :meth:`_weights` says (without running a parametrization of phi)."""
+        return self._modules["experts"]
 
     def route(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
         """Logits, dispatch and combine weights for x (batch, tokens, dim); each (batch, tokens, n, p), float32 or wider.
@@ -546,7 +550,7 @@ class SoftMoE(nn.Module):
         backend = backend or self.backend_for(x).name
         if backend == "reference":
             return combine_slots(combine, self.run_experts(dispatch_slots(x, dispatch)))
-        experts = self._weights()[2]
+        experts = self._experts()
         if kept_combine:  # by keyword, and only then: experts written for the five-argument mix keep working
             return experts.mix(backend, x, dispatch, combine, self.slots_per_expert, kept_combine=True)
         return experts.mix(backend, x, dispatch, combine, self.slots_per_expert)
@@ -729,7 +733,7 @@ class SoftMoE(nn.Module):
         skips nothing) skips the unkept experts' work by itself (the optional ``mix_skips_unkept`` of an expert bank,
         e.g. :meth:`softmoe.experts.MLPExperts.mix_skips_unkept`; such a bank's ``mix`` also takes the routing's kept
         slots as bits, ``kept_slots``)."""
-        skips = getattr(self._weights()[2], "mix_skips_unkept", None)
+        skips = getattr(self._experts(), "mix_skips_unkept", None)
         if skips is None:
             return False
         if backend is None:

@@ -106,7 +106,11 @@ def launch(logits, dispatch, combine, selected, slots_per_expert: int, k: int, c
         compiled[(batch, 1, 1)](logits, dispatch, combine, selected, *args)
         return
     c_launch, head = bare
-    c_launch(batch, 1, 1, torch._C._cuda_getCurrentRawStream(device), *head, *pointers, *args)
+    try:
+        c_launch(batch, 1, 1, torch._C._cuda_getCurrentRawStream(device), *head, *pointers, *args)
+    except Exception:  # (arguments refused before any launch): Triton's call for this key from now on
+        _COMPILED[key] = (compiled, args, None)
+        compiled[(batch, 1, 1)](logits, dispatch, combine, selected, *args)
 
 
 def _hooked(runtime) -> bool:
@@ -116,15 +120,29 @@ def _hooked(runtime) -> bool:
                for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
+def _bare_layout_known() -> bool:
+    """Whether Triton's C launcher takes the arguments in the layout _bare_launcher passes: Triton 3.6 for NVIDIA
+    GPUs (later versions and ROCm's launcher take others), its base arguments' format as tested."""
+    if triton is None or tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2]) != (3, 6) or \
+            torch.version.hip is not None:
+        return False
+    try:
+        from triton.backends.nvidia import driver
+    except ImportError:
+        return False
+    return getattr(driver, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO"
+
+
 def _bare_launcher(compiled) -> tuple | None:
     """The C function Triton 3.6's launcher of ``compiled`` calls, and what it takes between the stream and the
-    kernel's arguments (the kernel's handle, cooperative-grid and PDL flags, no scratch buffers, the packed metadata, no
-    launch hooks), where the launcher is that one and needs no scratch memory; else None (Triton's call instead).
-    The kernel's pointers go in as integers, which the C function takes without asking the driver about them."""
+    kernel's arguments (the kernel's handle, cooperative-grid and PDL flags, no scratch buffers, the packed
+    metadata, no launch hooks), where the launcher is that one (:func:`_bare_layout_known`) and needs no scratch
+    memory; else None (Triton's call instead). The kernel's pointers go in as integers, which the C function takes
+    without asking the driver about them."""
     launcher = compiled.run
     fields = ("launch", "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid", "launch_pdl")
-    if not all(hasattr(launcher, name) for name in fields) or launcher.global_scratch_size or \
-            launcher.profile_scratch_size:
+    if not (_bare_layout_known() and all(hasattr(launcher, name) for name in fields)) or \
+            launcher.global_scratch_size or launcher.profile_scratch_size:
         return None
     return launcher.launch, (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
                              compiled.packed_metadata, None, None, None)
