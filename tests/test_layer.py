@@ -314,8 +314,8 @@ def test_slots_use_raw_tokens_not_normalized():
     torch.manual_seed(5)
     x = torch.randn(1, TOKENS, layer.dim, dtype=F64)
     with torch.no_grad():
-        _, dispatch, _ = layer._route_flat(x, None)
-        _, dispatch_scaled, _ = layer._route_flat(3.0 * x, None)
+        _, dispatch, _ = layer._route_flat(x, None, *layer._weights()[:2])
+        _, dispatch_scaled, _ = layer._route_flat(3.0 * x, None, *layer._weights()[:2])
         slots = layer.dispatch_slots(x, dispatch)
         slots_scaled = layer.dispatch_slots(3.0 * x, dispatch_scaled)
     # Normalization makes the routing (nearly) invariant to the token scale...
@@ -430,7 +430,7 @@ def test_token_space_rewrite_equals_slot_formulation(shape, data):
     mask = random_mask(data, shape["batch"], shape["tokens"])
     real = mask.unsqueeze(-1)
     with torch.no_grad():
-        _, dispatch, combine = layer._route_flat(x, mask)
+        _, dispatch, combine = layer._route_flat(x, mask, *layer._weights()[:2])
         slots_out = layer.combine_slots(combine, layer.run_experts(layer.dispatch_slots(x, dispatch)))
         view = (*x.shape[:2], layer.num_experts, layer.slots_per_expert)
         token_out = layer.experts.forward_through_tokens(x, dispatch.view(view), combine.view(view))

@@ -474,9 +474,10 @@ class SoftMoE(nn.Module):
         token. Padded tokens (``mask`` False) get zero dispatch and zero combine weight. The slots are
         ``dispatch_slots(slot_inputs(x), dispatch)``.
         """
-        check_tokens(x, self.dim, mask, self.phi.dtype)
+        phi, scale, _ = self._weights()
+        check_tokens(x, self.dim, mask, phi.dtype)
         shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
-        logits, dispatch, combine = self._route_flat(self.slot_inputs(x), mask)
+        logits, dispatch, combine = self._route_flat(self.slot_inputs(x), mask, phi, scale)
         return Routing(logits.view(shape), dispatch.view(shape), combine.view(shape))
 
     def slot_inputs(self, x: torch.Tensor) -> torch.Tensor:
@@ -485,11 +486,11 @@ class SoftMoE(nn.Module):
         return l2_normalize_outside_eps(x, dim=-1) if self.normalize == "inputs" else x
 
     def _route_flat(
-        self, tokens: torch.Tensor, mask: torch.Tensor | None
+        self, tokens: torch.Tensor, mask: torch.Tensor | None, phi: torch.Tensor, scale: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:func:`soft_moe_routing` of the slot inputs ``tokens`` with the slots flattened: each (batch, tokens, n*p)."""
+        """:func:`soft_moe_routing` of the slot inputs ``tokens`` with the slots flattened: each (batch, tokens, n*p);
+        phi and scale as :meth:`_weights` gives them."""
         noise = self.noise_std if self.training else 0.0
-        phi, scale, _ = self._weights()
         return soft_moe_routing(tokens, phi.reshape(self.dim, self.num_slots), scale, self.normalize, noise, mask)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -503,14 +504,15 @@ class SoftMoE(nn.Module):
         check_tokens(x, self.dim, mask, phi.dtype)
         x = self.slot_inputs(x)
         if self.selector is None:
-            _, dispatch, combine = self._route_flat(x, mask)
+            _, dispatch, combine = self._route_flat(x, mask, phi, scale)
             return self._mix(x, dispatch, combine)
-        phi, k = phi.reshape(self.dim, self.num_slots), getattr(self.selector, "top_k", None)
+        k = getattr(self.selector, "top_k", None)
+        flat = phi.reshape(self.dim, self.num_slots)
         plain = isinstance(k, int) and k >= 1 and mask is None and not (self.training and self.noise_std > 0)
-        if plain and fused_routing_applies(x, phi, scale, self.slots_per_expert, k):
+        if plain and fused_routing_applies(x, flat, scale, self.slots_per_expert, k):
             # Algorithm 1 in one kernel with the softmaxes (eager CUDA inference: the op's own code, called without
             # the dispatcher's host time where nothing watches it); combine comes back zero outside the kept slots.
-            logits = soft_moe_logits(x, phi, scale, self.normalize)
+            logits = soft_moe_logits(x, flat, scale, self.normalize)
             dispatch, combine, selected = fused_routing_softmaxes(logits, self.slots_per_expert, k)
             return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize,
                                           self.selector.plan, combine_is_kept=True)
@@ -520,7 +522,7 @@ class SoftMoE(nn.Module):
             # takes the kept slots as bits and the kept experts are not listed
             backend = self.backend_for(x).name if self.selector.plan != "selected" else None
             direct = backend is not None and self._mix_skips_unkept(backend, x)
-            routed = soft_moe_routing_top_k(x, phi, scale, self.normalize, self.slots_per_expert, k,
+            routed = soft_moe_routing_top_k(x, flat, scale, self.normalize, self.slots_per_expert, k,
                                             with_selected=not direct)
             if routed is not None:
                 dispatch, combine, slots, selected = routed
@@ -530,7 +532,7 @@ class SoftMoE(nn.Module):
                                        kept_slots=slots)
                 return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize,
                                               self.selector.plan, combine_is_kept=True, backend=backend)
-        _, dispatch, combine = self._route_flat(x, mask)
+        _, dispatch, combine = self._route_flat(x, mask, phi, scale)
         if plain and native_top_k_applies(combine):
             # Algorithm 1's choice and the kept combine weights in one native call (CPU with gradients recorded or
             # the dispatcher watched).
@@ -580,11 +582,12 @@ class SoftMoE(nn.Module):
         that is free (CPU tensors outside torch.compile); True always (a host synchronization on a GPU); False never.
         """
         check_plan(plan)
-        check_tokens(x, self.dim, mask, self.phi.dtype)
+        phi, scale, _ = self._weights()
+        check_tokens(x, self.dim, mask, phi.dtype)
         values = host_reads_are_free(selected) if check is None else check
         check_selected(selected, x.shape[0], self.num_experts, values)
         x = self.slot_inputs(x)
-        _, dispatch, combine = self._route_flat(x, mask)
+        _, dispatch, combine = self._route_flat(x, mask, phi, scale)
         return self._selected_forward(x, dispatch, combine, selected, renormalize, plan)
 
     def selected_plan_is_cheaper(self, x: torch.Tensor, selected: torch.Tensor) -> bool:
