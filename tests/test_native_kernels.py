@@ -27,7 +27,8 @@ def reference(x, w, b, g):
 # values that are not multiples of the 32-row panel or of the 2-row dot-product tile; with 200 rows the forward
 # walks the columns in several blocks (OUT_BLOCK_BYTES of output each), the last one partial, then a vector tail;
 # 9 rows through rows of 1100 floats (PACK_MIN_ROW_BYTES or more; 1001 are fewer) run in several passes, the later
-# ones reading the tile the first copied. 3 rows of 300 and 8 of 384 (one pass of at most NT_ONE_ROW_BYTES): the
+# ones reading the tile the first copied; with AVX-512 a block is at most BLOCK_MAX_COLS (1008) columns wide, so
+# 1100 and 2100 columns walk two and three blocks of several panels, the last one partial. 3 rows of 300 and 8 of 384 (one pass of at most NT_ONE_ROW_BYTES): the
 # backward through the weight reads it one row at a time, an odd number of rows.
 SHAPES = [
     (1, 1, 1, 1),
@@ -41,6 +42,7 @@ SHAPES = [
     (2, 7, 129, 47),
     (1, 200, 33, 1001),
     (1, 9, 40, 1100),
+    (2, 8, 70, 2100),
     (3, 3, 37, 300),
     (2, 8, 21, 384),
 ]
