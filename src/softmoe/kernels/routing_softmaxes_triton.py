@@ -64,9 +64,11 @@ if triton is not None:
     routing_softmaxes_kernel = triton.jit(routing_softmaxes_kernel)
 
 
+# Triton's (major, minor) version; () without Triton.
+TRITON_VERSION = tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2]) if triton is not None else ()
 # Whether a compiled kernel is called directly (below): from Triton 3.6, the version tested, its call takes every
 # argument, the constexprs too (older launchers took fewer).
-DIRECT_LAUNCH = triton is not None and tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2]) >= (3, 6)
+DIRECT_LAUNCH = TRITON_VERSION >= (3, 6)
 # Per device, shape and alignment of the pointers (what Triton specializes the kernel on), once launched: the kernel
 # compiled for it, the kernel's arguments after the pointers and, where its launcher allows, the launcher's C
 # function with what it takes besides the kernel's arguments. On an H200 machine the op took 16-25 us of host time a
@@ -123,8 +125,7 @@ def _hooked(runtime) -> bool:
 def _bare_layout_known() -> bool:
     """Whether Triton's C launcher takes the arguments in the layout _bare_launcher passes: Triton 3.6 for NVIDIA
     GPUs (later versions and ROCm's launcher take others), its base arguments' format as tested."""
-    if triton is None or tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2]) != (3, 6) or \
-            torch.version.hip is not None:
+    if TRITON_VERSION != (3, 6) or torch.version.hip is not None:
         return False
     try:
         from triton.backends.nvidia import driver
