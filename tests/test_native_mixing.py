@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 from reference import kernels_called, output_and_gradients, ref_activation, relative_error
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import softmoe.experts as experts_module
 import softmoe.kernels as kernels
@@ -219,23 +220,30 @@ def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore:`torch.jit:DeprecationWarning")
 def test_nothing_that_watches_the_ops_is_bypassed(library):
-    """The direct call is refused under torch.jit.trace, forward-mode AD and for tensor subclasses with their own
-    __torch_function__: a trace made under no_grad computes on the inputs it is given, not on the traced ones."""
+    """The direct call, and the direct autograd Functions, are refused under torch.jit.trace, forward-mode AD and
+    for tensor subclasses with their own __torch_function__ (the Functions under autocast too): a trace made under
+    no_grad computes on the inputs it is given, not on the traced ones."""
     import torch.autograd.forward_ad as fwAD
 
-    from softmoe.kernels.modes import direct_call_ok
+    from softmoe.kernels.modes import direct_autograd_ok, direct_call_ok
 
     x = torch.randn(3, 4, 24)
-    assert direct_call_ok("cpu", x)
+    assert direct_call_ok("cpu", x) and direct_autograd_ok("cpu", x)
+    assert direct_autograd_ok("cpu", x.requires_grad_()) and not direct_call_ok("cpu", x)
     with fwAD.dual_level():
-        assert not direct_call_ok("cpu", fwAD.make_dual(x, torch.ones_like(x)))
+        dual = fwAD.make_dual(x.detach(), torch.ones_like(x))
+        assert not direct_call_ok("cpu", dual) and not direct_autograd_ok("cpu", dual)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not direct_autograd_ok("cpu", x)
 
     class Watched(torch.Tensor):
         @classmethod
         def __torch_function__(cls, func, types, args=(), kwargs=None):
             return super().__torch_function__(func, types, args, kwargs or {})
 
-    assert not direct_call_ok("cpu", x.as_subclass(Watched))
+    watched = x.detach().as_subclass(Watched)
+    assert not direct_call_ok("cpu", watched) and not direct_autograd_ok("cpu", watched)
+    x = x.detach()
     layer = SoftMoE(24, 8, expert_hidden=5, activation="relu").eval()
     with torch.no_grad():
         traced = torch.jit.trace(layer, x, check_trace=False)
@@ -243,27 +251,63 @@ def test_nothing_that_watches_the_ops_is_bypassed(library):
         torch.testing.assert_close(traced(other), layer(other))
 
 
+class OpRecorder(TorchDispatchMode):
+    """A dispatch mode that lets every op through and records its name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def graph_nodes(out: torch.Tensor) -> set[str]:
+    """The class names of the autograd nodes behind ``out``."""
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack += [parent for parent, _ in node.next_functions]
+    return {type(node).__name__ for node in seen}
+
+
 def test_the_profiler_and_dispatch_modes_see_the_ops_in_inference(library):
     """The direct call skips the dispatcher only where nothing watches it: under the profiler or a
-    TorchDispatchMode (FlopCounterMode here) the layer's inference calls go through torch.ops as in training."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Recorder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.add(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
+    TorchDispatchMode the layer's inference calls go through torch.ops as in training."""
     layer = SoftMoE(24, 8, expert_hidden=5, activation="relu").eval()
     x = torch.randn(3, 4, 24)
     with torch.no_grad():
         assert {"softmoe::soft_moe_routing", "softmoe::soft_moe_mixing"} <= kernels_called(lambda: layer(x))
-        with Recorder() as recorder:
+        with OpRecorder() as recorder:
             layer(x)
     assert {"softmoe.soft_moe_routing", "softmoe.soft_moe_mixing"} <= recorder.ops
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_eager_training_runs_the_ops_code_under_their_formulas(library, threads):
+    """In eager training the routing and the mixing run as autograd Functions around the ops' code (no dispatcher,
+    no torch.library wrapper) with the ops' own formulas: the output and every gradient equal, bit for bit, those
+    through the ops, which a dispatch mode watching them gets (forward and backward ops alike); a profiler started
+    after the forward still sees the backward ops."""
+    torch.manual_seed(8)
+    layer = SoftMoE(24, 8, expert_hidden=70, activation="relu")  # 70 hidden units: the outputs are kept too
+    x, grad = torch.randn(21, 4, 24), torch.randn(21, 4, 24)
+    nodes = {"DirectSoftMoERoutingBackward", "DirectSoftMoEMixingBackward"}
+    direct = output_and_gradients(layer, x, grad)
+    with OpRecorder() as recorder:
+        through_ops = output_and_gradients(layer, x, grad)
+        assert not graph_nodes(layer(x.requires_grad_())) & nodes
+    ops = {f"softmoe.soft_moe_{op}{part}" for op in ("routing", "mixing") for part in ("", "_backward")}
+    assert ops <= recorder.ops
+    for got, want in zip(direct, through_ops, strict=True):
+        assert torch.equal(got, want)
+    out = layer(x)
+    assert nodes <= graph_nodes(out)
+    assert {"softmoe::soft_moe_routing_backward", "softmoe::soft_moe_mixing_backward"} <= kernels_called(
+        lambda: out.backward(grad))
 
 
 def test_empty_batch(isa):

@@ -816,9 +816,10 @@ routing_forward(const at::Tensor &x_in, const at::Tensor &phi_in, const c10::opt
     const at::Tensor slots = at::empty({B, k ? (S + 63) / 64 : 0}, x.options().dtype(at::kLong));
     {
         pybind11::gil_scoped_release no_gil;
-        v.routing_forward(logits.data_ptr<float>(), x.data_ptr<float>(), small ? columns.data_ptr<float>() : nullptr,
-                          dispatch.data_ptr<float>(), combine.data_ptr<float>(), r.data_ptr<float>(), B, M, S, D,
-                          mode == ROUTING_ROUTER, p, k, with_selected ? selected.data_ptr<int64_t>() : nullptr,
+        v.routing_forward(logits.data_ptr<float>(), x.data_ptr<float>(), small ? phi_t.data_ptr<float>() : nullptr,
+                          small ? columns.data_ptr<float>() : nullptr, dispatch.data_ptr<float>(),
+                          combine.data_ptr<float>(), r.data_ptr<float>(), B, M, S, D, mode == ROUTING_ROUTER, p, k,
+                          with_selected ? selected.data_ptr<int64_t>() : nullptr,
                           reinterpret_cast<uint64_t *>(slots.data_ptr<int64_t>()), threads());
     }
     return {logits, dispatch, combine, r, selected, slots};

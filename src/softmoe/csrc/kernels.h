@@ -3,9 +3,9 @@
  * expert_matmul.h, soft_moe_small.h and soft_moe_routing.h. */
 #pragma once
 
-/* Up to this many slots the routing computes its products itself (phi's rows, padded to this width: two vectors with
- * AVX-512, four with AVX2, eight of SSE's), in its passes over each input; from more, bindings.cpp runs them in MKL
- * or oneDNN. */
+/* Up to this many slots the routing computes its products itself (dot products along dim up to half a vector of
+ * slots, else from phi's rows, padded to this width: two vectors with AVX-512, four with AVX2, eight of SSE's), in
+ * its passes over each input; from more, bindings.cpp runs them in MKL or oneDNN. */
 #define SOFTMOE_ROUTING_SMALL_SLOTS 32
 
 /* Inputs of one expert whose slots run together when Algorithm 1's kept combine runs as the rows of each expert
@@ -42,9 +42,9 @@
     long top_k_scratch_bytes(long S, long P);                                                                         \
     void top_k_input(const float *cb, float *kept, int64_t *selected, uint64_t *slots, long M, long S, long P,      \
                      long k, void *scratch);                                                                          \
-    void soft_moe_routing_forward(float *logits, const float *x, const float *phi_rows, float *dispatch,            \
-                                  float *combine, float *r, long B, long M, long S, long D, int router, long P,      \
-                                  long k, int64_t *selected, uint64_t *slots, int threads);                          \
+    void soft_moe_routing_forward(float *logits, const float *x, const float *phi_t, const float *phi_rows,        \
+                                  float *dispatch, float *combine, float *r, long B, long M, long S, long D,          \
+                                  int router, long P, long k, int64_t *selected, uint64_t *slots, int threads);      \
     void soft_moe_routing_backward(const float *gl, const float *gd, const float *gc, const float *logits,           \
                                    const float *dispatch, const float *combine, const float *r, float *gp,           \
                                    float *dot, const float *x, const float *phi_t, float *grad_x,                    \

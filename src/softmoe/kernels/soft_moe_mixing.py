@@ -29,7 +29,13 @@ import torch
 from torch import Tensor
 
 from softmoe.kernels.build import LANES, native_available, native_module, required_isa
-from softmoe.kernels.modes import direct_call_ok, needs_grad, transforms_active
+from softmoe.kernels.modes import (
+    direct_autograd_ok,
+    direct_call_ok,
+    direct_function,
+    needs_grad,
+    transforms_active,
+)
 
 # The fused kernel serves inputs of at most MIXING_MAX_TOKENS tokens (their routing weights stay in registers) and
 # experts whose two weight matrices (2 dim hidden floats) take at most MIXING_MAX_WEIGHT_BYTES_PER_LANE per vector
@@ -68,6 +74,11 @@ def soft_moe_mixing_op(
     bias2: Tensor | None, keep_outputs: bool, isa: str,
 ) -> tuple[Tensor, Tensor]:
     """The fused mixing with the ``isa`` variant of the native kernel: (out, saved) (see the module docstring)."""
+    return _run_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa)
+
+
+def _run_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa) -> tuple[Tensor, Tensor]:
+    """The op's code, called directly where no dispatcher is needed (:data:`_DirectMixing`)."""
     out, saved = native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs,
                                                  False, isa)
     return out, saved
@@ -90,9 +101,11 @@ def _setup_mixing(ctx, inputs, output) -> None:
 
 def _backward_mixing(ctx, grad: Tensor, _grad_saved: Tensor | None):
     x, dispatch, combine, weight1, weight2, bias2, saved = ctx.saved_tensors
-    grads = list(torch.ops.softmoe.soft_moe_mixing_backward(
-        grad, x, dispatch, combine, weight1, weight2, bias2, saved, ctx.isa
-    ))
+    inputs = (grad, x, dispatch, combine, weight1, weight2, bias2, saved)
+    # the backward op's code directly, unless something watches the dispatcher or create_graph records gradients
+    # (the backward op has no formula: that raises, as through the op)
+    backward = _run_mixing_backward if direct_call_ok("cpu", *inputs) else torch.ops.softmoe.soft_moe_mixing_backward
+    grads = list(backward(*inputs, ctx.isa))
     for i, needed in enumerate(ctx.needs_input_grad[:7]):
         if not needed:  # e.g. an absent or frozen bias
             grads[i] = None
@@ -100,6 +113,8 @@ def _backward_mixing(ctx, grad: Tensor, _grad_saved: Tensor | None):
 
 
 soft_moe_mixing_op.register_autograd(_backward_mixing, setup_context=_setup_mixing)
+# The same formula around the op's code, for eager calls (softmoe.kernels.modes.direct_autograd_ok).
+_DirectMixing = direct_function("DirectSoftMoEMixing", _run_mixing, _setup_mixing, _backward_mixing)
 
 
 @torch.library.custom_op("softmoe::soft_moe_mixing_backward", mutates_args=(), device_types="cpu")
@@ -108,6 +123,11 @@ def soft_moe_mixing_backward_op(
     bias2: Tensor | None, saved: Tensor, isa: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradients of softmoe::soft_moe_mixing (see the module docstring)."""
+    return _run_mixing_backward(grad, x, dispatch, combine, weight1, weight2, bias2, saved, isa)
+
+
+def _run_mixing_backward(grad, x, dispatch, combine, weight1, weight2, bias2, saved, isa) -> tuple[Tensor, ...]:
+    """The backward op's code, called directly where no dispatcher is needed (:func:`_backward_mixing`)."""
     return tuple(
         native_module().soft_moe_mixing_backward(grad, x, dispatch, combine, weight1, weight2, bias2, saved, isa)
     )
@@ -190,7 +210,10 @@ def soft_moe_mixing(
     keep = weight1.shape[2] >= MIXING_KEEP_OUTPUTS_MIN_HIDDEN and needs_grad(
         x, dispatch, combine, weight1, bias1, weight2, bias2
     )
-    out, _ = torch.ops.softmoe.soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, keep, isa)
+    tensors = (x, dispatch, combine, weight1, bias1, weight2, bias2)
+    # eager training: the op's code and formula without the dispatcher; torch.compile and the like see the op
+    mixing = _DirectMixing.apply if direct_autograd_ok("cpu", *tensors) else torch.ops.softmoe.soft_moe_mixing
+    out, _ = mixing(*tensors, keep, isa)
     return out
 
 

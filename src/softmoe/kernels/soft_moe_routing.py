@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from softmoe.kernels.build import native_available, native_module, required_isa
-from softmoe.kernels.modes import direct_call_ok, transforms_active
+from softmoe.kernels.modes import direct_autograd_ok, direct_call_ok, direct_function, transforms_active
 from softmoe.kernels.onednn import onednn_pays
 from softmoe.kernels.top_k_combine import check_choice
 
@@ -53,7 +53,8 @@ def soft_moe_routing_op(
 def _run_routing(
     x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str, isa: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The op's code, called directly where no dispatcher is needed (:func:`soft_moe_routing`)."""
+    """The op's code, called directly where no dispatcher is needed (:func:`soft_moe_routing`,
+    :data:`_DirectRouting`)."""
     return native_module().soft_moe_routing(x, phi, scale, ROUTING_MODES[normalize], isa, _products_in_onednn(x, phi))
 
 
@@ -84,10 +85,11 @@ def _backward_routing(ctx, grad_logits, grad_dispatch, grad_combine, _grad_r):
     if torch.is_grad_enabled():  # a double backward: differentiate torch's ops
         grads = _torch_routing_grads(x, phi, scale, ctx.normalize, (grad_logits, grad_dispatch, grad_combine))
     else:
-        grads = torch.ops.softmoe.soft_moe_routing_backward(
-            grad_logits, grad_dispatch, grad_combine, x, phi, scale, logits, dispatch, combine, r, ctx.normalize,
-            ctx.isa,
-        )
+        inputs = (grad_logits, grad_dispatch, grad_combine, x, phi, scale, logits, dispatch, combine, r)
+        # the backward op's code directly unless something watches the dispatcher
+        direct = direct_call_ok("cpu", *inputs)
+        backward = _run_routing_backward if direct else torch.ops.softmoe.soft_moe_routing_backward
+        grads = backward(*inputs, ctx.normalize, ctx.isa)
     grad_x, grad_phi, grad_scale = grads
     needed = ctx.needs_input_grad
     return (grad_x if needed[0] else None, grad_phi if needed[1] else None,
@@ -111,6 +113,8 @@ def _torch_routing_grads(x, phi, scale, normalize, grads):
 
 
 soft_moe_routing_op.register_autograd(_backward_routing, setup_context=_setup_routing)
+# The same formula around the op's code, for eager calls (softmoe.kernels.modes.direct_autograd_ok).
+_DirectRouting = direct_function("DirectSoftMoERouting", _run_routing, _setup_routing, _backward_routing)
 
 
 @torch.library.custom_op("softmoe::soft_moe_routing_backward", mutates_args=(), device_types="cpu")
@@ -119,6 +123,14 @@ def soft_moe_routing_backward_op(
     scale: Tensor | None, logits: Tensor, dispatch: Tensor, combine: Tensor, r: Tensor, normalize: str, isa: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of softmoe::soft_moe_routing's x, phi and scale (see the module docstring)."""
+    return _run_routing_backward(grad_logits, grad_dispatch, grad_combine, x, phi, scale, logits, dispatch, combine,
+                                 r, normalize, isa)
+
+
+def _run_routing_backward(
+    grad_logits, grad_dispatch, grad_combine, x, phi, scale, logits, dispatch, combine, r, normalize, isa
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward op's code, called directly where no dispatcher is needed (:func:`_backward_routing`)."""
     grad_x, grad_phi, grad_scale = native_module().soft_moe_routing_backward(
         grad_logits, grad_dispatch, grad_combine, x, phi, scale, logits, dispatch, combine, r,
         ROUTING_MODES[normalize], isa, _products_in_onednn(x, phi),
@@ -150,8 +162,12 @@ def soft_moe_routing(x: Tensor, phi: Tensor, scale: Tensor | None, normalize: st
     or "none", as :func:`softmoe.layer.soft_moe_logits`), in one native call; differentiable in x, phi and scale.
     Only where :func:`native_routing_applies`."""
     isa, scale = _checked(x, phi, scale, normalize)
-    # inference: the op's code without the dispatcher's host time
-    route = _run_routing if direct_call_ok("cpu", x, phi, scale) else torch.ops.softmoe.soft_moe_routing
+    if direct_call_ok("cpu", x, phi, scale):  # inference: the op's code without the dispatcher's host time
+        route = _run_routing
+    elif direct_autograd_ok("cpu", x, phi, scale):  # eager training: the same, with the op's formula
+        route = _DirectRouting.apply
+    else:  # torch.compile, autocast, the profiler and the like see the op
+        route = torch.ops.softmoe.soft_moe_routing
     logits, dispatch, combine, _ = route(x, phi, scale, normalize, isa)
     return logits, dispatch, combine
 
