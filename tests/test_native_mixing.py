@@ -310,6 +310,31 @@ def test_eager_training_runs_the_ops_code_under_their_formulas(library, threads)
         lambda: out.backward(grad))
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_and_retained_graphs_through_the_direct_functions(library, reentrant):
+    """torch.utils.checkpoint (both implementations: saved-tensor hooks, and a re-run forward under enable_grad)
+    and a graph backpropagated twice with retain_graph give the gradients of one plain backward pass, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(9)
+    layer = SoftMoE(24, 8, expert_hidden=70, activation="relu")
+    x, grad = torch.randn(10, 4, 24), torch.randn(10, 4, 24)
+    want = output_and_gradients(layer, x, grad)
+    layer.zero_grad(set_to_none=True)
+    leaf = x.clone().requires_grad_()
+    out = checkpoint(layer, leaf, use_reentrant=reentrant)
+    out.backward(grad)
+    assert torch.equal(out.detach(), want[0]) and torch.equal(leaf.grad, want[1])
+    for p, w in zip(layer.parameters(), want[2:], strict=True):
+        assert torch.equal(p.grad, w)
+    layer.zero_grad(set_to_none=True)
+    leaf = x.clone().requires_grad_()
+    out = layer(leaf)
+    out.backward(grad, retain_graph=True)
+    out.backward(grad)
+    assert torch.equal(leaf.grad, 2 * want[1])
+
+
 def test_empty_batch(isa):
     x, dispatch, combine, w1, b1, w2, b2 = random_inputs(0, 4, 8, 3, 1, 2, bias=True)
     out = soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2)

@@ -157,16 +157,22 @@ INLINE void layer1_block(vec *RESTRICT h, const vec *RESTRICT xg, const vec *RES
         for (int kk = 0; kk < kb; kk++) h2[kk] = acc2[kk];
 }
 
-/* y[d] (+)= sum_kk a[kk] w2[kk * Dm + d], starting from b2[d] (or 0) on the first block */
+/* y[d] (+)= sum_kk a[kk] w2[kk * Dm + d], starting from b2[d] (or 0) on the first block. The even and odd kk in two
+ * sums: one chain of kb dependent multiply-adds per d left AVX2's two FMA units waiting (the MNIST layer's mixing
+ * op forward, AMD EPYC Zen 4, one process: 0.93-0.97x the time at n = 2-64 with AVX2, 0.98-1.02x with AVX-512). */
 INLINE void layer2_block(vec *RESTRICT y, const vec *RESTRICT a, const float *RESTRICT w2, const float *RESTRICT b2,
                          long Dm, const int kb, const int first)
 {
     vec av[FORWARD_KBLOCK];
     for (int kk = 0; kk < kb; kk++) av[kk] = a[kk];
     for (long d = 0; d < Dm; d++) {
-        vec v = first ? splat(b2 ? b2[d] : 0.0f) : y[d];
-        for (int kk = 0; kk < kb; kk++) v += av[kk] * w2[kk * Dm + d];
-        y[d] = v;
+        vec even = first ? splat(b2 ? b2[d] : 0.0f) : y[d], odd = {0};
+        for (int kk = 0; kk + 1 < kb; kk += 2) {
+            even += av[kk] * w2[kk * Dm + d];
+            odd += av[kk + 1] * w2[(kk + 1) * Dm + d];
+        }
+        if (kb % 2) even += av[kb - 1] * w2[(kb - 1) * Dm + d];
+        y[d] = even + odd;
     }
 }
 
