@@ -59,7 +59,8 @@ def random_inputs(batch, tokens, dim, experts, slots_per_expert, hidden, bias, s
 # the most tokens, hidden sizes that are one block of 8 units, blocks plus a tail, several slots per expert, and full
 # groups with more slots than a routing chunk (64) in runs of 16 (transposed in registers) and a tail, and the
 # largest hidden size served, with full blocks of groups (64 inputs) and a dim with a tail chunk; weight gradients
-# as outer products (hidden >= 16) with a partial tile of units (17), dim chunks of every width plus a tail (70),
+# as outer products (hidden >= 16; with AVX2 from 12, where AVX-512 still sums lanes) with a partial tile of units
+# (17), dim chunks of every width plus a tail (70),
 # a second block of one partial group (83 inputs); slots two at a time (4 tokens, hidden <= 6, AVX-512) with an odd
 # number of slots (the last one alone), and pairs within one expert and across two (3 slots per expert).
 SHAPES = [
@@ -76,6 +77,7 @@ SHAPES = [
     (20, 4, 24, 3, 3, 4),
     (1, 4, 20, 9, 1, 7),  # fewer inputs than threads: the pairs split across them
     (2, 4, 13, 6, 2, 5),
+    (45, 4, 26, 3, 1, 12),
 ]
 
 

@@ -987,8 +987,10 @@ static void add_products(float *RESTRICT grad, long ld, const vec *RESTRICT coef
  * vector that holds it. The lane sums (two shuffles and an add per vector and level) disappear; the transposes cost
  * Dm / LANES blocks per input group, against Hd * Dm / LANES lane sums. Measured, the op's backward at dim 196 and
  * 256 inputs, time new/old (AMD EPYC Zen 5): AVX-512 0.92-0.95 at hidden 98-392, 0.98-0.99 at 24-49, 1.02 at 12
- * (hence the threshold), 1.12 at 6; AVX2 0.91-0.96 at 24-392, 0.98 at 12, 1.05 at 6. */
-#define OUTER_MIN_HIDDEN 16
+ * (hence the threshold), 1.12 at 6; AVX2 0.91-0.96 at 24-392, 0.98 at 12, 1.05 at 6. On an AMD EPYC Zen 4, AVX2,
+ * outer products against lane sums in one process: 0.93-0.95 at 12 (hence AVX2's threshold), 0.97-1.00 at 7-10,
+ * 1.04 at 6. */
+#define OUTER_MIN_HIDDEN (LANES == 8 ? 12 : 16)
 #define OUTER_R 4
 #if LANES == 16
 #define OUTER_C 4
