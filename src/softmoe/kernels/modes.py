@@ -1,5 +1,5 @@
 """The execution modes the kernels' dispatch rules look at: gradients, torch.func transforms, torch.compile,
-autocast, and what watches the dispatcher."""
+autocast, and what watches the dispatcher; and the autograd Function that runs an op's code where nothing does."""
 
 from __future__ import annotations
 
