@@ -92,12 +92,8 @@ def _eager_inference(device_type: str, tensors: tuple) -> bool:
 
 
 def _plain_first_order(device_type: str) -> bool:
-    return (
-        not torch.compiler.is_compiling()
-        and not torch._C._are_functorch_transforms_active()
-        and not torch.is_autocast_enabled(device_type)
-        and forward_ad._current_level < 0  # no forward-mode AD level open (its duals do not require grad)
-    )
+    # no forward-mode AD level open either (its duals do not require grad)
+    return plain_eager_mode(device_type) and forward_ad._current_level < 0
 
 
 def _watched(tensors: tuple) -> bool:
