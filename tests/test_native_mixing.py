@@ -221,6 +221,29 @@ def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore:`torch.jit:DeprecationWarning")
+@pytest.mark.parametrize("threads", [1], indirect=True)
+def test_groups_run_side_by_side_only_where_both_keep_the_slot(isa, threads):
+    """The forward pass runs two groups of lanes side by side with AVX2 (each weight broadcast once for both). 16
+    inputs, the first 8 keeping an expert with a NaN bias: with 8 lanes (and 4) they fill whole groups, and the other
+    group beside them, which keeps nothing of that expert, must not run it: its outputs stay finite and exact. With
+    16 lanes the users share their one group with the others, whose outputs it makes NaN (a slot runs for a whole
+    group)."""
+    x, dispatch, combine, w1, b1, w2, b2 = (t.detach() for t in random_inputs(16, 4, 8, 4, 1, 3, bias=True))
+    b2[3] = math.nan
+    users = torch.arange(16) < 8
+    combine[:, :, 3] = torch.where(users[:, None], combine[:, :, 3], 0.0)
+    inputs = (x, dispatch, combine, w1, b1, w2, b2)
+    with torch.no_grad():
+        out = kept_mixing(inputs, "by inputs")
+    assert out[users].isnan().all()
+    if 8 % LANES[isa]:
+        assert out[~users].isnan().all()
+    else:
+        rows = [t[~users].double() for t in (x, dispatch, combine)]
+        want = mixing_reference(*rows, w1.double(), b1.double(), w2.double(), b2.nan_to_num().double())
+        assert relative_error(out[~users], want) < 1e-5
+
+
 def test_nothing_that_watches_the_ops_is_bypassed(library):
     """The direct call, and the direct autograd Functions, are refused under torch.jit.trace, forward-mode AD and
     for tensor subclasses with their own __torch_function__ (the Functions under autocast too): a trace made under

@@ -54,6 +54,18 @@ namespace SOFTMOE_NS {
  * 0.96-0.97x at 24-33, but 1.01-1.05x at 2-6 units, whose loops are the same: with the larger function the compiler
  * kept fewer pointers in registers. With AVX2's 16 registers 16 or 12 spilled (backward 1.03-1.15x at 12). */
 #define FORWARD_KBLOCK 8
+/* Groups of lanes whose slots the forward pass runs side by side, each weight broadcast once for all of them, and
+ * hidden units per register block then (FORWARD_KBLOCK_OF). With AVX2 two, 6 units per block (12 accumulators and
+ * two slot vectors in its 16 registers): one group's 8 lanes per broadcast weight (its load and broadcast, which
+ * AVX-512 folds into the multiply-add, and the weights streamed once per 8 inputs) held layer 1's loop to 0.70-0.77x
+ * the speed of two groups' (1.2-2.6 MB of weights, AMD EPYC Zen 4, one thread); the MNIST layer's mixing op forward
+ * took 0.72-0.83x the time at n = 2-64 (hidden 392-12), 0.98x at 256 (3 units). AVX-512: one group, 0.99-1.02x. */
+#if LANES == 8
+#define FORWARD_GROUPS 2
+#else
+#define FORWARD_GROUPS 1
+#endif
+#define FORWARD_KBLOCK_OF(ng) ((ng) == 2 ? 6 : FORWARD_KBLOCK)
 #if LANES == 16
 #define KBLOCK 16
 #define BLOCK_CASES_WIDE(CALL, k, first, last)                                                                        \
@@ -121,58 +133,75 @@ INLINE vec relu_slope(vec v) { return (vec)((ivec)splat(1.0f) & (v > 0)); }
         BLOCK_SWITCH((Hd) - k_, CALL, k_, 0, 1, KB, WIDE)                                                             \
     }
 #define FOR_BLOCKS(Hd, CALL) FOR_BLOCKS_OF(Hd, CALL, KBLOCK, BLOCK_CASES_WIDE)
-#define FOR_FORWARD_BLOCKS(Hd, CALL) FOR_BLOCKS_OF(Hd, CALL, FORWARD_KBLOCK, BLOCK_CASES_NONE)
 
 /* ---- forward ------------------------------------------------------------------------------------------------ */
 
-/* h[kk] = sum_d slot[d] w1[d * Hd + kk] for kk < kb. On the first block slot = sum_t ds[t] xg[t] is computed here
- * (and kept in `keep` unless it is also the last block); later blocks read it from `keep`. With pair (one block
- * only) the same for a second slot of the group: h2, ds2, w12. */
-INLINE void layer1_block(vec *RESTRICT h, const vec *RESTRICT xg, const vec *RESTRICT ds, vec *RESTRICT keep,
-                         const float *RESTRICT w1, vec *RESTRICT h2, const vec *RESTRICT ds2,
-                         const float *RESTRICT w12, long Hd, long M, long Dm, const int kb, const int first,
-                         const int last, const int pair)
+enum { SHARE_TOKENS, SHARE_WEIGHTS }; /* what two slot vectors of layer1_block share */
+
+/* h_i[k + kk] = sum_d slot_i[d] w1_i[d * Hd + k + kk] for kk < kb and the ns (1 or 2) slot vectors i: two slots of
+ * one group (share = SHARE_TOKENS: their token vectors loaded once for both, w1_1 the second slot's weights; one
+ * block only) or one slot of two groups (SHARE_WEIGHTS: each weight loaded and broadcast once for both). On the first
+ * block slot_i = sum_t ds_i[t] xg_i[t] is computed here (and kept in keep_i unless it is also the last block); later
+ * blocks read it from keep_i. */
+INLINE void layer1_block(vec *RESTRICT h0, vec *RESTRICT h1, const vec *RESTRICT xg0, const vec *RESTRICT xg1,
+                         const vec *RESTRICT ds0, const vec *RESTRICT ds1, vec *RESTRICT keep0, vec *RESTRICT keep1,
+                         const float *RESTRICT w10, const float *RESTRICT w11, long k, long Hd, long M, long Dm,
+                         const int kb, const int first, const int last, const int ns, const int share)
 {
-    vec acc[FORWARD_KBLOCK] = {{0}}, acc2[FORWARD_KBLOCK] = {{0}}, dsv[MAX_TOKENS], dsv2[MAX_TOKENS];
-    for (long t = 0; t < M; t++) dsv[t] = ds[t], dsv2[t] = pair ? ds2[t] : vec{};
+    vec acc[2][FORWARD_KBLOCK] = {{{0}}}, dsv[2][MAX_TOKENS];
+    for (long t = 0; t < M; t++) dsv[0][t] = ds0[t], dsv[1][t] = ns == 2 ? ds1[t] : vec{};
     for (long d = 0; d < Dm; d++) {
-        vec sv, sv2 = {0};
-        if (first) {
-            sv = dsv[0] * xg[d];
-            if (pair) sv2 = dsv2[0] * xg[d];
-            for (long t = 1; t < M; t++) {
-                sv += dsv[t] * xg[t * Dm + d];
-                if (pair) sv2 += dsv2[t] * xg[t * Dm + d];
+        vec sv[2];
+        for (int i = 0; i < ns; i++) {
+            if (first) {
+                const vec *RESTRICT x = i == 0 || share == SHARE_TOKENS ? xg0 : xg1;
+                sv[i] = dsv[i][0] * x[d];
+                for (long t = 1; t < M; t++) sv[i] += dsv[i][t] * x[t * Dm + d];
+                if (!last) (i == 0 ? keep0 : keep1)[d] = sv[i];
+            } else {
+                sv[i] = (i == 0 ? keep0 : keep1)[d];
             }
-            if (!last) keep[d] = sv;
-        } else {
-            sv = keep[d];
         }
-        for (int kk = 0; kk < kb; kk++) acc[kk] += sv * w1[d * Hd + kk];
-        if (pair)
-            for (int kk = 0; kk < kb; kk++) acc2[kk] += sv2 * w12[d * Hd + kk];
+        for (int kk = 0; kk < kb; kk++) {
+            if (share == SHARE_WEIGHTS) {
+                const float w = w10[d * Hd + k + kk];
+                for (int i = 0; i < ns; i++) acc[i][kk] += sv[i] * w;
+            } else {
+                acc[0][kk] += sv[0] * w10[d * Hd + k + kk];
+                if (ns == 2) acc[1][kk] += sv[1] * w11[d * Hd + k + kk];
+            }
+        }
     }
-    for (int kk = 0; kk < kb; kk++) h[kk] = acc[kk];
-    if (pair)
-        for (int kk = 0; kk < kb; kk++) h2[kk] = acc2[kk];
+    for (int kk = 0; kk < kb; kk++) {
+        h0[k + kk] = acc[0][kk];
+        if (ns == 2) h1[k + kk] = acc[1][kk];
+    }
 }
 
-/* y[d] (+)= sum_kk a[kk] w2[kk * Dm + d], starting from b2[d] (or 0) on the first block. The even and odd kk in two
- * sums: one chain of kb dependent multiply-adds per d left AVX2's two FMA units waiting (the MNIST layer's mixing
- * op forward, AMD EPYC Zen 4, one process: 0.93-0.97x the time at n = 2-64 with AVX2, 0.98-1.02x with AVX-512). */
-INLINE void layer2_block(vec *RESTRICT y, const vec *RESTRICT a, const float *RESTRICT w2, const float *RESTRICT b2,
-                         long Dm, const int kb, const int first)
+/* y_i[d] (+)= sum_kk a_i[k + kk] w2[kk * Dm + d] for the ng (1 or 2) groups i of one slot, each weight broadcast once
+ * for all, starting from b2[d] (or 0) on the first block. Two sums per d: the even and odd kk of one group, or one
+ * per group: one chain of kb dependent multiply-adds per d left AVX2's two FMA units waiting (the MNIST layer's
+ * mixing op forward, AMD EPYC Zen 4, one process: 0.93-0.97x the time at n = 2-64 with AVX2, 0.98-1.02x with
+ * AVX-512). */
+INLINE void layer2_block(vec *RESTRICT y0, vec *RESTRICT y1, const vec *RESTRICT a0, const vec *RESTRICT a1, long k,
+                         const float *RESTRICT w2, const float *RESTRICT b2, long Dm, const int kb, const int first,
+                         const int ng)
 {
-    vec av[FORWARD_KBLOCK];
-    for (int kk = 0; kk < kb; kk++) av[kk] = a[kk];
+    vec av[2][FORWARD_KBLOCK];
+    for (int kk = 0; kk < kb; kk++) av[0][kk] = a0[k + kk], av[1][kk] = ng == 2 ? a1[k + kk] : vec{};
     for (long d = 0; d < Dm; d++) {
-        vec even = first ? splat(b2 ? b2[d] : 0.0f) : y[d], odd = {0};
-        for (int kk = 0; kk + 1 < kb; kk += 2) {
-            even += av[kk] * w2[kk * Dm + d];
-            odd += av[kk + 1] * w2[(kk + 1) * Dm + d];
+        vec sum[2], odd = {0};
+        sum[0] = first ? splat(b2 ? b2[d] : 0.0f) : y0[d];
+        if (ng == 2) sum[1] = first ? sum[0] : y1[d];
+        for (int kk = 0; kk < kb; kk++) {
+            const float w = w2[kk * Dm + d];
+            if (ng == 1 && kk % 2)
+                odd += av[0][kk] * w;
+            else
+                for (int i = 0; i < ng; i++) sum[i] += av[i][kk] * w;
         }
-        if (kb % 2) even += av[kb - 1] * w2[(kb - 1) * Dm + d];
-        y[d] = even + odd;
+        y0[d] = ng == 1 ? sum[0] + odd : sum[0];
+        if (ng == 2) y1[d] = sum[1];
     }
 }
 
@@ -202,16 +231,19 @@ static void spread_pending(vec *RESTRICT rows, const vec *RESTRICT coef, const v
         spread_slots(rows, coef, vals, ldv, count, M, Dm);
 }
 
-/* A slot after its first layer's products ps: the bias, relu into a, the second layer into y. */
-INLINE void second_layer(vec *RESTRICT y, vec *RESTRICT ps, const float *RESTRICT b1, const float *RESTRICT w2,
-                         const float *RESTRICT b2, vec *RESTRICT a, long Hd, long Dm)
+/* A slot of ng (1 or 2) groups after its first layer's products ps_i: the bias, relu into a_i, the second layer into
+ * y_i. */
+INLINE void second_layer(vec *const *y, vec *const *ps, const float *RESTRICT b1, const float *RESTRICT w2,
+                         const float *RESTRICT b2, vec *const *a, long Hd, long Dm, const int ng)
 {
-    for (long k = 0; k < Hd; k++) {
-        ps[k] += b1 ? b1[k] : 0.0f;
-        a[k] = relu(ps[k]);
-    }
-#define LAYER2(k, kb, first, last) layer2_block(y, a + (k), w2 + (k) * Dm, b2, Dm, kb, first)
-    FOR_FORWARD_BLOCKS(Hd, LAYER2)
+    for (int i = 0; i < ng; i++)
+        for (long k = 0; k < Hd; k++) {
+            ps[i][k] += b1 ? b1[k] : 0.0f;
+            a[i][k] = relu(ps[i][k]);
+        }
+#define LAYER2(k, kb, first, last)                                                                                    \
+    layer2_block(y[0], y[ng - 1], a[0], a[ng - 1], k, w2 + (k) * Dm, b2, Dm, kb, first, ng)
+    FOR_BLOCKS_OF(Hd, LAYER2, FORWARD_KBLOCK_OF(ng), BLOCK_CASES_NONE)
 #undef LAYER2
 }
 
@@ -231,26 +263,6 @@ INLINE slot_t slot_at(long s, long s0, long P, long M, long Hd, long Dm, long W,
     const slot_t q = {w1 + j * Dm * Hd, b1 ? b1 + j * Hd : NULL, w2 + j * Hd * Dm, b2 ? b2 + j * Dm : NULL,
                       ds + (s - s0) * M, cs + (s - s0) * M, records + (s - s0) * W};
     return q;
-}
-
-/* One slot of one group, or with pair two (hidden <= PAIR_MAX_HIDDEN): dispatch and both expert layers; the
- * outputs to y and y2, the pre-activations to the records. */
-INLINE void forward_slots(vec *RESTRICT y, vec *RESTRICT y2, slot_t q, slot_t q2, const vec *RESTRICT xg,
-                          vec *RESTRICT buf, vec *RESTRICT a, long M, long Hd, long Dm, const int pair)
-{
-    if (pair) {
-#define LAYER1(k, kb, first, last)                                                                                    \
-    layer1_block(q.record, xg, q.ds, buf, q.w1, q2.record, q2.ds, q2.w1, Hd, M, Dm, kb, 1, 1, 1)
-        BLOCK_SWITCH(Hd, LAYER1, 0, 1, 1, FORWARD_KBLOCK, BLOCK_CASES_NONE)
-#undef LAYER1
-        second_layer(y2, q2.record, q2.b1, q2.w2, q2.b2, a, Hd, Dm);
-    } else {
-#define LAYER1(k, kb, first, last)                                                                                    \
-    layer1_block(q.record + (k), xg, q.ds, buf, q.w1 + (k), NULL, NULL, NULL, Hd, M, Dm, kb, first, last, 0)
-        FOR_FORWARD_BLOCKS(Hd, LAYER1)
-#undef LAYER1
-    }
-    second_layer(y, q.record, q.b1, q.w2, q.b2, a, Hd, Dm);
 }
 
 /* ---- layouts ------------------------------------------------------------------------------------------------ */
@@ -371,50 +383,135 @@ INLINE int slot_idle(const vec *RESTRICT cs, long M)
     return 1;
 }
 
-/* The slots of one group, outputs to og; the group's saved records (W vectors per slot: Hd pre-activations, then
- * with keep its Dm slot outputs) to sg. Without keep the outputs of up to SPREAD_SLOTS slots wait in ys until they
- * are combined. pairs: slots two at a time (Hd <= PAIR_MAX_HIDDEN); a constant, so that the code of the others has
- * no trace of it (with the choice made per slot, one slot at a time took 1.02-1.05x the time at hidden 3-24).
- * skip_idle (for a call without a backward pass, and so without keep): slots idle in the whole group (slot_idle; of
- * a pair, one alone) are neither run nor combined, their records left unwritten: Algorithm 1's unselected experts
- * cost nothing where no input of the group keeps them. */
-INLINE void forward_group(vec *RESTRICT og, vec *RESTRICT sg, const vec *RESTRICT xg, const float *dispatch,
-                          const float *combine, group_t grp, const float *w1, const float *b1, const float *w2,
-                          const float *b2, vec *RESTRICT buf, vec *RESTRICT a, vec *RESTRICT ds, vec *RESTRICT cs,
-                          vec *RESTRICT ys, long M, long S, long P, long Hd, long Dm, long W, int keep, int skip_idle,
-                          const int pairs)
+/* A group of lanes in the forward pass: its outputs og, its saved records sg and its scratch: token vectors xg, a
+ * slot vector buf, activations a, a chunk's routing weights ds and cs, outputs waiting to be combined ys; the
+ * slots waiting (pending, their combine weights coef, the first one's outputs at waiting). */
+typedef struct {
+    group_t grp;
+    vec *og, *sg, *xg, *buf, *a, *ds, *cs, *ys, *waiting;
+    long pending;
+    vec coef[SPREAD_SLOTS * MAX_TOKENS];
+} lanes_t;
+
+/* Scratch vectors of one lanes_t */
+INLINE long lanes_scratch(long M, long Hd, long Dm) { return (2 * M + 1 + SPREAD_SLOTS) * Dm + Hd + 2 * SLOT_CHUNK * M; }
+
+INLINE lanes_t lanes_at(vec *scratch, long M, long Hd, long Dm)
 {
-    vec coef[SPREAD_SLOTS * MAX_TOKENS]; /* the combine weights of the slots waiting to be combined */
-    memset(og, 0, M * Dm * sizeof(vec));
+    lanes_t L;
+    L.xg = scratch, L.og = L.xg + M * Dm, L.buf = L.og + M * Dm, L.a = L.buf + Dm, L.ds = L.a + Hd;
+    L.cs = L.ds + SLOT_CHUNK * M, L.ys = L.cs + SLOT_CHUNK * M;
+    return L;
+}
+
+/* A slot to run for a group of lanes: its data, its outputs' place y, whether it is idle there (not run). */
+typedef struct {
+    lanes_t *L;
+    slot_t q;
+    vec *y;
+    int idle;
+} run_t;
+
+/* nr (1 or 2) runs together: dispatch and both expert layers, the outputs to r[i].y, the pre-activations to the
+ * records. Two runs are two slots of one group (share = SHARE_TOKENS: hidden <= PAIR_MAX_HIDDEN, one block) or one
+ * slot of two groups (SHARE_WEIGHTS). */
+INLINE void forward_runs(const run_t *r, const int nr, const int share, long M, long Hd, long Dm)
+{
+    const vec *xg[2], *ds[2];
+    vec *y[2], *h[2], *keep[2], *a[2];
+    const float *w1[2];
+    for (int i = 0; i < nr; i++) {
+        xg[i] = r[i].L->xg, ds[i] = r[i].q.ds, y[i] = r[i].y, h[i] = r[i].q.record, keep[i] = r[i].L->buf;
+        a[i] = r[i].L->a, w1[i] = r[i].q.w1;
+    }
+    if (nr == 2 && share == SHARE_TOKENS) {
+#define LAYER1(k, kb, first, last)                                                                                    \
+    layer1_block(h[0], h[1], xg[0], xg[0], ds[0], ds[1], keep[0], keep[0], w1[0], w1[1], 0, Hd, M, Dm, kb, 1, 1, 2,        \
+                 SHARE_TOKENS)
+        BLOCK_SWITCH(Hd, LAYER1, 0, 1, 1, FORWARD_KBLOCK, BLOCK_CASES_NONE)
+#undef LAYER1
+        for (int i = 0; i < 2; i++) second_layer(y + i, h + i, r[i].q.b1, r[i].q.w2, r[i].q.b2, a + i, Hd, Dm, 1);
+    } else {
+#define LAYER1(k, kb, first, last)                                                                                    \
+    layer1_block(h[0], h[nr - 1], xg[0], xg[nr - 1], ds[0], ds[nr - 1], keep[0], keep[nr - 1], w1[0], w1[0], k, Hd, M,  \
+                 Dm, kb, first, last, nr, SHARE_WEIGHTS)
+        FOR_BLOCKS_OF(Hd, LAYER1, FORWARD_KBLOCK_OF(nr), BLOCK_CASES_NONE)
+#undef LAYER1
+        second_layer(y, h, r[0].q.b1, r[0].q.w2, r[0].q.b2, a, Hd, Dm, nr);
+    }
+}
+
+/* The slots of ng (1 or 2, FORWARD_GROUPS) groups L[i], outputs to L[i].og, saved records (W vectors per slot: Hd
+ * pre-activations, then with keep its Dm slot outputs) to L[i].sg; each slot runs for the groups side by side.
+ * Without keep the outputs of up to SPREAD_SLOTS slots wait in ys until they are combined. pairs (one group): slots
+ * two at a time (Hd <= PAIR_MAX_HIDDEN); a constant, so that the code of the others has no trace of it (with the
+ * choice made per slot, one slot at a time took 1.02-1.05x the time at hidden 3-24). skip_idle (for a call without
+ * a backward pass, and so without keep): a slot idle in a group (slot_idle; of a pair, one alone) is neither run nor
+ * combined there, its records left unwritten: Algorithm 1's unselected experts cost nothing where no input of the
+ * group keeps them. */
+INLINE void forward_groups(lanes_t *L, const int ng, const float *dispatch, const float *combine, const float *w1,
+                           const float *b1, const float *w2, const float *b2, long M, long S, long P, long Hd, long Dm,
+                           long W, int keep, int skip_idle, const int pairs)
+{
+    for (int i = 0; i < ng; i++) memset(L[i].og, 0, M * Dm * sizeof(vec));
     for (long s0 = 0; s0 < S; s0 += SLOT_CHUNK) {
         const long count = S - s0 < SLOT_CHUNK ? S - s0 : SLOT_CHUNK;
-        vec *records = sg + s0 * W, *waiting = ys; /* with keep: the first waiting slot's outputs */
-        long pending = 0;
-        gather_slots(ds, dispatch, grp, s0, count, M, S);
-        gather_slots(cs, combine, grp, s0, count, M, S);
+        for (int i = 0; i < ng; i++) {
+            gather_slots(L[i].ds, dispatch, L[i].grp, s0, count, M, S);
+            gather_slots(L[i].cs, combine, L[i].grp, s0, count, M, S);
+            L[i].pending = 0, L[i].waiting = L[i].ys; /* with keep: the first waiting slot's outputs */
+        }
         for (long s = s0; s < s0 + count; s++) {
-            const int pair = pairs && pending + 2 <= SPREAD_SLOTS && s + 1 < s0 + count;
-            const slot_t q = slot_at(s, s0, P, M, Hd, Dm, W, w1, b1, w2, b2, ds, cs, records);
-            const slot_t q2 = pair ? slot_at(s + 1, s0, P, M, Hd, Dm, W, w1, b1, w2, b2, ds, cs, records) : q;
-            const int idle = skip_idle && slot_idle(q.cs, M), idle2 = pair && skip_idle && slot_idle(q2.cs, M);
-            vec *y = keep ? q.record + Hd : ys + pending * Dm;
-            vec *y2 = keep ? q2.record + Hd : ys + (pending + !idle) * Dm;
-            if (keep && pending == 0) waiting = y;
-            if (pair && !idle && !idle2) {
-                forward_slots(y, y2, q, q2, xg, buf, a, M, Hd, Dm, 1);
+            const int pair = pairs && L[0].pending + 2 <= SPREAD_SLOTS && s + 1 < s0 + count, nr = pair ? 2 : ng;
+            run_t r[2];
+            for (int i = 0; i < nr; i++) {
+                lanes_t *Li = &L[pair ? 0 : i];
+                r[i].L = Li;
+                r[i].q = slot_at(s + (pair ? i : 0), s0, P, M, Hd, Dm, W, w1, b1, w2, b2, Li->ds, Li->cs,
+                                 Li->sg + s0 * W);
+                r[i].idle = skip_idle && slot_idle(r[i].q.cs, M);
+                r[i].y = keep ? r[i].q.record + Hd : Li->ys + (Li->pending + (pair && i == 1 && !r[0].idle)) * Dm;
+            }
+            if (nr == 2 && !r[0].idle && !r[1].idle) {
+                forward_runs(r, 2, pairs ? SHARE_TOKENS : SHARE_WEIGHTS, M, Hd, Dm); /* pairs: nr == 2 only for a pair */
             } else {
-                if (!idle) forward_slots(y, y, q, q, xg, buf, a, M, Hd, Dm, 0);
-                if (pair && !idle2) forward_slots(y2, y2, q2, q2, xg, buf, a, M, Hd, Dm, 0);
+                for (int i = 0; i < nr; i++)
+                    if (!r[i].idle) forward_runs(r + i, 1, SHARE_WEIGHTS, M, Hd, Dm);
             }
-            if (!idle) memcpy(coef + pending++ * M, q.cs, M * sizeof(vec));
-            if (pair && !idle2) memcpy(coef + pending++ * M, q2.cs, M * sizeof(vec));
+            for (int i = 0; i < nr; i++) {
+                lanes_t *Li = r[i].L;
+                if (r[i].idle) continue;
+                if (keep && Li->pending == 0) Li->waiting = r[i].y;
+                memcpy(Li->coef + Li->pending++ * M, r[i].q.cs, M * sizeof(vec));
+            }
             s += pair;
-            if (pending == SPREAD_SLOTS || (pending && s == s0 + count - 1)) {
-                spread_pending(og, coef, waiting, keep ? W : Dm, pending, M, Dm);
-                pending = 0;
-            }
+            for (int i = 0; i < ng; i++)
+                if (L[i].pending == SPREAD_SLOTS || (L[i].pending && s == s0 + count - 1)) {
+                    spread_pending(L[i].og, L[i].coef, L[i].waiting, keep ? W : Dm, L[i].pending, M, Dm);
+                    L[i].pending = 0;
+                }
         }
     }
+}
+
+/* forward_groups for ng groups with the token count M = 4 a constant where it is 4. */
+static void forward_groups_of(lanes_t *L, int ng, const float *dispatch, const float *combine, const float *w1,
+                              const float *b1, const float *w2, const float *b2, long M, long S, long P, long Hd,
+                              long Dm, long W, int keep, int skip_idle)
+{
+#define FORWARD(ng, M, pairs)                                                                                         \
+    forward_groups(L, ng, dispatch, combine, w1, b1, w2, b2, M, S, P, Hd, Dm, W, keep, skip_idle, pairs)
+    if (ng == 2 && M == 4)
+        FORWARD(2, 4, 0);
+    else if (ng == 2)
+        FORWARD(2, M, 0);
+    else if (PAIR_MAX_HIDDEN > 0 && M == 4 && Hd <= PAIR_MAX_HIDDEN)
+        FORWARD(1, 4, 1);
+    else if (M == 4)
+        FORWARD(1, 4, 0);
+    else
+        FORWARD(1, M, 0);
+#undef FORWARD
 }
 
 /* x, out (B, M, Dm); dispatch, combine (B, M, S); saved (G, S, W, LANES) with G = ceil(B / LANES) and W = Hd
@@ -422,10 +519,11 @@ INLINE void forward_group(vec *RESTRICT og, vec *RESTRICT sg, const vec *RESTRIC
  * backward pass reads them instead of running the second layer again), lane l of group g for input LANES * g + l
  * (with order: order[LANES * g + l]).
  * Weights as the layer holds them: w1 (n, Dm, Hd), b1 (n, Hd), w2 (n, Hd, Dm), b2 (n, Dm); b1 and b2 may be NULL.
- * skip_idle: the slots whose combine weights are zero for every input of a group are not run there (forward_group;
+ * skip_idle: the slots whose combine weights are zero for every input of a group are not run there (forward_groups;
  * saved then holds no record of them: for calls without a backward pass). order (the input indices, or NULL for the
- * inputs as they come): the inputs in the order they are grouped in, LANES at a time (saved's groups too). Returns
- * 0, or 1 when M is outside 1..MAX_TOKENS (nothing is written then). */
+ * inputs as they come): the inputs in the order they are grouped in, LANES at a time (saved's groups too). Each
+ * thread runs its groups FORWARD_GROUPS at a time. Returns 0, or 1 when M is outside 1..MAX_TOKENS (nothing is
+ * written then). */
 int soft_moe_small_forward(const float *x, const float *dispatch, const float *combine, const float *w1,
                            const float *b1, const float *w2, const float *b2, float *out, float *saved, long B,
                            long M, long S, long P, long Hd, long Dm, int keep, int skip_idle, const long *order,
@@ -438,28 +536,20 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
-        const long buffer = (2 * M + 1 + SPREAD_SLOTS) * Dm + Hd + 2 * SLOT_CHUNK * M;
-        vec *xg = (vec *)softmoe_scratch(0, buffer * sizeof(vec));
-        vec *og = xg + M * Dm, *buf = og + M * Dm, *a = buf + Dm, *ds = a + Hd, *cs = ds + SLOT_CHUNK * M;
-        vec *ys = cs + SLOT_CHUNK * M;
-        const long t = omp_get_thread_num(), count = omp_get_num_threads();
-        for (long g = G * t / count; g < G * (t + 1) / count; g++) {
-            const group_t grp = group_of(g, B, order);
-            vec *sg = (vec *)saved + g * S * W;
-            gather_rows(xg, x, grp, M * Dm);
-#if PAIR_MAX_HIDDEN > 0
-            if (M == 4 && Hd <= PAIR_MAX_HIDDEN)
-                forward_group(og, sg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, ds, cs, ys, 4, S, P, Hd, Dm,
-                              W, keep, skip_idle, 1);
-            else
-#endif
-            if (M == 4)
-                forward_group(og, sg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, ds, cs, ys, 4, S, P, Hd, Dm,
-                              W, keep, skip_idle, 0);
-            else
-                forward_group(og, sg, xg, dispatch, combine, grp, w1, b1, w2, b2, buf, a, ds, cs, ys, M, S, P, Hd, Dm,
-                              W, keep, skip_idle, 0);
-            scatter_rows(out, og, grp, M * Dm);
+        const long each = lanes_scratch(M, Hd, Dm);
+        vec *scratch = (vec *)softmoe_scratch(0, FORWARD_GROUPS * each * sizeof(vec));
+        lanes_t L[FORWARD_GROUPS];
+        for (int i = 0; i < FORWARD_GROUPS; i++) L[i] = lanes_at(scratch + i * each, M, Hd, Dm);
+        const long t = omp_get_thread_num(), count = omp_get_num_threads(), end = G * (t + 1) / count;
+        for (long g = G * t / count; g < end; g += FORWARD_GROUPS) {
+            const int ng = end - g < FORWARD_GROUPS ? (int)(end - g) : FORWARD_GROUPS;
+            for (int i = 0; i < ng; i++) {
+                L[i].grp = group_of(g + i, B, order);
+                L[i].sg = (vec *)saved + (g + i) * S * W;
+                gather_rows(L[i].xg, x, L[i].grp, M * Dm);
+            }
+            forward_groups_of(L, ng, dispatch, combine, w1, b1, w2, b2, M, S, P, Hd, Dm, W, keep, skip_idle);
+            for (int i = 0; i < ng; i++) scatter_rows(out, L[i].og, L[i].grp, M * Dm);
         }
         softmoe_scratch_release(0);
     }
