@@ -62,7 +62,9 @@ def random_inputs(batch, tokens, dim, experts, slots_per_expert, hidden, bias, s
 # as outer products (hidden >= 16; with AVX2 from 12, where AVX-512 still sums lanes) with a partial tile of units
 # (17), dim chunks of every width plus a tail (70),
 # a second block of one partial group (83 inputs); slots two at a time (4 tokens, hidden <= 6, AVX-512) with an odd
-# number of slots (the last one alone), and pairs within one expert and across two (3 slots per expert).
+# number of slots (the last one alone), and pairs within one expert and across two (3 slots per expert); two groups
+# side by side in the backward pass (AVX2, from 20 hidden units) with 3 tokens and blocks of units plus a tail, a block
+# of groups of two pairs and one of a group alone (41 inputs), and at 20 units with a partial last group (27).
 SHAPES = [
     (37, 4, 20, 6, 1, 2),
     (64, 4, 21, 2, 1, MIXING_MAX_WEIGHT_BYTES_PER_LANE * 16 // (8 * 21)),
@@ -78,6 +80,8 @@ SHAPES = [
     (1, 4, 20, 9, 1, 7),  # fewer inputs than threads: the pairs split across them
     (2, 4, 13, 6, 2, 5),
     (45, 4, 26, 3, 1, 12),
+    (41, 3, 18, 3, 1, 23),
+    (27, 4, 15, 2, 2, 20),
 ]
 
 
@@ -220,7 +224,6 @@ def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):
     assert soft_moe_mixing(x.requires_grad_(), *inputs[1:], kept_combine=True).isnan().all()
 
 
-@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore:`torch.jit:DeprecationWarning")
 @pytest.mark.parametrize("threads", [1], indirect=True)
 def test_groups_run_side_by_side_only_where_both_keep_the_slot(isa, threads):
     """The forward pass runs two groups of lanes side by side with AVX2 (each weight broadcast once for both). 16
@@ -244,6 +247,7 @@ def test_groups_run_side_by_side_only_where_both_keep_the_slot(isa, threads):
         assert relative_error(out[~users], want) < 1e-5
 
 
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore:`torch.jit:DeprecationWarning")
 def test_nothing_that_watches_the_ops_is_bypassed(library):
     """The direct call, and the direct autograd Functions, are refused under torch.jit.trace, forward-mode AD and
     for tensor subclasses with their own __torch_function__ (the Functions under autocast too): a trace made under

@@ -94,6 +94,18 @@ namespace SOFTMOE_NS {
 #define PAIR_MAX_HIDDEN 0
 #endif
 #define GROUP_BLOCK 4  /* groups whose slot vectors and gradients a thread keeps while it runs through its experts */
+/* Groups of a block whose slot the backward pass runs side by side, each weight broadcast once for both, from
+ * BACKWARD_GROUPS_MIN_HIDDEN hidden units, and hidden units per register block then: with AVX2 two, 6 units (as the
+ * forward pass, FORWARD_GROUPS). Measured against one group at a time (the MNIST layer's mixing op backward, AMD EPYC
+ * Zen 4, AVX2, one process): 0.84-0.90x the time at hidden 98-392 (outputs kept), 0.92-0.98x at 20-49, but 1.02-1.09x
+ * at 12-16 and 1.29x at 3, where the second layer's products, a and the output sums of two groups, spill. */
+#if LANES == 8
+#define BACKWARD_GROUPS 2
+#else
+#define BACKWARD_GROUPS 1
+#endif
+#define BACKWARD_GROUPS_MIN_HIDDEN 20
+#define BACKWARD_KBLOCK_OF(two) ((two) ? 6 : KBLOCK)
 #define INLINE static inline __attribute__((always_inline))
 #define RESTRICT __restrict__ /* C's restrict */
 
@@ -827,108 +839,129 @@ void soft_moe_small_forward_rows(const float *x, const float *dispatch, const fl
  * in `gy` on the first block, read after), gpre[kk] = gy . w2[kk] over d, and gcs[t] = gog[t] . y over d: with the
  * slot's outputs kept by the forward pass (kept, keep = 1) on the first block; otherwise on the last, y = (b2 +)
  * sum_kk a[kk] w2[kk] summed up in `y` block by block (the output gradients read twice per slot, not once per
- * block). With pair (one block, outputs not kept) the same for a second slot: gcs2, gpre2, gy2, cs2, a2, w22, b22. */
+ * block). With two the same for a second slot (its ...2 arguments): of the same group (share = SHARE_TOKENS: one
+ * block, outputs not kept; gog2 is gog) or the same slot of another group (SHARE_WEIGHTS: w22 and b22 are w2 and
+ * b2, each weight loaded and broadcast once for both). */
 INLINE void layer2_back_block(vec *RESTRICT gcs, vec *RESTRICT gpre, vec *RESTRICT gy, vec *RESTRICT y,
                               const vec *RESTRICT kept, const vec *RESTRICT gog, const vec *RESTRICT cs,
                               const vec *RESTRICT a, const float *RESTRICT w2, const float *RESTRICT b2,
-                              vec *RESTRICT gcs2, vec *RESTRICT gpre2, vec *RESTRICT gy2, const vec *RESTRICT cs2,
+                              vec *RESTRICT gcs2, vec *RESTRICT gpre2, vec *RESTRICT gy2, vec *RESTRICT y2,
+                              const vec *RESTRICT kept2, const vec *RESTRICT gog2, const vec *RESTRICT cs2,
                               const vec *RESTRICT a2, const float *RESTRICT w22, const float *RESTRICT b22, long M,
-                              long Dm, const int kb, const int first, const int last, const int keep, const int pair)
+                              long Dm, const int kb, const int first, const int last, const int keep, const int two,
+                              const int share)
 {
+    const vec *RESTRICT go2 = share == SHARE_TOKENS ? gog : gog2;
     vec acc[KBLOCK] = {{0}}, av[KBLOCK], csv[MAX_TOKENS], gc[MAX_TOKENS];
     vec acc2[KBLOCK] = {{0}}, av2[KBLOCK], csv2[MAX_TOKENS], gc2[MAX_TOKENS];
-    for (int kk = 0; kk < kb; kk++) av[kk] = a[kk], av2[kk] = pair ? a2[kk] : vec{};
-    for (long t = 0; t < M; t++) csv[t] = cs[t], gc[t] = vec{}, csv2[t] = pair ? cs2[t] : vec{}, gc2[t] = vec{};
+    for (int kk = 0; kk < kb; kk++) av[kk] = a[kk], av2[kk] = two ? a2[kk] : vec{};
+    for (long t = 0; t < M; t++) csv[t] = cs[t], gc[t] = vec{}, csv2[t] = two ? cs2[t] : vec{}, gc2[t] = vec{};
     for (long d = 0; d < Dm; d++) {
         vec g, g2 = {0};
         if (first) {
             g = csv[0] * gog[d];
-            if (pair) g2 = csv2[0] * gog[d];
+            if (two) g2 = csv2[0] * go2[d];
             for (long t = 1; t < M; t++) {
                 g += csv[t] * gog[t * Dm + d];
-                if (pair) g2 += csv2[t] * gog[t * Dm + d];
+                if (two) g2 += csv2[t] * go2[t * Dm + d];
             }
             gy[d] = g;
-            if (pair) gy2[d] = g2;
+            if (two) gy2[d] = g2;
         } else {
             g = gy[d];
+            if (two) g2 = gy2[d];
         }
         if (keep) {
-            for (int kk = 0; kk < kb; kk++) acc[kk] += g * w2[kk * Dm + d];
+            for (int kk = 0; kk < kb; kk++) {
+                const float w = w2[kk * Dm + d];
+                acc[kk] += g * w;
+                if (two) acc2[kk] += g2 * (share == SHARE_WEIGHTS ? w : w22[kk * Dm + d]);
+            }
             if (first)
-                for (long t = 0; t < M; t++) gc[t] += gog[t * Dm + d] * kept[d];
+                for (long t = 0; t < M; t++) {
+                    gc[t] += gog[t * Dm + d] * kept[d];
+                    if (two) gc2[t] += go2[t * Dm + d] * kept2[d];
+                }
             continue;
         }
-        vec v = first ? splat(b2 ? b2[d] : 0.0f) : y[d], v2 = splat(pair && b22 ? b22[d] : 0.0f);
+        vec v = first ? splat(b2 ? b2[d] : 0.0f) : y[d];
+        vec v2 = two ? (first ? splat(b22 ? b22[d] : 0.0f) : y2[d]) : vec{};
         for (int kk = 0; kk < kb; kk++) {
             const float w = w2[kk * Dm + d];
             v += av[kk] * w;
             acc[kk] += g * w;
-            if (pair) {
-                const float w_2 = w22[kk * Dm + d];
+            if (two) {
+                const float w_2 = share == SHARE_WEIGHTS ? w : w22[kk * Dm + d];
                 v2 += av2[kk] * w_2;
                 acc2[kk] += g2 * w_2;
             }
         }
-        if (last)
+        if (last) {
             for (long t = 0; t < M; t++) {
                 gc[t] += gog[t * Dm + d] * v;
-                if (pair) gc2[t] += gog[t * Dm + d] * v2;
+                if (two) gc2[t] += go2[t * Dm + d] * v2;
             }
-        else
+        } else {
             y[d] = v;
+            if (two) y2[d] = v2;
+        }
     }
-    for (int kk = 0; kk < kb; kk++) gpre[kk] = acc[kk];
+    for (int kk = 0; kk < kb; kk++) {
+        gpre[kk] = acc[kk];
+        if (two) gpre2[kk] = acc2[kk];
+    }
     if (keep ? first : last)
-        for (long t = 0; t < M; t++) gcs[t] = gc[t];
-    if (pair) {
-        for (int kk = 0; kk < kb; kk++) gpre2[kk] = acc2[kk];
-        for (long t = 0; t < M; t++) gcs2[t] = gc2[t];
-    }
+        for (long t = 0; t < M; t++) {
+            gcs[t] = gc[t];
+            if (two) gcs2[t] = gc2[t];
+        }
 }
 
 /* Through the first layer, one block of hidden units: gslot (+)= sum_kk gpre[kk] w1[., kk]; the first block also
  * computes slot = sum_t ds[t] xg[t] into `slot`, the last one gds[t] = xg[t] . gslot (the tokens' share,
- * ds[t] gslot, is added later by spread_pending). With pair (one block) the same for a second slot: gds2, slot2,
- * gslot2, ds2, gpre2, w12. */
+ * ds[t] gslot, is added later by spread_pending). With two the same for a second slot (its ...2 arguments), as in
+ * layer2_back_block: share = SHARE_TOKENS (one block; xg2 is xg) or SHARE_WEIGHTS (w12 is w1). */
 INLINE void layer1_back_block(vec *RESTRICT gds, vec *RESTRICT slot, vec *RESTRICT gslot,
                               const vec *RESTRICT xg, const vec *RESTRICT ds, const vec *RESTRICT gpre,
                               const float *RESTRICT w1, vec *RESTRICT gds2, vec *RESTRICT slot2,
-                              vec *RESTRICT gslot2, const vec *RESTRICT ds2, const vec *RESTRICT gpre2,
-                              const float *RESTRICT w12, long Hd, long M, long Dm, const int kb, const int first,
-                              const int last, const int pair)
+                              vec *RESTRICT gslot2, const vec *RESTRICT xg2, const vec *RESTRICT ds2,
+                              const vec *RESTRICT gpre2, const float *RESTRICT w12, long Hd, long M, long Dm,
+                              const int kb, const int first, const int last, const int two, const int share)
 {
+    const vec *RESTRICT x2 = share == SHARE_TOKENS ? xg : xg2;
     vec gp[KBLOCK], dsv[MAX_TOKENS], gd[MAX_TOKENS], gp2[KBLOCK], dsv2[MAX_TOKENS], gd2[MAX_TOKENS];
-    for (int kk = 0; kk < kb; kk++) gp[kk] = gpre[kk], gp2[kk] = pair ? gpre2[kk] : vec{};
-    for (long t = 0; t < M; t++) dsv[t] = ds[t], gd[t] = vec{}, dsv2[t] = pair ? ds2[t] : vec{}, gd2[t] = vec{};
+    for (int kk = 0; kk < kb; kk++) gp[kk] = gpre[kk], gp2[kk] = two ? gpre2[kk] : vec{};
+    for (long t = 0; t < M; t++) dsv[t] = ds[t], gd[t] = vec{}, dsv2[t] = two ? ds2[t] : vec{}, gd2[t] = vec{};
     for (long d = 0; d < Dm; d++) {
         if (first) {
             vec sv = dsv[0] * xg[d], sv2 = {0};
-            if (pair) sv2 = dsv2[0] * xg[d];
+            if (two) sv2 = dsv2[0] * x2[d];
             for (long t = 1; t < M; t++) {
                 sv += dsv[t] * xg[t * Dm + d];
-                if (pair) sv2 += dsv2[t] * xg[t * Dm + d];
+                if (two) sv2 += dsv2[t] * x2[t * Dm + d];
             }
             slot[d] = sv;
-            if (pair) slot2[d] = sv2;
+            if (two) slot2[d] = sv2;
         }
-        vec g = first ? vec{} : gslot[d], g2 = {0};
+        vec g = first ? vec{} : gslot[d], g2 = two && !first ? gslot2[d] : vec{};
         for (int kk = 0; kk < kb; kk++) {
-            g += gp[kk] * w1[d * Hd + kk];
-            if (pair) g2 += gp2[kk] * w12[d * Hd + kk];
+            const float w = w1[d * Hd + kk];
+            g += gp[kk] * w;
+            if (two) g2 += gp2[kk] * (share == SHARE_WEIGHTS ? w : w12[d * Hd + kk]);
         }
         if (last)
             for (long t = 0; t < M; t++) {
                 gd[t] += xg[t * Dm + d] * g;
-                if (pair) gd2[t] += xg[t * Dm + d] * g2;
+                if (two) gd2[t] += x2[t * Dm + d] * g2;
             }
         gslot[d] = g;
-        if (pair) gslot2[d] = g2;
+        if (two) gslot2[d] = g2;
     }
     if (last)
-        for (long t = 0; t < M; t++) gds[t] = gd[t];
-    if (pair)
-        for (long t = 0; t < M; t++) gds2[t] = gd2[t];
+        for (long t = 0; t < M; t++) {
+            gds[t] = gd[t];
+            if (two) gds2[t] = gd2[t];
+        }
 }
 
 /* Where the backward pass of one slot of a group leaves its results: the gradients of its routing weights (gcs, gds:
@@ -939,48 +972,46 @@ typedef struct {
 } slot_grads_t;
 
 /* One slot of one group, backward, from its saved record q.record (pre-activations, then with keep the slot's
- * outputs), into o; with pair (hidden <= PAIR_MAX_HIDDEN, outputs not kept) a second slot too, q2 into o2. */
+ * outputs), with the group's output gradients gog and tokens xg, into o; with two a second one too, q2 into o2: the
+ * next slot of the group (share = SHARE_TOKENS: hidden <= PAIR_MAX_HIDDEN, outputs not kept; gog2, xg2 are gog, xg)
+ * or the same slot of another group (SHARE_WEIGHTS), in blocks of BACKWARD_KBLOCK_OF(two) hidden units. */
 INLINE void backward_slots(slot_t q, slot_grads_t o, slot_t q2, slot_grads_t o2, const vec *RESTRICT gog,
-                           const vec *RESTRICT xg, long M, long Hd, long Dm, int keep, const int pair)
+                           const vec *RESTRICT xg, const vec *RESTRICT gog2, const vec *RESTRICT xg2, long M,
+                           long Hd, long Dm, int keep, const int two, const int share)
 {
     const vec *RESTRICT ps = q.record, *RESTRICT ps2 = q2.record;
     vec *RESTRICT a = o.a, *RESTRICT a2 = o2.a, *RESTRICT gpre = o.gpre, *RESTRICT gpre2 = o2.gpre;
     for (long k = 0; k < Hd; k++) a[k] = relu(ps[k]);
-    if (pair)
+    if (two)
         for (long k = 0; k < Hd; k++) a2[k] = relu(ps2[k]);
-#define LAYER2(k, kb, first, last, keep, pair)                                                                        \
+#define LAYER2(k, kb, first, last, keep)                                                                              \
     layer2_back_block(o.gcs, o.gpre + (k), o.gy, o.slot, ps + Hd, gog, q.cs, o.a + (k), q.w2 + (k) * Dm, q.b2, o2.gcs, \
-                      o2.gpre, o2.gy, q2.cs, o2.a, q2.w2, q2.b2, M, Dm, kb, first, last, keep, pair)
-#define LAYER2_PAIR(k, kb, first, last) LAYER2(k, kb, first, last, 0, 1)
-#define LAYER2_KEPT(k, kb, first, last) LAYER2(k, kb, first, last, 1, 0)
-#define LAYER2_ALONE(k, kb, first, last) LAYER2(k, kb, first, last, 0, 0)
-    if (pair) {
-        BLOCK_SWITCH(Hd, LAYER2_PAIR, 0, 1, 1, KBLOCK, BLOCK_CASES_WIDE)
+                      o2.gpre + (k), o2.gy, o2.slot, ps2 + Hd, gog2, q2.cs, o2.a + (k), q2.w2 + (k) * Dm, q2.b2, M,   \
+                      Dm, kb, first, last, keep, two, share)
+#define LAYER2_KEPT(k, kb, first, last) LAYER2(k, kb, first, last, 1)
+#define LAYER2_ALONE(k, kb, first, last) LAYER2(k, kb, first, last, 0)
+    if (two && share == SHARE_TOKENS) {
+        BLOCK_SWITCH(Hd, LAYER2_ALONE, 0, 1, 1, KBLOCK, BLOCK_CASES_WIDE)
     } else if (keep) {
-        FOR_BLOCKS(Hd, LAYER2_KEPT)
+        FOR_BLOCKS_OF(Hd, LAYER2_KEPT, BACKWARD_KBLOCK_OF(two), BLOCK_CASES_WIDE)
     } else {
-        FOR_BLOCKS(Hd, LAYER2_ALONE)
+        FOR_BLOCKS_OF(Hd, LAYER2_ALONE, BACKWARD_KBLOCK_OF(two), BLOCK_CASES_WIDE)
     }
 #undef LAYER2
-#undef LAYER2_PAIR
 #undef LAYER2_KEPT
 #undef LAYER2_ALONE
     for (long k = 0; k < Hd; k++) gpre[k] *= relu_slope(ps[k]);
-    if (pair)
+    if (two)
         for (long k = 0; k < Hd; k++) gpre2[k] *= relu_slope(ps2[k]);
-#define LAYER1(k, kb, first, last, pair)                                                                              \
-    layer1_back_block(o.gds, o.slot, o.gslot, xg, q.ds, o.gpre + (k), q.w1 + (k), o2.gds, o2.slot, o2.gslot, q2.ds,   \
-                      o2.gpre, q2.w1, Hd, M, Dm, kb, first, last, pair)
-#define LAYER1_PAIR(k, kb, first, last) LAYER1(k, kb, first, last, 1)
-#define LAYER1_ALONE(k, kb, first, last) LAYER1(k, kb, first, last, 0)
-    if (pair) {
-        BLOCK_SWITCH(Hd, LAYER1_PAIR, 0, 1, 1, KBLOCK, BLOCK_CASES_WIDE)
+#define LAYER1(k, kb, first, last)                                                                                    \
+    layer1_back_block(o.gds, o.slot, o.gslot, xg, q.ds, o.gpre + (k), q.w1 + (k), o2.gds, o2.slot, o2.gslot, xg2,     \
+                      q2.ds, o2.gpre + (k), q2.w1 + (k), Hd, M, Dm, kb, first, last, two, share)
+    if (two && share == SHARE_TOKENS) {
+        BLOCK_SWITCH(Hd, LAYER1, 0, 1, 1, KBLOCK, BLOCK_CASES_WIDE)
     } else {
-        FOR_BLOCKS(Hd, LAYER1_ALONE)
+        FOR_BLOCKS_OF(Hd, LAYER1, BACKWARD_KBLOCK_OF(two), BLOCK_CASES_WIDE)
     }
 #undef LAYER1
-#undef LAYER1_PAIR
-#undef LAYER1_ALONE
 }
 
 /* ---- weight gradients -------------------------------------------------------------------------------------- */
@@ -1164,12 +1195,14 @@ static void add_weight_grads(float *gw1t, float *gb1, float *gw2, float *gb2, lo
 
 /* One thread's share of soft_moe_small_backward (arguments as there, with n = S / P experts, G groups, MD = M * Dm,
  * ld = Dm rounded up to whole vectors and W the record's width). pairs: slots two at a time where they may be (outputs
- * not kept, 4 tokens, Hd <= PAIR_MAX_HIDDEN); a constant, so that the code of the others has no trace of it. */
+ * not kept, 4 tokens, Hd <= PAIR_MAX_HIDDEN); groups: 1, or 2 to run two groups side by side (BACKWARD_GROUPS); both
+ * constants, so that the code of the others has no trace of them. */
 INLINE void backward_thread(const float *grad_out, const float *x, const float *dispatch, const float *combine,
                             const float *w1, const float *w2, const float *b2, const float *saved, float *grad_x,
                             float **partials, float *grad_dispatch, float *grad_combine, float *grad_w1,
                             float *grad_b1, float *grad_w2, float *grad_b2, long B, long M, long S, long P, long Hd,
-                            long Dm, int keep, long n, long G, long MD, long ld, long W, const int pairs)
+                            long Dm, int keep, long n, long G, long MD, long ld, long W, const int pairs,
+                            const int groups)
 {
     const long t = omp_get_thread_num(), count = omp_get_num_threads();
     const long first = n * t / count, last = n * (t + 1) / count;
@@ -1211,26 +1244,49 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
             for (long s = s0; s < s0 + count; s++) {
                 const long at = (s - s0) * M, pending = (s - s0) % SPREAD_SLOTS;
                 const int pair = pairs && pending % 2 == 0 && s + 1 < s0 + count;
-                for (long gi = 0; gi < ng; gi++) {
-                    vec *records = (vec *)saved + ((g0 + gi) * S + s0) * W;
-                    vec *spread = gslots + gi * SPREAD_SLOTS * Dm;
-                    const vec *dsi = ds + gi * chunk, *csi = cs + gi * chunk;
-                    const slot_t q = slot_at(s, s0, P, M, Hd, Dm, W, w1, NULL, w2, b2, dsi, csi, records);
-                    const slot_t q2 =
-                        pair ? slot_at(s + 1, s0, P, M, Hd, Dm, W, w1, NULL, w2, b2, dsi, csi, records) : q;
-                    const slot_grads_t o = {gcs_all + gi * chunk + at, gds_all + gi * chunk + at, gy + gi * Dm,
-                                            slot + gi * Dm, a + gi * Hd, gpre + gi * Hd, spread + pending * Dm};
-                    const slot_grads_t o2 = {o.gcs + M, o.gds + M, gy2 + gi * Dm, slot2 + gi * Dm, a2 + gi * Hd,
-                                             gpre2 + gi * Hd, o.gslot + Dm};
-                    if (pair)
-                        backward_slots(q, o, q2, o2, gog + gi * MD, xg + gi * MD, 4, Hd, Dm, 0, 1);
-                    else if (M == 4)
-                        backward_slots(q, o, q2, o2, gog + gi * MD, xg + gi * MD, 4, Hd, Dm, keep, 0);
-                    else
-                        backward_slots(q, o, q2, o2, gog + gi * MD, xg + gi * MD, M, Hd, Dm, keep, 0);
+                for (long gi = 0; gi < ng;) {
+                    const long side = groups == 2 && gi + 1 < ng ? 2 : 1;
+                    slot_t q[2];
+                    slot_grads_t o[2];
+                    for (long i = 0; i < side; i++) {
+                        vec *records = (vec *)saved + ((g0 + gi + i) * S + s0) * W;
+                        const vec *dsi = ds + (gi + i) * chunk, *csi = cs + (gi + i) * chunk;
+                        q[i] = slot_at(s, s0, P, M, Hd, Dm, W, w1, NULL, w2, b2, dsi, csi, records);
+                        const slot_grads_t oi = {gcs_all + (gi + i) * chunk + at, gds_all + (gi + i) * chunk + at,
+                                                 gy + (gi + i) * Dm, slot + (gi + i) * Dm, a + (gi + i) * Hd,
+                                                 gpre + (gi + i) * Hd,
+                                                 gslots + ((gi + i) * SPREAD_SLOTS + pending) * Dm};
+                        o[i] = oi;
+                    }
+                    const vec *gogi = gog + gi * MD, *xgi = xg + gi * MD;
+                    if (pair) {
+                        vec *records = (vec *)saved + ((g0 + gi) * S + s0) * W;
+                        const slot_t q2 = slot_at(s + 1, s0, P, M, Hd, Dm, W, w1, NULL, w2, b2, ds + gi * chunk,
+                                                  cs + gi * chunk, records);
+                        const slot_grads_t o2 = {o[0].gcs + M, o[0].gds + M, gy2 + gi * Dm, slot2 + gi * Dm,
+                                                 a2 + gi * Hd, gpre2 + gi * Hd, o[0].gslot + Dm};
+                        backward_slots(q[0], o[0], q2, o2, gogi, xgi, gogi, xgi, 4, Hd, Dm, 0, 1, SHARE_TOKENS);
+                    } else if (side == 2) {
+                        const vec *gog1 = gogi + MD, *xg1 = xgi + MD;
+                        if (M == 4)
+                            backward_slots(q[0], o[0], q[1], o[1], gogi, xgi, gog1, xg1, 4, Hd, Dm, keep, 1,
+                                           SHARE_WEIGHTS);
+                        else
+                            backward_slots(q[0], o[0], q[1], o[1], gogi, xgi, gog1, xg1, M, Hd, Dm, keep, 1,
+                                           SHARE_WEIGHTS);
+                    } else if (M == 4) {
+                        backward_slots(q[0], o[0], q[0], o[0], gogi, xgi, gogi, xgi, 4, Hd, Dm, keep, 0,
+                                       SHARE_WEIGHTS);
+                    } else {
+                        backward_slots(q[0], o[0], q[0], o[0], gogi, xgi, gogi, xgi, M, Hd, Dm, keep, 0,
+                                       SHARE_WEIGHTS);
+                    }
                     const long done = pending + pair; /* the last slot's place among the pending ones */
                     if (done == SPREAD_SLOTS - 1 || s + pair == s0 + count - 1)
-                        spread_pending(gxg + gi * MD, q.ds - pending * M, spread, Dm, done + 1, M, Dm);
+                        for (long i = 0; i < side; i++)
+                            spread_pending(gxg + (gi + i) * MD, q[i].ds - pending * M, o[i].gslot - pending * Dm,
+                                           Dm, done + 1, M, Dm);
+                    gi += side;
                 }
                 for (long i = 0; i <= pair; i++) {
                     const long j = (s + i) / P;
@@ -1288,16 +1344,16 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
     float **partials = (float **)malloc(threads * sizeof(float *)); /* thread t's partial sum of grad_x, t >= 1 */
 #pragma omp parallel num_threads(threads)
     {
-#if PAIR_MAX_HIDDEN > 0
-        if (!keep && M == 4 && Hd <= PAIR_MAX_HIDDEN)
-            backward_thread(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, partials, grad_dispatch,
-                            grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd, Dm, keep, n, G, MD, ld,
-                            W, 1);
+#define BACKWARD(pairs, groups)                                                                                       \
+    backward_thread(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, partials, grad_dispatch, grad_combine, \
+                    grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd, Dm, keep, n, G, MD, ld, W, pairs, groups)
+        if (PAIR_MAX_HIDDEN > 0 && !keep && M == 4 && Hd <= PAIR_MAX_HIDDEN)
+            BACKWARD(1, 1);
+        else if (BACKWARD_GROUPS == 2 && Hd >= BACKWARD_GROUPS_MIN_HIDDEN)
+            BACKWARD(0, 2);
         else
-#endif
-            backward_thread(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, partials, grad_dispatch,
-                            grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd, Dm, keep, n, G, MD, ld,
-                            W, 0);
+            BACKWARD(0, 1);
+#undef BACKWARD
     }
     free(partials);
     return 0;
