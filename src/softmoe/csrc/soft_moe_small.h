@@ -406,7 +406,10 @@ typedef struct {
 } lanes_t;
 
 /* Scratch vectors of one lanes_t */
-INLINE long lanes_scratch(long M, long Hd, long Dm) { return (2 * M + 1 + SPREAD_SLOTS) * Dm + Hd + 2 * SLOT_CHUNK * M; }
+INLINE long lanes_scratch(long M, long Hd, long Dm)
+{
+    return (2 * M + 1 + SPREAD_SLOTS) * Dm + Hd + 2 * SLOT_CHUNK * M;
+}
 
 INLINE lanes_t lanes_at(vec *scratch, long M, long Hd, long Dm)
 {
@@ -438,15 +441,15 @@ INLINE void forward_runs(const run_t *r, const int nr, const int share, long M, 
     }
     if (nr == 2 && share == SHARE_TOKENS) {
 #define LAYER1(k, kb, first, last)                                                                                    \
-    layer1_block(h[0], h[1], xg[0], xg[0], ds[0], ds[1], keep[0], keep[0], w1[0], w1[1], 0, Hd, M, Dm, kb, 1, 1, 2,        \
+    layer1_block(h[0], h[1], xg[0], xg[0], ds[0], ds[1], keep[0], keep[0], w1[0], w1[1], 0, Hd, M, Dm, kb, 1, 1, 2,   \
                  SHARE_TOKENS)
         BLOCK_SWITCH(Hd, LAYER1, 0, 1, 1, FORWARD_KBLOCK, BLOCK_CASES_NONE)
 #undef LAYER1
         for (int i = 0; i < 2; i++) second_layer(y + i, h + i, r[i].q.b1, r[i].q.w2, r[i].q.b2, a + i, Hd, Dm, 1);
     } else {
 #define LAYER1(k, kb, first, last)                                                                                    \
-    layer1_block(h[0], h[nr - 1], xg[0], xg[nr - 1], ds[0], ds[nr - 1], keep[0], keep[nr - 1], w1[0], w1[0], k, Hd, M,  \
-                 Dm, kb, first, last, nr, SHARE_WEIGHTS)
+    layer1_block(h[0], h[nr - 1], xg[0], xg[nr - 1], ds[0], ds[nr - 1], keep[0], keep[nr - 1], w1[0], w1[0], k, Hd,  \
+                 M, Dm, kb, first, last, nr, SHARE_WEIGHTS)
         FOR_BLOCKS_OF(Hd, LAYER1, FORWARD_KBLOCK_OF(nr), BLOCK_CASES_NONE)
 #undef LAYER1
         second_layer(y, h, r[0].q.b1, r[0].q.w2, r[0].q.b2, a, Hd, Dm, nr);
@@ -485,7 +488,7 @@ INLINE void forward_groups(lanes_t *L, const int ng, const float *dispatch, cons
                 r[i].y = keep ? r[i].q.record + Hd : Li->ys + (Li->pending + (pair && i == 1 && !r[0].idle)) * Dm;
             }
             if (nr == 2 && !r[0].idle && !r[1].idle) {
-                forward_runs(r, 2, pairs ? SHARE_TOKENS : SHARE_WEIGHTS, M, Hd, Dm); /* pairs: nr == 2 only for a pair */
+                forward_runs(r, 2, pairs ? SHARE_TOKENS : SHARE_WEIGHTS, M, Hd, Dm); /* with pairs a pair */
             } else {
                 for (int i = 0; i < nr; i++)
                     if (!r[i].idle) forward_runs(r + i, 1, SHARE_WEIGHTS, M, Hd, Dm);
@@ -851,7 +854,6 @@ INLINE void layer2_back_block(vec *RESTRICT gcs, vec *RESTRICT gpre, vec *RESTRI
                               long Dm, const int kb, const int first, const int last, const int keep, const int two,
                               const int share)
 {
-    const vec *RESTRICT go2 = share == SHARE_TOKENS ? gog : gog2;
     vec acc[KBLOCK] = {{0}}, av[KBLOCK], csv[MAX_TOKENS], gc[MAX_TOKENS];
     vec acc2[KBLOCK] = {{0}}, av2[KBLOCK], csv2[MAX_TOKENS], gc2[MAX_TOKENS];
     for (int kk = 0; kk < kb; kk++) av[kk] = a[kk], av2[kk] = two ? a2[kk] : vec{};
@@ -860,10 +862,10 @@ INLINE void layer2_back_block(vec *RESTRICT gcs, vec *RESTRICT gpre, vec *RESTRI
         vec g, g2 = {0};
         if (first) {
             g = csv[0] * gog[d];
-            if (two) g2 = csv2[0] * go2[d];
+            if (two) g2 = csv2[0] * gog2[d];
             for (long t = 1; t < M; t++) {
                 g += csv[t] * gog[t * Dm + d];
-                if (two) g2 += csv2[t] * go2[t * Dm + d];
+                if (two) g2 += csv2[t] * gog2[t * Dm + d];
             }
             gy[d] = g;
             if (two) gy2[d] = g2;
@@ -880,7 +882,7 @@ INLINE void layer2_back_block(vec *RESTRICT gcs, vec *RESTRICT gpre, vec *RESTRI
             if (first)
                 for (long t = 0; t < M; t++) {
                     gc[t] += gog[t * Dm + d] * kept[d];
-                    if (two) gc2[t] += go2[t * Dm + d] * kept2[d];
+                    if (two) gc2[t] += gog2[t * Dm + d] * kept2[d];
                 }
             continue;
         }
@@ -899,7 +901,7 @@ INLINE void layer2_back_block(vec *RESTRICT gcs, vec *RESTRICT gpre, vec *RESTRI
         if (last) {
             for (long t = 0; t < M; t++) {
                 gc[t] += gog[t * Dm + d] * v;
-                if (two) gc2[t] += go2[t * Dm + d] * v2;
+                if (two) gc2[t] += gog2[t * Dm + d] * v2;
             }
         } else {
             y[d] = v;
@@ -928,17 +930,16 @@ INLINE void layer1_back_block(vec *RESTRICT gds, vec *RESTRICT slot, vec *RESTRI
                               const vec *RESTRICT gpre2, const float *RESTRICT w12, long Hd, long M, long Dm,
                               const int kb, const int first, const int last, const int two, const int share)
 {
-    const vec *RESTRICT x2 = share == SHARE_TOKENS ? xg : xg2;
     vec gp[KBLOCK], dsv[MAX_TOKENS], gd[MAX_TOKENS], gp2[KBLOCK], dsv2[MAX_TOKENS], gd2[MAX_TOKENS];
     for (int kk = 0; kk < kb; kk++) gp[kk] = gpre[kk], gp2[kk] = two ? gpre2[kk] : vec{};
     for (long t = 0; t < M; t++) dsv[t] = ds[t], gd[t] = vec{}, dsv2[t] = two ? ds2[t] : vec{}, gd2[t] = vec{};
     for (long d = 0; d < Dm; d++) {
         if (first) {
             vec sv = dsv[0] * xg[d], sv2 = {0};
-            if (two) sv2 = dsv2[0] * x2[d];
+            if (two) sv2 = dsv2[0] * xg2[d];
             for (long t = 1; t < M; t++) {
                 sv += dsv[t] * xg[t * Dm + d];
-                if (two) sv2 += dsv2[t] * x2[t * Dm + d];
+                if (two) sv2 += dsv2[t] * xg2[t * Dm + d];
             }
             slot[d] = sv;
             if (two) slot2[d] = sv2;
@@ -952,7 +953,7 @@ INLINE void layer1_back_block(vec *RESTRICT gds, vec *RESTRICT slot, vec *RESTRI
         if (last)
             for (long t = 0; t < M; t++) {
                 gd[t] += xg[t * Dm + d] * g;
-                if (two) gd2[t] += x2[t * Dm + d] * g2;
+                if (two) gd2[t] += xg2[t * Dm + d] * g2;
             }
         gslot[d] = g;
         if (two) gslot2[d] = g2;
