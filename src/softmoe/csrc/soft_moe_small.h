@@ -17,7 +17,8 @@
  * step needs a sum across lanes but the weight gradients of experts under OUTER_MIN_HIDDEN hidden units (one per
  * weight and block of GROUP_BLOCK groups; wider experts transpose the rows instead, see add_outer_products).
  * Every slot runs dispatch, both expert layers and the combine back to back, KBLOCK hidden units at a time; experts
- * of at most PAIR_MAX_HIDDEN units run two slots side by side, each pass over dim serving both.
+ * of at most PAIR_MAX_HIDDEN units run two slots side by side, each pass over dim serving both; with AVX2 two groups
+ * run each slot side by side, each weight broadcast once for both (FORWARD_GROUPS, BACKWARD_GROUPS).
  *
  * Threads (OpenMP, sharing torch's libgomp pool): the forward pass splits the groups (each thread owns its groups'
  * outputs); the backward pass splits the experts (each thread owns its experts' weight gradients and writes its

@@ -178,8 +178,8 @@ def soft_moe_mixing(
     x (batch, tokens, dim); dispatch, combine (batch, tokens, slots) with slots = experts * slots_per_expert, slot s
     belonging to expert s // slots_per_expert; weight1 (experts, dim, hidden), bias1 (experts, hidden), weight2
     (experts, hidden, dim), bias2 (experts, dim) -> (batch, tokens, dim). No (batch, slots, dim) tensor is written:
-    each thread takes 16 (AVX-512; 8 with AVX2) inputs at a time, one per vector lane, and runs dispatch, both
-    expert layers and the combine of a slot back to back in its cache. In inference (where
+    each thread takes 16 (AVX-512; two groups of 8 with AVX2) inputs at a time, one per vector lane, and runs
+    dispatch, both expert layers and the combine of a slot back to back in its cache. In inference (where
     :func:`~softmoe.kernels.modes.direct_call_ok`) the op's code is called directly and, with fewer inputs than a
     group of lanes per thread or with ``kept_combine``, lays the work out per call in the cheapest of three ways the
     kernel counts: groups of inputs (with ``kept_combine``, those that keep the same slots, a slot run for a group
