@@ -406,12 +406,13 @@ typedef struct {
     vec coef[SPREAD_SLOTS * MAX_TOKENS];
 } lanes_t;
 
-/* Scratch vectors of one lanes_t */
+/* The scratch vectors of one group in the forward pass (lanes_t) */
 INLINE long lanes_scratch(long M, long Hd, long Dm)
 {
     return (2 * M + 1 + SPREAD_SLOTS) * Dm + Hd + 2 * SLOT_CHUNK * M;
 }
 
+/* A group's scratch laid out in lanes_scratch vectors from scratch (its place, records and waiting slots unset) */
 INLINE lanes_t lanes_at(vec *scratch, long M, long Hd, long Dm)
 {
     lanes_t L;
