@@ -63,8 +63,9 @@ def random_inputs(batch, tokens, dim, experts, slots_per_expert, hidden, bias, s
 # (17), dim chunks of every width plus a tail (70),
 # a second block of one partial group (83 inputs); slots two at a time (4 tokens, hidden <= 6, AVX-512) with an odd
 # number of slots (the last one alone), and pairs within one expert and across two (3 slots per expert); two groups
-# side by side in the backward pass (AVX2, from 20 hidden units) with 3 tokens and blocks of units plus a tail, a block
-# of groups of two pairs and one of a group alone (41 inputs), and at 20 units with a partial last group (27).
+# side by side in the backward pass (AVX2, from 20 hidden units) with 3 tokens and whole blocks of 6 units, a block of
+# groups in two pairs and one of a group alone (37 inputs: 5 groups of 8), and at 20 units with a partial last
+# group (27).
 SHAPES = [
     (37, 4, 20, 6, 1, 2),
     (64, 4, 21, 2, 1, MIXING_MAX_WEIGHT_BYTES_PER_LANE * 16 // (8 * 21)),
@@ -80,7 +81,7 @@ SHAPES = [
     (1, 4, 20, 9, 1, 7),  # fewer inputs than threads: the pairs split across them
     (2, 4, 13, 6, 2, 5),
     (45, 4, 26, 3, 1, 12),
-    (41, 3, 18, 3, 1, 23),
+    (37, 3, 18, 3, 1, 24),
     (27, 4, 15, 2, 2, 20),
 ]
 

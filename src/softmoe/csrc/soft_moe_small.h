@@ -443,8 +443,8 @@ INLINE void forward_runs(const run_t *r, const int nr, const int share, long M, 
     }
     if (nr == 2 && share == SHARE_TOKENS) {
 #define LAYER1(k, kb, first, last)                                                                                    \
-    layer1_block(h[0], h[1], xg[0], xg[0], ds[0], ds[1], keep[0], keep[0], w1[0], w1[1], 0, Hd, M, Dm, kb, 1, 1, 2,   \
-                 SHARE_TOKENS)
+    layer1_block(h[0], h[1], xg[0], xg[0], ds[0], ds[1], NULL, NULL, w1[0], w1[1], 0, Hd, M, Dm, kb, 1, 1, 2,         \
+                 SHARE_TOKENS) /* one block: nothing kept */
         BLOCK_SWITCH(Hd, LAYER1, 0, 1, 1, FORWARD_KBLOCK, BLOCK_CASES_NONE)
 #undef LAYER1
         for (int i = 0; i < 2; i++) second_layer(y + i, h + i, r[i].q.b1, r[i].q.w2, r[i].q.b2, a + i, Hd, Dm, 1);
