@@ -18,7 +18,7 @@
  * weight and block of GROUP_BLOCK groups; wider experts transpose the rows instead, see add_outer_products).
  * Every slot runs dispatch, both expert layers and the combine back to back, KBLOCK hidden units at a time; experts
  * of at most PAIR_MAX_HIDDEN units run two slots side by side, each pass over dim serving both; with AVX2 two groups
- * run each slot side by side, each weight broadcast once for both (FORWARD_GROUPS, BACKWARD_GROUPS).
+ * run each slot side by side, each weight broadcast once for both (SIDE_GROUPS).
  *
  * Threads (OpenMP, sharing torch's libgomp pool): the forward pass splits the groups (each thread owns its groups'
  * outputs); the backward pass splits the experts (each thread owns its experts' weight gradients and writes its
@@ -55,18 +55,20 @@ namespace SOFTMOE_NS {
  * 0.96-0.97x at 24-33, but 1.01-1.05x at 2-6 units, whose loops are the same: with the larger function the compiler
  * kept fewer pointers in registers. With AVX2's 16 registers 16 or 12 spilled (backward 1.03-1.15x at 12). */
 #define FORWARD_KBLOCK 8
-/* Groups of lanes whose slots the forward pass runs side by side, each weight broadcast once for all of them, and
- * hidden units per register block then (FORWARD_KBLOCK_OF). With AVX2 two, 6 units per block (12 accumulators and
- * two slot vectors in its 16 registers): one group's 8 lanes per broadcast weight (its load and broadcast, which
- * AVX-512 folds into the multiply-add, and the weights streamed once per 8 inputs) held layer 1's loop to 0.70-0.77x
- * the speed of two groups' (1.2-2.6 MB of weights, AMD EPYC Zen 4, one thread); the MNIST layer's mixing op forward
- * took 0.72-0.83x the time at n = 2-64 (hidden 392-12), 0.98x at 256 (3 units). AVX-512: one group, 0.99-1.02x. */
+/* Groups of lanes that run a slot side by side, each weight broadcast once for all of them (SIDE_GROUPS: the
+ * forward pass; the backward's from BACKWARD_GROUPS_MIN_HIDDEN units), and hidden units per register block then
+ * (SIDE_KBLOCK). With AVX2 two, 6 units per block (12 accumulators and two slot vectors in its 16 registers): one
+ * group's 8 lanes per broadcast weight (its load and broadcast, which AVX-512 folds into the multiply-add, and the
+ * weights streamed once per 8 inputs) held layer 1's loop to 0.70-0.77x the speed of two groups' (1.2-2.6 MB of
+ * weights, AMD EPYC Zen 4, one thread); the MNIST layer's mixing op forward took 0.72-0.83x the time at n = 2-64
+ * (hidden 392-12), 0.98x at 256 (3 units). AVX-512: one group, 0.99-1.02x. */
 #if LANES == 8
-#define FORWARD_GROUPS 2
+#define SIDE_GROUPS 2
 #else
-#define FORWARD_GROUPS 1
+#define SIDE_GROUPS 1
 #endif
-#define FORWARD_KBLOCK_OF(ng) ((ng) == 2 ? 6 : FORWARD_KBLOCK)
+#define SIDE_KBLOCK 6
+#define FORWARD_KBLOCK_OF(ng) ((ng) == 2 ? SIDE_KBLOCK : FORWARD_KBLOCK)
 #if LANES == 16
 #define KBLOCK 16
 #define BLOCK_CASES_WIDE(CALL, k, first, last)                                                                        \
@@ -95,18 +97,13 @@ namespace SOFTMOE_NS {
 #define PAIR_MAX_HIDDEN 0
 #endif
 #define GROUP_BLOCK 4  /* groups whose slot vectors and gradients a thread keeps while it runs through its experts */
-/* Groups of a block whose slot the backward pass runs side by side, each weight broadcast once for both, from
- * BACKWARD_GROUPS_MIN_HIDDEN hidden units, and hidden units per register block then: with AVX2 two, 6 units (as the
- * forward pass, FORWARD_GROUPS). Measured against one group at a time (the MNIST layer's mixing op backward, AMD EPYC
- * Zen 4, AVX2, one process): 0.84-0.90x the time at hidden 98-392 (outputs kept), 0.92-0.98x at 20-49, but 1.02-1.09x
- * at 12-16 and 1.29x at 3, where the second layer's products, a and the output sums of two groups, spill. */
-#if LANES == 8
-#define BACKWARD_GROUPS 2
-#else
-#define BACKWARD_GROUPS 1
-#endif
+/* The backward pass runs a slot for SIDE_GROUPS groups of a block side by side from BACKWARD_GROUPS_MIN_HIDDEN
+ * hidden units, SIDE_KBLOCK units per register block (with AVX2: two, 6). Measured against one group at a time (the
+ * MNIST layer's mixing op backward, AMD EPYC Zen 4, AVX2, one process): 0.84-0.90x the time at hidden 98-392
+ * (outputs kept), 0.92-0.98x at 20-49, but 1.02-1.09x at 12-16 and 1.29x at 3, where the second layer's products, a
+ * and the output sums of two groups, spill. */
 #define BACKWARD_GROUPS_MIN_HIDDEN 20
-#define BACKWARD_KBLOCK_OF(two) ((two) ? 6 : KBLOCK)
+#define BACKWARD_KBLOCK_OF(two) ((two) ? SIDE_KBLOCK : KBLOCK)
 #define INLINE static inline __attribute__((always_inline))
 #define RESTRICT __restrict__ /* C's restrict */
 
@@ -458,7 +455,7 @@ INLINE void forward_runs(const run_t *r, const int nr, const int share, long M, 
     }
 }
 
-/* The slots of ng (1 or 2, FORWARD_GROUPS) groups L[i], outputs to L[i].og, saved records (W vectors per slot: Hd
+/* The slots of ng (1 or 2, SIDE_GROUPS) groups L[i], outputs to L[i].og, saved records (W vectors per slot: Hd
  * pre-activations, then with keep its Dm slot outputs) to L[i].sg; each slot runs for the groups side by side.
  * Without keep the outputs of up to SPREAD_SLOTS slots wait in ys until they are combined. pairs (one group): slots
  * two at a time (Hd <= PAIR_MAX_HIDDEN); a constant, so that the code of the others has no trace of it (with the
@@ -539,7 +536,7 @@ static void forward_groups_of(lanes_t *L, int ng, const float *dispatch, const f
  * skip_idle: the slots whose combine weights are zero for every input of a group are not run there (forward_groups;
  * saved then holds no record of them: for calls without a backward pass). order (the input indices, or NULL for the
  * inputs as they come): the inputs in the order they are grouped in, LANES at a time (saved's groups too). Each
- * thread runs its groups FORWARD_GROUPS at a time. Returns 0, or 1 when M is outside 1..MAX_TOKENS (nothing is
+ * thread runs its groups SIDE_GROUPS at a time. Returns 0, or 1 when M is outside 1..MAX_TOKENS (nothing is
  * written then). */
 int soft_moe_small_forward(const float *x, const float *dispatch, const float *combine, const float *w1,
                            const float *b1, const float *w2, const float *b2, float *out, float *saved, long B,
@@ -554,12 +551,12 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
 #pragma omp parallel num_threads(threads)
     {
         const long each = lanes_scratch(M, Hd, Dm);
-        vec *scratch = (vec *)softmoe_scratch(0, FORWARD_GROUPS * each * sizeof(vec));
-        lanes_t L[FORWARD_GROUPS];
-        for (int i = 0; i < FORWARD_GROUPS; i++) L[i] = lanes_at(scratch + i * each, M, Hd, Dm);
+        vec *scratch = (vec *)softmoe_scratch(0, SIDE_GROUPS * each * sizeof(vec));
+        lanes_t L[SIDE_GROUPS];
+        for (int i = 0; i < SIDE_GROUPS; i++) L[i] = lanes_at(scratch + i * each, M, Hd, Dm);
         const long t = omp_get_thread_num(), count = omp_get_num_threads(), end = G * (t + 1) / count;
-        for (long g = G * t / count; g < end; g += FORWARD_GROUPS) {
-            const int ng = end - g < FORWARD_GROUPS ? (int)(end - g) : FORWARD_GROUPS;
+        for (long g = G * t / count; g < end; g += SIDE_GROUPS) {
+            const int ng = end - g < SIDE_GROUPS ? (int)(end - g) : SIDE_GROUPS;
             for (int i = 0; i < ng; i++) {
                 L[i].grp = group_of(g + i, B, order);
                 L[i].sg = (vec *)saved + (g + i) * S * W;
@@ -1198,7 +1195,7 @@ static void add_weight_grads(float *gw1t, float *gb1, float *gw2, float *gb2, lo
 
 /* One thread's share of soft_moe_small_backward (arguments as there, with n = S / P experts, G groups, MD = M * Dm,
  * ld = Dm rounded up to whole vectors and W the record's width). pairs: slots two at a time where they may be (outputs
- * not kept, 4 tokens, Hd <= PAIR_MAX_HIDDEN); groups: 1, or 2 to run two groups side by side (BACKWARD_GROUPS); both
+ * not kept, 4 tokens, Hd <= PAIR_MAX_HIDDEN); groups: 1, or 2 to run two groups side by side (SIDE_GROUPS); both
  * constants, so that the code of the others has no trace of them. */
 INLINE void backward_thread(const float *grad_out, const float *x, const float *dispatch, const float *combine,
                             const float *w1, const float *w2, const float *b2, const float *saved, float *grad_x,
@@ -1269,20 +1266,20 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
                         const slot_grads_t o2 = {o[0].gcs + M, o[0].gds + M, gy2 + gi * Dm, slot2 + gi * Dm,
                                                  a2 + gi * Hd, gpre2 + gi * Hd, o[0].gslot + Dm};
                         backward_slots(q[0], o[0], q2, o2, gogi, xgi, gogi, xgi, 4, Hd, Dm, 0, 1, SHARE_TOKENS);
-                    } else if (side == 2) {
-                        const vec *gog1 = gogi + MD, *xg1 = xgi + MD;
-                        if (M == 4)
-                            backward_slots(q[0], o[0], q[1], o[1], gogi, xgi, gog1, xg1, 4, Hd, Dm, keep, 1,
-                                           SHARE_WEIGHTS);
-                        else
-                            backward_slots(q[0], o[0], q[1], o[1], gogi, xgi, gog1, xg1, M, Hd, Dm, keep, 1,
-                                           SHARE_WEIGHTS);
-                    } else if (M == 4) {
-                        backward_slots(q[0], o[0], q[0], o[0], gogi, xgi, gogi, xgi, 4, Hd, Dm, keep, 0,
-                                       SHARE_WEIGHTS);
                     } else {
-                        backward_slots(q[0], o[0], q[0], o[0], gogi, xgi, gogi, xgi, M, Hd, Dm, keep, 0,
-                                       SHARE_WEIGHTS);
+/* the slot for groups gi .. gi + two, with the token count Mc (4 a constant where it is 4) */
+#define SLOTS(Mc, two)                                                                                                \
+    backward_slots(q[0], o[0], q[two], o[two], gogi, xgi, gogi + (two) * MD, xgi + (two) * MD, Mc, Hd, Dm, keep, two,  \
+                   SHARE_WEIGHTS)
+                        if (side == 2 && M == 4)
+                            SLOTS(4, 1);
+                        else if (side == 2)
+                            SLOTS(M, 1);
+                        else if (M == 4)
+                            SLOTS(4, 0);
+                        else
+                            SLOTS(M, 0);
+#undef SLOTS
                     }
                     const long done = pending + pair; /* the last slot's place among the pending ones */
                     if (done == SPREAD_SLOTS - 1 || s + pair == s0 + count - 1)
@@ -1352,7 +1349,7 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
                     grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd, Dm, keep, n, G, MD, ld, W, pairs, groups)
         if (PAIR_MAX_HIDDEN > 0 && !keep && M == 4 && Hd <= PAIR_MAX_HIDDEN)
             BACKWARD(1, 1);
-        else if (BACKWARD_GROUPS == 2 && Hd >= BACKWARD_GROUPS_MIN_HIDDEN)
+        else if (SIDE_GROUPS == 2 && Hd >= BACKWARD_GROUPS_MIN_HIDDEN)
             BACKWARD(0, 2);
         else
             BACKWARD(0, 1);
