@@ -8,6 +8,7 @@ checks with a spy that it is the one actually run; other tests set the backend e
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -665,6 +666,34 @@ def test_slot_path_in_one_autograd_node_has_second_derivatives(activation, monke
     force_path(layer, "reference")
     for got, want in zip(one_node, penalty_grads(), strict=True):
         assert (got - want).abs().max().item() < 1e-10
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # (torch's jvp rules)
+@pytest.mark.parametrize("plan", [None, "dense", "selected"])
+def test_forward_mode_ad_in_inference_keeps_its_tangents(monkeypatch, plan):
+    """Forward-mode AD (dual tensors require no grad) must reach only torch's ops: softmoe's custom ops drop a
+    dual's tangent without a word and its autograd Functions have no jvp, and oneDNN's linear drops it too. The
+    float32 layer's jvp (native kernels built, oneDNN taken wherever it may run; Algorithm 1 with either plan)
+    equals central differences of a float64 copy (gelu experts: relu's kinks would break the differences)."""
+    onednn = __import__("softmoe.kernels.onednn", fromlist=["onednn"])
+    monkeypatch.setattr(onednn, "onednn_outruns_mkl", lambda: True)
+    torch.manual_seed(13)
+    layer = SoftMoE(256, 4, expert_hidden=512).eval()  # products of 134 MFLOP: oneDNN's size
+    exact = SoftMoE(256, 4, expert_hidden=512, dtype=F64).eval()
+    exact.load_state_dict(layer.state_dict())
+    x, tangent = torch.randn(512, 8, 256), torch.randn(512, 8, 256)
+    fwd = torch.autograd.forward_ad
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        if plan is not None:
+            stack.enter_context(select_experts(layer, k=2, plan=plan))
+            stack.enter_context(select_experts(exact, k=2, plan=plan))
+        h = 1e-6
+        x64, t64 = x.double(), tangent.double()
+        want = (exact(x64 + h * t64) - exact(x64 - h * t64)) / (2 * h)
+        with fwd.dual_level():
+            got = fwd.unpack_dual(layer(fwd.make_dual(x, tangent))).tangent
+    assert got is not None
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4
 
 
 def test_auto_backend_rules_and_reasons():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import os
 import sys
 import types
@@ -65,6 +66,47 @@ def test_the_op_equals_the_formulas_in_float64(shape, p, k):
         assert torch.equal(got[2], top_k_by_combine(logits.softmax(-1).view(*shape[:2], -1, p), k))
 
 
+@pytest.mark.parametrize("shape, p, k", SHAPES)
+def test_the_op_normalizes_the_tokens_and_rounds_to_out_dtype(shape, p, k):
+    """With tokens x the logits of each token are first divided by sqrt(sum x^2 + eps), written out here; with
+    out_dtype the weights are the float64 ones rounded to it (the choice made before rounding)."""
+    logits = torch.randn(*shape, dtype=F64) * 3
+    x = torch.randn(*shape[:2], 5, dtype=F64)
+    x[0, 0] = 0.0  # a zero token: its logits times 1 / sqrt(eps)
+    norms = torch.tensor([[math.sqrt(sum(v * v for v in x[b, t].tolist()) + 1e-6) for t in range(shape[1])]
+                          for b in range(shape[0])], dtype=F64)
+    want = slow_reference(logits / norms[..., None], p, k)
+    got = fused.routing_softmaxes(logits, p, k, None, x, 1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
+    got = fused.routing_softmaxes(logits, p, k, torch.bfloat16, x.float(), 1e-6)
+    assert got[0].dtype == got[1].dtype == torch.bfloat16
+    assert torch.equal(got[0], want[0].to(torch.bfloat16)) and torch.equal(got[1], want[1].to(torch.bfloat16))
+    assert torch.equal(got[2], want[2])
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape, p, k, dim", [((3, 7, 8), 1, 2, 20), ((2, 197, 8), 1, 2, 768),
+                                              ((4, 4, 16), 2, 3, 196), ((2, 33, 24), 1, 0, 64)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x-fp32", "x-bf16"])
+def test_the_kernel_normalizes_the_tokens_and_rounds_like_torchs_ops(shape, p, k, dim, out_dtype, x_dtype):
+    """The kernel's tokens (read in blocks of columns, bfloat16 ones widened) and its rounded outputs against the
+    op's torch implementation: float32 at 2e-6, bfloat16 within one unit of its last place."""
+    logits = torch.randn(*shape, device=KERNEL_DEVICE) * 3
+    x = torch.randn(*shape[:2], dim, device=KERNEL_DEVICE).to(x_dtype)
+    from softmoe.kernels.routing_softmaxes_triton import launch
+
+    got = (torch.empty_like(logits, dtype=out_dtype), torch.empty_like(logits, dtype=out_dtype),
+           torch.empty(shape[0], k, dtype=torch.int64, device=KERNEL_DEVICE))
+    launch(logits, *got, p, k, k > 0, x)
+    want = fused.reference_routing_softmaxes(logits, p, k, out_dtype, x)
+    tolerance = dict(rtol=2e-6, atol=1e-7) if out_dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-7)
+    torch.testing.assert_close(got[0], want[0], **tolerance)
+    torch.testing.assert_close(got[1], want[1], **tolerance)
+    assert torch.equal(got[2], want[2])
+
+
 def test_ties_go_to_the_lower_expert_and_nan_comes_first():
     logits = torch.zeros(2, 3, 6, dtype=F64)
     logits[1, 0, 4] = float("nan")  # input 1: every combine weight of token 0 is NaN, so every sum
@@ -85,6 +127,9 @@ def test_opcheck_and_gradcheck(k):
         return dispatch, combine
 
     torch.autograd.gradcheck(outputs, (logits,))
+    x = torch.randn(3, 5, 4, dtype=F64, requires_grad=True)
+    torch.library.opcheck(torch.ops.softmoe.routing_softmaxes.default, (logits, 2, k, torch.float32, x, 1e-6))
+    torch.autograd.gradcheck(lambda z, t: fused.routing_softmaxes(z, 2, k, None, t, 0.5)[:2], (logits, x))
     # The choice is a constant: the gradient equals the masked softmax's with the same experts kept.
     selected = fused.routing_softmaxes(logits, 2, k)[2]
     keep = kept_slots(selected, 4, 2) if k else torch.ones(1, dtype=torch.bool)
@@ -102,6 +147,13 @@ def test_bad_arguments_are_value_errors():
         fused.routing_softmaxes(torch.zeros(2, 3, 6), 4, 1)
     with pytest.raises(ValueError, match=r"k must lie in \[0, 3\] \(0: no choice\), got 4"):
         fused.routing_softmaxes(torch.zeros(2, 3, 6), 2, 4)
+    with pytest.raises(ValueError, match="out_dtype must be None or a floating dtype, got torch.int32"):
+        fused.routing_softmaxes(torch.zeros(2, 3, 6), 2, 1, torch.int32)
+    with pytest.raises(ValueError, match=r"x must be floating tokens \(batch, tokens, dim\) = \(2, 3\) \+ \(dim,\) "
+                                         r"on cpu, got torch.float32 \(2, 4, 5\) on cpu"):
+        fused.routing_softmaxes(torch.zeros(2, 3, 6), 2, 1, None, torch.zeros(2, 4, 5))
+    with pytest.raises(ValueError, match="eps must be >= 0, got -1.0"):
+        fused.routing_softmaxes(torch.zeros(2, 3, 6), 2, 1, None, torch.zeros(2, 3, 5), -1.0)
 
 
 def test_the_kernel_takes_float32_cuda_logits_within_its_tile(monkeypatch):
@@ -140,10 +192,10 @@ def test_the_layer_takes_the_op_only_in_cuda_inference(monkeypatch):
     assert len(asked) == 1
 
 
-def kernel_stand_in(logits, slots_per_expert, k, kernel=None):
+def kernel_stand_in(logits, slots_per_expert, k, kernel, out_dtype, x, eps):
     """The op's torch implementation where the layer asks for the kernel (whose applying it has checked)."""
     assert kernel is True
-    return fused.reference_routing_softmaxes(logits, slots_per_expert, k)
+    return fused.reference_routing_softmaxes(logits, slots_per_expert, k, out_dtype, x, eps)
 
 
 @pytest.mark.parametrize("p", [1, 2])
@@ -153,7 +205,7 @@ def test_the_layer_runs_algorithm1_from_the_op_as_from_its_selector(monkeypatch,
     """The layer's fused path (forced on the CPU: the op's torch implementation stands in for the kernel): the
     selector's select() is not called, and every plan equals the paper's masked forward; the plain forward too."""
     monkeypatch.setattr(layer_module, "fused_routing_applies", lambda *args: True)
-    monkeypatch.setattr(fused, "run_routing_softmaxes", kernel_stand_in)
+    monkeypatch.setattr(fused, "_compute", kernel_stand_in)
     monkeypatch.setattr(Selector, "select", lambda self, combine: pytest.fail("select() called"))
     torch.manual_seed(0)
     layer = SoftMoE(12, 6, slots_per_expert=p, expert_hidden=20, dtype=F64).eval()
@@ -170,13 +222,73 @@ def test_the_layer_runs_algorithm1_from_the_op_as_from_its_selector(monkeypatch,
             x, layer.phi, layer.scale, layer.experts, layer.normalize), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("normalize, renormalize, experts, narrow, tokens, dtype", [
+    ("router", False, "mlp", True, True, torch.bfloat16), ("router", True, "mlp", False, True, torch.bfloat16),
+    ("inputs", False, "mlp", True, False, torch.float16), ("none", False, "stacked", False, False, torch.bfloat16),
+    ("router", False, "own", False, True, torch.bfloat16)])
+def test_a_bfloat16_layer_takes_its_weights_from_the_op_in_its_dtype(monkeypatch, normalize, renormalize, experts,
+                                                                      narrow, tokens, dtype):
+    """The layer's fused path (forced on the CPU) in bfloat16 (and float16): the op writes dispatch and combine in
+    x's dtype where the mixing would cast them (the default experts), not for a renormalization, stacked experts or
+    experts of the user's own (whose outputs may be wider); with the "router" normalization it gets the tokens and the unnormalized product. The plain layer
+    takes the op (k = 0) only where it writes them narrow. Both equal the unfused paths (the selector's choice,
+    torch's softmaxes, the weights cast in the mixing)."""
+    asked = []
+
+    def stand_in(logits, p, k, kernel, out_dtype, x, eps):
+        asked.append((k, out_dtype, x is not None))
+        return fused.reference_routing_softmaxes(logits, p, k, out_dtype, x, eps)
+
+    monkeypatch.setattr(fused, "_compute", stand_in)
+    torch.manual_seed(0)
+    expert = {"mlp": None, "stacked": torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.ReLU(),
+                                                          torch.nn.Linear(20, 12))}.get(experts)
+    layer = SoftMoE(12, 6, expert_hidden=20, normalize=normalize, expert=expert, dtype=dtype).eval()
+    if experts == "own":  # an expert bank of the user's own (the Experts protocol), whose mix may not cast
+        own = _OwnExperts(layer.experts)
+        layer.experts = own
+    x = torch.randn(5, 7, 12, dtype=dtype)
+    with torch.no_grad():
+        want_plain = layer(x)
+        with select_experts(layer, k=2, renormalize=renormalize):
+            want = layer(x)
+            monkeypatch.setattr(layer_module, "fused_routing_applies", lambda *args: True)
+            got = layer(x)
+        got_plain = layer(x)
+    plain = [(0, dtype, tokens)] if experts == "mlp" else []
+    assert asked == [(2, dtype if narrow else None, tokens), *plain]
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(got_plain, want_plain, rtol=2e-2, atol=2e-3)
+
+
+class _OwnExperts(torch.nn.Module):
+    """An expert bank of a user's own: MLPExperts' work behind another class."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.inner = experts
+
+    def forward(self, x):
+        return self.inner(x)
+
+    def forward_selected(self, rows, expert):
+        return self.inner.forward_selected(rows, expert)
+
+    def choose_backend(self, backend, x, slots_per_expert):
+        return self.inner.choose_backend(backend, x, slots_per_expert)
+
+    def mix(self, backend, x, dispatch, combine, slots_per_expert, kept_combine=False):
+        assert dispatch.dtype == combine.dtype == torch.float32
+        return self.inner.mix(backend, x, dispatch, combine, slots_per_expert, kept_combine=kept_combine)
+
+
 @pytest.mark.parametrize("watcher", ["profiler", "dispatch mode"])
 def test_a_watched_layer_calls_the_op_through_the_dispatcher(monkeypatch, watcher):
     """Under the profiler or a dispatch mode the layer's fused path goes through the op (forced on the CPU, where the
     op is torch's ops), so they see it and the kernels it runs, as the layer runs unwatched."""
     monkeypatch.setattr(layer_module, "fused_routing_applies", lambda *args: True)
-    monkeypatch.setattr(fused, "run_routing_softmaxes",  # the op's torch implementation for the kernel, both ways
-                        lambda logits, p, k, kernel=None: fused.reference_routing_softmaxes(logits, p, k))
+    monkeypatch.setattr(fused, "_compute",  # the op's torch implementation for the kernel, both ways
+                        lambda logits, p, k, kernel, *args: fused.reference_routing_softmaxes(logits, p, k, *args))
     torch.manual_seed(0)
     layer = SoftMoE(12, 6, expert_hidden=20, dtype=F64).eval()
     x = torch.randn(3, 7, 12, dtype=F64)
@@ -359,21 +471,23 @@ def test_a_compiled_kernel_is_called_directly_per_shape_and_alignment(monkeypatc
     logits = storage[:2 * 20 * 12].view(2, 20, 12)
     out = launch(logits)
     assert [c[0] for c in jit.calls] == ["jit"]
-    assert jit.calls[0][2][:4] == (logits, *out) and jit.calls[0][2][4:] == (20, 12, 2, 6, 3)
-    assert jit.calls[0][3] == dict(BLOCK_T=32, BLOCK_S=16, BLOCK_E=16, CHOOSE=True, num_warps=4)
+    assert jit.calls[0][2][:5] == (logits, logits, *out) and jit.calls[0][2][5:] == (20, 12, 2, 6, 3)
+    assert jit.calls[0][3] == dict(BLOCK_T=32, BLOCK_S=16, BLOCK_E=16, BLOCK_D=64, CHOOSE=True, NORMALIZE=False,
+                                   DIM=0, EPS=1e-6, num_warps=4)
     out = launch(logits)
     kind, args = jit.calls[1]
-    pointers = tuple(t.data_ptr() for t in (logits, *out))
+    pointers = tuple(t.data_ptr() for t in (logits, logits, *out))
     assert kind == "bare" and args[:4] == (2, 1, 1, 77)
     assert args[4:13] == (1234, False, True, None, None, (4, 1, 0), None, None, None)
-    assert args[13:] == (*pointers, 20, 12, 2, 6, 3, 32, 16, 16, True)
+    assert args[13:] == (*pointers, 20, 12, 2, 6, 3, 32, 16, 16, 64, True, False, 0, 1e-6)
     # a profiler's hooks (Triton 3.6's chains, or before it a hook): Triton's own call runs them
     for enter, exit in (Chain(print), Chain()), (Chain(), Chain(print)), (print, None):
         knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook = enter, exit
         out = launch(logits)
         kind, grid, args = jit.calls[-1]
         assert kind == "compiled" and grid == (2, 1, 1)
-        assert args[:4] == (logits, *out) and args[4:] == (20, 12, 2, 6, 3, 32, 16, 16, True)
+        assert args[:5] == (logits, logits, *out) and args[5:] == (20, 12, 2, 6, 3, 32, 16, 16, 64, True, False, 0,
+                                                                   1e-6)
     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook = None, None
     launch(logits)
     assert jit.calls[-1][0] == "bare"
@@ -383,12 +497,40 @@ def test_a_compiled_kernel_is_called_directly_per_shape_and_alignment(monkeypatc
     launch(storage[1:1 + 2 * 20 * 12].view(2, 20, 12))  # 4 bytes off: another specialization
     launch(storage[4:].view(2, 20, 12))  # 16 bytes off: aligned like the first
     assert [c[0] for c in jit.calls[6:]] == ["jit", "jit", "jit", "jit", "bare"]
-    assert jit.calls[8][2][3] is jit.calls[8][2][1]  # without a choice the kernel gets dispatch for selected
+    assert jit.calls[8][2][4] is jit.calls[8][2][2]  # without a choice the kernel gets dispatch for selected
     monkeypatch.setattr(triton_module, "DIRECT_LAUNCH", False)
     monkeypatch.setattr(triton_module, "_COMPILED", {})
     launch(logits)
     launch(logits)
     assert [c[0] for c in jit.calls[11:]] == ["jit", "jit"]
+
+
+def test_the_tokens_and_the_output_dtype_are_part_of_the_launch_key(monkeypatch):
+    """A launch with tokens, with tokens of another dim or dtype, or into outputs of another dtype compiles anew; a
+    bare call with tokens passes their pointer second and the constexprs NORMALIZE, DIM and EPS."""
+    triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
+    jit, _, launch = fake_triton_launches(monkeypatch, triton_module)
+    logits = torch.zeros(2, 20, 12)
+
+    def run(x=None, out_dtype=torch.float32):
+        outputs = (torch.empty_like(logits, dtype=out_dtype), torch.empty_like(logits, dtype=out_dtype),
+                   torch.empty(2, 3, dtype=torch.int64))
+        triton_module.launch(logits, *outputs, 2, 3, True, x)
+        return outputs
+
+    x5, x6 = torch.zeros(2, 20, 5), torch.zeros(2, 20, 6)
+    launch(logits)
+    run(x5)
+    out = run(x5)
+    run(x6)
+    run(x5.to(torch.bfloat16))
+    run(x5, torch.bfloat16)
+    run(x5, torch.bfloat16)
+    assert [c[0] for c in jit.calls] == ["jit", "jit", "bare", "jit", "jit", "jit", "bare"]
+    assert jit.calls[1][3]["NORMALIZE"] and jit.calls[1][3]["DIM"] == 5 and jit.calls[1][2][1] is x5
+    args = jit.calls[2][1]
+    assert args[13:18] == tuple(t.data_ptr() for t in (logits, x5, *out))
+    assert args[18:] == (20, 12, 2, 6, 3, 32, 16, 16, 64, True, True, 5, 1e-6)
 
 
 def test_a_kernel_needing_scratch_memory_is_called_through_triton(monkeypatch):

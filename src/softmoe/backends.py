@@ -4,9 +4,10 @@
 and why (a :class:`BackendChoice`).
 
     "reference"  Definition 1 as written, in plain torch ops: slots = D^T X, every expert on its slots, C Y~.
-                 Any experts, any device and dtype, torch.compile, torch.func and autocast.
+                 Any experts, any device and dtype, torch.compile, torch.func, forward-mode AD and autocast.
     "slots"      the same products in one autograd node with the backward written out (MLP experts; no torch.func
-                 transform or autocast): no copies between the slot and expert layouts, less autograd overhead.
+                 transform, forward-mode AD or autocast): no copies between the slot and expert layouts, less
+                 autograd overhead; without a gradient to record, the products alone.
     "tokens"     the exact token-space rewrite of the MLP experts (no slot tensor is written): cheaper for many small
                  experts on few tokens.
     "native"     softmoe's CPU kernels, registered as ``torch.ops.softmoe`` custom ops (float32 CPU, MLP experts):
@@ -14,7 +15,7 @@ and why (a :class:`BackendChoice`).
                  expert matmul.
     "auto"       the default: on CPU the native ops where they are tuned to win, else a cost model between "slots"
                  and "tokens" (constants measured on CPU, used on CPU only); on other devices "slots"; under a
-                 torch.func transform, or autocast, "reference".
+                 torch.func transform or forward-mode AD (``torch.autograd.forward_ad``), or autocast, "reference".
 
 A backend that cannot serve an input (e.g. "native" on a GPU) raises a ValueError saying why; "auto" never does.
 """

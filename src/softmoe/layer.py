@@ -43,7 +43,7 @@ from softmoe.kernels import onednn_linear, top_k_combine
 from softmoe.kernels import soft_moe_routing as native_routing
 from softmoe.kernels import soft_moe_routing_top_k
 from softmoe.kernels.modes import host_reads_are_free, transforms_active
-from softmoe.kernels.routing_softmaxes import fused_routing_applies, fused_routing_softmaxes
+from softmoe.kernels.routing_softmaxes import NORM_EPS, fused_routing_applies, fused_routing_softmaxes
 from softmoe.selection_plan import (
     check_plan,
     counts_decide,
@@ -59,7 +59,6 @@ from softmoe.selection_plan import (
     worth_timing,
 )
 
-NORM_EPS = 1e-6
 # Plans a layer remembers for Algorithm 1's calls (SoftMoE._top_k_plan) before it forgets them all: one per shape and
 # setting (and kept counts where those decide), so only a stream of ever new batch sizes reaches it.
 MAX_REMEMBERED_PLANS = 4096
@@ -145,9 +144,24 @@ def rms_norm_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor) -> 
     on an H100 (docs/performance.md), and eager GPU layers are bound by their launches.
     """
     dim = x.shape[-1]
-    eps = NORM_EPS / dim
-    weight = F.rms_norm(phi.t(), (dim,), (scale / dim).expand(dim), eps)
-    return F.linear(F.rms_norm(x, (dim,), eps=eps), weight)
+    return F.linear(F.rms_norm(x, (dim,), eps=NORM_EPS / dim), rms_norm_columns(phi, scale / dim))
+
+
+def rms_norm_columns(phi: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """phi (dim, slots)'s columns as one fused RMS norm times ``weight`` (), transposed: (slots, dim), each row
+    ``sqrt(dim) * weight * v * rsqrt(sum(v^2) + 1e-6)`` (:func:`l2_normalize`'s normalization)."""
+    dim = phi.shape[0]
+    return F.rms_norm(phi.t(), (dim,), weight.expand(dim), NORM_EPS / dim)
+
+
+def router_products(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The "router" logits before the tokens' normalization, ``x (scale * phi / |phi|)``: x (batch, tokens, dim),
+    phi (dim, slots), scale () -> (batch, tokens, slots), float32 or wider; for calls where autocast is off (the
+    routing op's path: eager inference). The op divides each token's row by its norm itself
+    (``softmoe::routing_softmaxes``'s x): one kernel fewer than :func:`rms_norm_logits`."""
+    dtype = torch.promote_types(torch.promote_types(x.dtype, phi.dtype), torch.float32)
+    weight = rms_norm_columns(phi.to(dtype), scale.to(dtype) / math.sqrt(x.shape[-1]))
+    return F.linear(x.to(dtype), weight)
 
 
 def add_logit_noise(logits: torch.Tensor, std: float) -> torch.Tensor:
@@ -503,17 +517,23 @@ class SoftMoE(nn.Module):
         phi, scale, experts = self._weights()
         check_tokens(x, self.dim, mask, phi.dtype)
         x = self.slot_inputs(x)
+        plain = mask is None and not (self.training and self.noise_std > 0)
         if self.selector is None:
-            _, dispatch, combine = self._route_flat(x, mask, phi, scale)
+            # bfloat16 / float16 eager CUDA inference: the routing op's kernel writes the weights in x's dtype
+            # (1.03-1.17x the speed of torch's softmaxes and casts on an H200 machine; float32 keeps torch's)
+            if plain and self._narrow_weights(x, False) and \
+                    fused_routing_applies(x, flat := phi.reshape(self.dim, self.num_slots), scale):
+                dispatch, combine, _ = self._fused_routing(x, flat, scale, 0, False)
+            else:
+                _, dispatch, combine = self._route_flat(x, mask, phi, scale)
             return self._mix(x, dispatch, combine)
         k = getattr(self.selector, "top_k", None)
         flat = phi.reshape(self.dim, self.num_slots)
-        plain = isinstance(k, int) and k >= 1 and mask is None and not (self.training and self.noise_std > 0)
+        plain = plain and isinstance(k, int) and k >= 1
         if plain and fused_routing_applies(x, flat, scale, self.slots_per_expert, k):
-            # Algorithm 1 in one kernel with the softmaxes (eager CUDA inference: the op's own code, called without
-            # the dispatcher's host time where nothing watches it); combine comes back zero outside the kept slots.
-            logits = soft_moe_logits(x, flat, scale, self.normalize)
-            dispatch, combine, selected = fused_routing_softmaxes(logits, self.slots_per_expert, k)
+            # Algorithm 1 in one kernel with the softmaxes (eager CUDA inference); combine comes back zero outside
+            # the kept slots
+            dispatch, combine, selected = self._fused_routing(x, flat, scale, k, self.selector.renormalize)
             return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize,
                                           self.selector.plan, combine_is_kept=True)
         if plain and x.is_cpu:
@@ -541,6 +561,28 @@ class SoftMoE(nn.Module):
                                           self.selector.plan, combine_is_kept=True)
         selected = self.selector.select(combine.view(*x.shape[:2], self.num_experts, self.slots_per_expert))
         return self._selected_forward(x, dispatch, combine, selected, self.selector.renormalize, self.selector.plan)
+
+    def _fused_routing(
+        self, x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor | None, k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dispatch and combine (batch, tokens, n*p) and Algorithm 1's k experts (batch, k) of x from the routing op
+        (:func:`~softmoe.kernels.routing_softmaxes.fused_routing_softmaxes`: eager CUDA inference, where
+        :func:`fused_routing_applies`), phi (dim, n*p) flat; combine zero outside the kept experts' slots. With the
+        "router" normalization the op normalizes the tokens itself (one kernel fewer); where the mixing casts the
+        weights to x's narrower dtype anyway it writes them in that dtype (two kernels fewer; :meth:`_narrow_weights`)."""
+        if self.normalize == "router":
+            logits, tokens = router_products(x, phi, scale), x
+        else:
+            logits, tokens = soft_moe_logits(x, phi, scale, self.normalize), None
+        out_dtype = x.dtype if self._narrow_weights(x, renormalize) else None
+        return fused_routing_softmaxes(logits, self.slots_per_expert, k, out_dtype, tokens)
+
+    def _narrow_weights(self, x: torch.Tensor, renormalize: bool) -> bool:
+        """Whether the routing op may write dispatch and combine in x's dtype: bfloat16 or float16 tokens whose
+        mixing casts the weights to it anyway (the default experts, :class:`~softmoe.experts.MLPExperts` itself; not
+        stacked experts or a bank of the user's own, whose outputs may be wider, nor for a renormalization, which
+        sums the weights first)."""
+        return x.dtype in (torch.bfloat16, torch.float16) and not renormalize and type(self._experts()) is MLPExperts
 
     def _mix(
         self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, kept_combine: bool = False,
@@ -633,9 +675,11 @@ class SoftMoE(nn.Module):
         or reshaped in place is only slower, never wrong: both plans give the same output."""
         key = known = None
         if not torch.compiler.is_compiling() and not transforms_active():
-            autocast, host = _run_settings(x.device)
-            key = (tuple(x.shape), selected.shape[1], x.dtype, x.device, self.training, self.backend,
-                   id(self.experts), autocast, torch.are_deterministic_algorithms_enabled(), timings_forgotten(), *host)
+            device = x.device
+            autocast, host = _run_settings(device)
+            key = (tuple(x.shape), selected.shape[1], x.dtype, device, self.training, self._backend,
+                   id(self._experts()), autocast, torch.are_deterministic_algorithms_enabled(), timings_forgotten(),
+                   *host)
             plans = self.__dict__.setdefault("_plans", {})  # (a layer pickled before it had them: none)
             if len(plans) > MAX_REMEMBERED_PLANS:
                 plans.clear()

@@ -27,8 +27,9 @@ Two kinds, each taken only where it applies (float32 CPU tensors), with torch's 
   torch's ops (:func:`native_available`, :func:`native_status`).
 
 On CUDA, ``torch.ops.softmoe.routing_softmaxes`` (:mod:`softmoe.kernels.routing_softmaxes`) computes a layer's two
-softmaxes and Algorithm 1's choice of experts in one Triton kernel, which the layer takes for Algorithm 1 in eager
-inference (:func:`fused_routing_applies`); elsewhere it is torch's ops.
+softmaxes and Algorithm 1's choice of experts in one Triton kernel (the tokens' normalization and a bfloat16 layer's
+casts with them), which the layer takes in eager inference for Algorithm 1 and for a bfloat16 or float16 forward
+(:func:`fused_routing_applies`); elsewhere it is torch's ops.
 """
 
 from softmoe.kernels.build import (

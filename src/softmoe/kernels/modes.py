@@ -13,8 +13,11 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
 
 
 def transforms_active() -> bool:
-    """Whether a torch.func transform (vmap, grad, jacrev, ...) is tracing the current call."""
-    return torch._C._are_functorch_transforms_active()
+    """Whether a torch.func transform (vmap, grad, jacrev, jvp, ...) is tracing the current call, or a forward-mode
+    AD level is open (``torch.autograd.forward_ad``'s dual tensors, which require no grad): both need torch's own
+    ops, since softmoe's custom ops and autograd Functions have no batching or forward-mode rules (a custom op drops
+    a dual's tangent without a word)."""
+    return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
 
 
 def host_reads_are_free(x: torch.Tensor) -> bool:
@@ -62,7 +65,7 @@ def direct_autograd_ok(device_type: str, *tensors: torch.Tensor | None) -> bool:
     dispatcher, then torch.library's Python wrappers binding and checking the arguments) took 40-70 us per op, forward
     and backward each, on an AMD EPYC Zen 4: the paper's MNIST layer's forward+backward at batch 16 (a routing and a
     mixing op) 734 us through the ops, 511 us through their code."""
-    return _plain_first_order(device_type) and not _watched(tensors)
+    return plain_eager_mode(device_type) and not _watched(tensors)
 
 
 def direct_function(name: str, run, setup_context, backward) -> type[torch.autograd.Function]:
@@ -86,14 +89,11 @@ def direct_function(name: str, run, setup_context, backward) -> type[torch.autog
 # The checks on a tuple of tensors, the calls written out: they run a few times in every layer call, where each
 # Python call and repacking of the tensors costs 0.1 us.
 def _eager_inference(device_type: str, tensors: tuple) -> bool:
-    return _plain_first_order(device_type) and not (
+    return plain_eager_mode(device_type) and not (
         torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     )
 
 
-def _plain_first_order(device_type: str) -> bool:
-    # no forward-mode AD level open either (its duals do not require grad)
-    return plain_eager_mode(device_type) and forward_ad._current_level < 0
 
 
 def _watched(tensors: tuple) -> bool:

@@ -23,16 +23,19 @@ import warnings
 
 import torch
 
-from softmoe.kernels.modes import needs_grad, plain_eager_mode
+from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
 
 # The activations oneDNN can fuse, as (attribute, algorithm) of _linear_pointwise.
 ONEDNN_ACTIVATIONS = {None: ("none", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
 
 
 def onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x @ weight`` may run in oneDNN: float32 CPU tensors, no gradient needed, oneDNN built in."""
+    """Whether ``x @ weight`` may run in oneDNN: float32 CPU tensors, no gradient needed (nor a tangent: oneDNN's
+    linear has no derivative, and no batching rule for torch.func; :func:`~softmoe.kernels.modes.transforms_active`),
+    oneDNN built in."""
     return (
         not needs_grad(x, weight)
+        and not transforms_active()
         and x.device.type == weight.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and torch.backends.mkldnn.is_available()
@@ -132,7 +135,8 @@ def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None =
     experts, rows, inner = a.shape
     cols = b.shape[2]
     if (
-        plain_eager_mode("cpu")
+        a.is_cpu
+        and plain_eager_mode("cpu")
         and 2 * experts * rows * inner * cols >= ONEDNN_MIN_BATCH_FLOPS
         and a.stride(2) == 1
         and (b.stride(1), b.stride(2)) in ((cols, 1), (1, inner))

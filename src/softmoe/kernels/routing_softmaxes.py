@@ -1,11 +1,15 @@
 """``softmoe::routing_softmaxes``: a Soft MoE layer's two softmaxes, and Algorithm 1's choice, from its logits.
 
-    softmoe::routing_softmaxes(Tensor logits, int slots_per_expert, int k) -> (Tensor dispatch, Tensor combine,
-                                                                              Tensor selected)
-        logits (batch, tokens, slots) float32 or float64 ->
+    softmoe::routing_softmaxes(Tensor logits, int slots_per_expert, int k, ScalarType? out_dtype=None,
+                               Tensor? x=None, float eps=1e-6) -> (Tensor dispatch, Tensor combine, Tensor selected)
+        logits (batch, tokens, slots) float32 or float64, optional tokens x (batch, tokens, dim): with x each token's
+        logits are first multiplied by rsqrt(sum(x^2) + eps) over its dim (the router's normalization of the
+        tokens applied to the product, (x / |x|) W = (x W) / |x|) ->
         dispatch (batch, tokens, slots)  softmax over the tokens
         combine (batch, tokens, slots)   softmax over the slots; with k > 0 zero on the slots of every expert
                                          outside the input's k chosen ones
+                                         (both computed in the logits' dtype, then rounded to ``out_dtype``, a
+                                         floating dtype, where given: the dtype a bfloat16 layer mixes in)
         selected (batch, k) int64        with k > 0 the k experts (of slots / slots_per_expert) with the largest
                                          combine weight summed over tokens and their slots (Algorithm 1 of "Beyond
                                          Parameter Count"; NaN first, ties to the lower index), ascending; (batch, 0)
@@ -14,14 +18,14 @@
 On a GPU an eager Soft MoE call is bound by the host's launches (docs/performance.md). In torch's ops Algorithm 1's
 choice takes about sixteen kernels after the two softmaxes (a sum, two sorts, a mask from the indices, the masked
 combine weights); on CUDA this op is one Triton kernel for all of it (:mod:`softmoe.kernels.routing_softmaxes_triton`),
-so a layer running Algorithm 1 in eager inference launches one kernel fewer than the plain layer. The layer calls the
-op's code directly there (:func:`fused_routing_softmaxes`: no autograd to record, and the dispatcher's Python wrapper
-cost 20-25 us of host time per call on an H200 machine), through the dispatcher where something watches it. The plain
-layer keeps torch's two softmaxes: with the kernel in their place it ran 0.90-1.04x as fast, mostly slower, where the
-host bounds it (Table 3's layer at batch 1-16, the MNIST layer), 1.17x at ViT-S's batch of 128 (an H200 machine,
-docs/performance.md).
+which also divides each token's logits by the token's norm (the router's normalization: one RMS norm fewer) and
+writes the weights in a bfloat16 layer's dtype (two casts fewer). The layer takes it for Algorithm 1 in eager CUDA
+inference, and for its plain forward in bfloat16 or float16 (1.03-1.17x the speed of torch's two softmaxes and
+casts on an H200 machine; in float32 torch's softmaxes ran as fast where the host bounds the call). It calls the op's
+code directly there (:func:`fused_routing_softmaxes`: no autograd to record, and the dispatcher's Python wrapper cost
+20-25 us of host time per call on an H200 machine), through the dispatcher where something watches it.
 Elsewhere, and on CUDA without Triton or with ``SOFTMOE_TRITON=0``, the op is torch's ops. Differentiable in the
-logits (the choice is a constant of the backward, as in the unfused path).
+logits and the tokens (the choice is a constant of the backward, as in the unfused path).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from softmoe.topk import top_k
 # two) and, where it chooses, its experts x slots; and the most experts it ranks (a square of them). Larger inputs
 # take torch's ops.
 MAX_TILE = 1 << 15
+# The epsilon of the router's L2 normalization, ``v * rsqrt(sum(v^2) + NORM_EPS)`` (vmoe's; softmoe.layer's too).
+NORM_EPS = 1e-6
 MAX_RANKED_EXPERTS = 128
 # Why the kernel failed to launch in this process (it is not tried again), or None.
 _launch_failure: str | None = None
@@ -73,13 +79,16 @@ def fused_routing_applies(
     return kernel_applies((*tokens.shape[:2], phi.shape[1]), dtype, tokens.device, slots_per_expert, k)
 
 
-def fused_routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The op for a layer that :func:`fused_routing_applies` to: its code called directly (no dispatcher's host
-    time), or through the dispatcher where something watches it (the profiler, a dispatch mode: they then see the
-    op and the kernel that runs unwatched)."""
-    if dispatcher_watched(logits):
-        return routing_softmaxes(logits, slots_per_expert, k)
-    return run_routing_softmaxes(logits, slots_per_expert, k, kernel=True)
+def fused_routing_softmaxes(
+    logits: Tensor, slots_per_expert: int, k: int, out_dtype: torch.dtype | None = None, x: Tensor | None = None,
+    eps: float = NORM_EPS,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The op for a layer that :func:`fused_routing_applies` to, whose arguments it has checked: its kernel called
+    directly (no dispatcher's host time, no second check of the arguments), or through the dispatcher where
+    something watches it (the profiler, a dispatch mode: they then see the op and the kernel that runs unwatched)."""
+    if dispatcher_watched(logits, x):
+        return routing_softmaxes(logits, slots_per_expert, k, out_dtype, x, eps)
+    return _compute(logits, slots_per_expert, k, True, out_dtype, x, eps)
 
 
 def kernel_applies(
@@ -103,9 +112,13 @@ def block_size(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def check_routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -> None:
-    """Raise a ValueError unless logits (batch, tokens, slots) is float32 or float64 and slots_per_expert and k fit
-    its slots."""
+def check_routing_softmaxes(
+    logits: Tensor, slots_per_expert: int, k: int, out_dtype: torch.dtype | None = None, x: Tensor | None = None,
+    eps: float = NORM_EPS,
+) -> None:
+    """Raise a ValueError unless logits (batch, tokens, slots) is float32 or float64, slots_per_expert and k fit
+    its slots, ``out_dtype`` is None or a floating dtype and ``x`` None or floating (batch, tokens, dim) tokens on
+    the logits' device with ``eps`` >= 0."""
     if logits.dim() != 3 or logits.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"routing_softmaxes takes logits (batch, tokens, slots) in float32 or float64, got "
                          f"{logits.dtype} {tuple(logits.shape)}")
@@ -114,33 +127,54 @@ def check_routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -> No
         raise ValueError(f"slots_per_expert must divide the {slots} slots, got {slots_per_expert}")
     if not 0 <= k <= slots // slots_per_expert:
         raise ValueError(f"k must lie in [0, {slots // slots_per_expert}] (0: no choice), got {k}")
+    if out_dtype is not None and not out_dtype.is_floating_point:
+        raise ValueError(f"out_dtype must be None or a floating dtype, got {out_dtype}")
+    if x is not None and (x.dim() != 3 or x.shape[:2] != logits.shape[:2] or not x.is_floating_point()
+                          or x.device != logits.device):
+        raise ValueError(f"x must be floating tokens (batch, tokens, dim) = {tuple(logits.shape[:2])} + (dim,) on "
+                         f"{logits.device}, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if x is not None and not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
 
 
 @torch.library.custom_op("softmoe::routing_softmaxes", mutates_args=())
-def routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+def routing_softmaxes(
+    logits: Tensor, slots_per_expert: int, k: int, out_dtype: torch.dtype | None = None, x: Tensor | None = None,
+    eps: float = NORM_EPS,
+) -> tuple[Tensor, Tensor, Tensor]:
     """logits (batch, tokens, slots) -> (dispatch, combine, selected (batch, k)); see the module doc."""
-    return run_routing_softmaxes(logits, slots_per_expert, k)
+    return run_routing_softmaxes(logits, slots_per_expert, k, out_dtype=out_dtype, x=x, eps=eps)
 
 
 def run_routing_softmaxes(
-    logits: Tensor, slots_per_expert: int, k: int, kernel: bool | None = None
+    logits: Tensor, slots_per_expert: int, k: int, kernel: bool | None = None, out_dtype: torch.dtype | None = None,
+    x: Tensor | None = None, eps: float = NORM_EPS,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The op's computation, called directly (no dispatcher, no autograd): the kernel where it applies (``kernel``:
     whether it does, where the caller has asked :func:`kernel_applies` already)."""
-    check_routing_softmaxes(logits, slots_per_expert, k)
-    batch, tokens, slots = logits.shape
+    check_routing_softmaxes(logits, slots_per_expert, k, out_dtype, x, eps)
     if kernel is None:
         kernel = kernel_applies(logits.shape, logits.dtype, logits.device, slots_per_expert, k)
+    return _compute(logits, slots_per_expert, k, kernel, out_dtype, x, eps)
+
+
+def _compute(
+    logits: Tensor, slots_per_expert: int, k: int, kernel: bool, out_dtype: torch.dtype | None, x: Tensor | None,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`run_routing_softmaxes` after its checks: the kernel where ``kernel`` and it can launch, else torch's
+    ops."""
     if kernel and _launch_failure is None:
         logits = logits.contiguous()
-        dispatch, combine = torch.empty_like(logits), torch.empty_like(logits)
-        selected = logits.new_empty(batch, k, dtype=torch.int64)
+        dispatch, combine = torch.empty_like(logits, dtype=out_dtype), torch.empty_like(logits, dtype=out_dtype)
+        selected = logits.new_empty((logits.shape[0], k), dtype=torch.int64)
         try:
-            _triton_module().launch(logits, dispatch, combine, selected, slots_per_expert, k, choose=k > 0)
+            _triton_module().launch(logits, dispatch, combine, selected, slots_per_expert, k, k > 0,
+                                    None if x is None else x.contiguous(), eps)
             return dispatch, combine, selected
         except Exception as error:  # e.g. no C compiler for Triton's launcher: torch's ops from now on
             _record_launch_failure(error)
-    return reference_routing_softmaxes(logits, slots_per_expert, k)
+    return reference_routing_softmaxes(logits, slots_per_expert, k, out_dtype, x, eps)
 
 
 @functools.cache
@@ -157,47 +191,72 @@ def _record_launch_failure(error: Exception) -> None:
                   "experts with torch's ops in this process", RuntimeWarning, stacklevel=3)
 
 
-def reference_routing_softmaxes(logits: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+def normalized_logits(logits: Tensor, x: Tensor | None, eps: float) -> Tensor:
+    """The logits the softmaxes take: ``logits``, or with tokens ``x`` each token's row times
+    ``rsqrt(sum(x^2) + eps)`` (in the logits' dtype)."""
+    if x is None:
+        return logits
+    return logits * torch.rsqrt(x.to(logits.dtype).square().sum(-1, keepdim=True) + eps)
+
+
+def reference_routing_softmaxes(
+    logits: Tensor, slots_per_expert: int, k: int, out_dtype: torch.dtype | None = None, x: Tensor | None = None,
+    eps: float = NORM_EPS,
+) -> tuple[Tensor, Tensor, Tensor]:
     """The op in torch's ops (every device; the kernel's reference)."""
     batch, tokens, slots = logits.shape
+    logits = normalized_logits(logits, x, eps)
     dispatch, combine = logits.softmax(dim=1), logits.softmax(dim=-1)
     if k == 0:
-        return dispatch, combine, logits.new_empty(batch, 0, dtype=torch.int64)
-    experts = slots // slots_per_expert
-    scores = combine.view(batch, tokens, experts, slots_per_expert).sum(dim=(1, 3))
-    selected = top_k(scores, k, dim=1)[1].sort(dim=1).values
-    return dispatch, torch.where(kept_slots(selected, experts, slots_per_expert), combine, 0.0), selected
+        selected = logits.new_empty(batch, 0, dtype=torch.int64)
+    else:
+        experts = slots // slots_per_expert
+        scores = combine.view(batch, tokens, experts, slots_per_expert).sum(dim=(1, 3))
+        selected = top_k(scores, k, dim=1)[1].sort(dim=1).values
+        combine = torch.where(kept_slots(selected, experts, slots_per_expert), combine, 0.0)
+    if out_dtype is not None:
+        dispatch, combine = dispatch.to(out_dtype), combine.to(out_dtype)
+    return dispatch, combine, selected
 
 
 @routing_softmaxes.register_fake
-def _(logits: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    check_routing_softmaxes(logits, slots_per_expert, k)
+def _(logits: Tensor, slots_per_expert: int, k: int, out_dtype: torch.dtype | None = None, x: Tensor | None = None,
+      eps: float = NORM_EPS) -> tuple[Tensor, Tensor, Tensor]:
+    check_routing_softmaxes(logits, slots_per_expert, k, out_dtype, x, eps)
     shape = logits.shape  # both paths return contiguous tensors, whatever the logits' strides
-    return logits.new_empty(shape), logits.new_empty(shape), logits.new_empty(shape[0], k, dtype=torch.int64)
+    weights = logits.new_empty(shape, dtype=out_dtype)
+    return weights, torch.empty_like(weights), logits.new_empty(shape[0], k, dtype=torch.int64)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _, slots_per_expert, _ = inputs
-    dispatch, combine, selected = output
-    ctx.save_for_backward(inputs[0], dispatch, selected)
-    ctx.slots_per_expert = slots_per_expert
-    ctx.mark_non_differentiable(selected)
+    logits, slots_per_expert, _, _, x, eps = inputs
+    ctx.save_for_backward(logits, x, output[2])
+    ctx.slots_per_expert, ctx.eps = slots_per_expert, eps
+    ctx.mark_non_differentiable(output[2])
 
 
 def _backward(ctx, grad_dispatch: Tensor | None, grad_combine: Tensor | None, _grad_selected):
-    """The softmaxes' gradients; the choice is constant: combine's gradient reaches only the kept slots, through
-    the softmax over every slot."""
-    logits, dispatch, selected = ctx.saved_tensors
-    grad = torch.zeros_like(logits)
+    """The softmaxes' gradients, in the logits' dtype (the softmaxes computed again from them, whatever dtype the
+    op rounded its outputs to); the choice is constant: combine's gradient reaches only the kept slots, through the
+    softmax over every slot. With tokens x, z = logits * r, r = rsqrt(sum x^2 + eps): dlogits = dz r and
+    dx = -(sum over slots of dz logits) r^3 x."""
+    logits, x, selected = ctx.saved_tensors
+    z = normalized_logits(logits, x, ctx.eps)
+    grad = torch.zeros_like(z)
     if grad_dispatch is not None:
+        dispatch, grad_dispatch = z.softmax(dim=1), grad_dispatch.to(z.dtype)
         grad = grad + dispatch * (grad_dispatch - (grad_dispatch * dispatch).sum(dim=1, keepdim=True))
     if grad_combine is not None:
-        combine = logits.softmax(dim=-1)
+        combine, grad_combine = z.softmax(dim=-1), grad_combine.to(z.dtype)
         if selected.shape[1]:
-            keep = kept_slots(selected, logits.shape[2] // ctx.slots_per_expert, ctx.slots_per_expert)
+            keep = kept_slots(selected, z.shape[2] // ctx.slots_per_expert, ctx.slots_per_expert)
             grad_combine = torch.where(keep, grad_combine, 0.0)
         grad = grad + combine * (grad_combine - (grad_combine * combine).sum(dim=-1, keepdim=True))
-    return grad, None, None
+    if x is None:
+        return grad, None, None, None, None, None
+    r = torch.rsqrt(x.to(z.dtype).square().sum(-1, keepdim=True) + ctx.eps)
+    grad_x = -(grad * logits).sum(-1, keepdim=True) * r.pow(3) * x.to(z.dtype)
+    return grad * r, None, None, None, grad_x.to(x.dtype), None
 
 
 routing_softmaxes.register_autograd(_backward, setup_context=_setup_context)

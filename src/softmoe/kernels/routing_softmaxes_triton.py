@@ -2,7 +2,8 @@
 
 Imported only where the op runs its kernel, so that ``import softmoe`` never loads Triton; without Triton the
 module defines no kernel (and the op never asks for one: ``triton_available``). One program per input
-holds that input's (tokens x slots) logits and writes both softmaxes; with ``CHOOSE`` it also sums the combine
+holds that input's (tokens x slots) logits (with ``NORMALIZE``, each token's row first divided by the L2 norm of its
+token, read from the tokens in blocks of columns) and writes both softmaxes; with ``CHOOSE`` it also sums the combine
 weights over tokens and each expert's slots, ranks the experts (NaN first, then the largest, ties to the lower
 index: :func:`softmoe.topk.top_k`'s rule), zeroes the combine weights of the slots outside the k first and writes
 their indices in ascending order. :func:`launch` compiles it through Triton's JIT at the first launch of a shape and
@@ -25,8 +26,9 @@ except ImportError:  # the module still imports; the op takes torch's ops (trito
 
 
 def routing_softmaxes_kernel(
-    logits, dispatch, combine, selected, tokens, slots, slots_per_expert, num_experts, k,
-    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, CHOOSE: tl.constexpr,
+    logits, x, dispatch, combine, selected, tokens, slots, slots_per_expert, num_experts, k,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHOOSE: tl.constexpr, NORMALIZE: tl.constexpr, DIM: tl.constexpr, EPS: tl.constexpr,
 ):
     b = tl.program_id(0)
     t = tl.arange(0, BLOCK_T)[:, None]
@@ -34,8 +36,17 @@ def routing_softmaxes_kernel(
     inside = (t < tokens) & (s < slots)
     offsets = b.to(tl.int64) * tokens * slots + t * slots + s
     z = tl.load(logits + offsets, mask=inside, other=float("-inf"))
+    if NORMALIZE:  # each token's row times rsqrt(sum x^2 + EPS), its sums over BLOCK_D columns of x at a time
+        squares = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        rows = x + b.to(tl.int64) * tokens * DIM + t * DIM
+        for start in range(0, DIM, BLOCK_D):
+            d = start + tl.arange(0, BLOCK_D)[None, :]
+            v = tl.load(rows + d, mask=(t < tokens) & (d < DIM), other=0.0).to(tl.float32)
+            squares += v * v
+        z = z * tl.rsqrt(tl.sum(squares, axis=1)[:, None] + EPS)
 
     e = tl.exp(z - tl.max(z, axis=0)[None, :])  # dispatch: softmax over the tokens
+    # (the stores round to the outputs' dtype)
     tl.store(dispatch + offsets, e / tl.sum(e, axis=0)[None, :], mask=inside)
     e = tl.exp(z - tl.max(z, axis=1)[:, None])  # combine: softmax over the slots
     c = e / tl.sum(e, axis=1)[:, None]
@@ -69,35 +80,46 @@ TRITON_VERSION = tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2
 # Whether a compiled kernel is called directly (below): from Triton 3.6, the version tested, its call takes every
 # argument, the constexprs too (older launchers took fewer).
 DIRECT_LAUNCH = TRITON_VERSION >= (3, 6)
-# Per device, shape and alignment of the pointers (what Triton specializes the kernel on), once launched: the kernel
-# compiled for it, the kernel's arguments after the pointers and, where its launcher allows, the launcher's C
-# function with what it takes besides the kernel's arguments. On an H200 machine the op took 16-25 us of host time a
+# Per device, shape, output dtype and alignment of the pointers (what Triton specializes the kernel on), once
+# launched: the kernel compiled for it, the kernel's arguments after the pointers and, where its launcher allows, the
+# launcher's C function with what it takes besides the kernel's arguments. On an H200 machine the op took 16-25 us of host time a
 # call with the C function called bare, 25-45 through the compiled kernel's call (launch metadata built and empty
 # hook chains called at every launch), torch's two softmaxes 15-25 (docs/performance.md).
 _COMPILED: dict[tuple, tuple] = {}
 
 
-def launch(logits, dispatch, combine, selected, slots_per_expert: int, k: int, choose: bool) -> None:
-    """Run the kernel over ``logits`` (batch, tokens, slots) float32 contiguous into the outputs (same shapes;
-    selected (batch, k) int64, not written unless ``choose``), one program per input, on the logits' device."""
+def launch(logits, dispatch, combine, selected, slots_per_expert: int, k: int, choose: bool, x=None,
+           eps: float = 1e-6) -> None:
+    """Run the kernel over ``logits`` (batch, tokens, slots) float32 contiguous into the outputs (same shapes,
+    dispatch and combine of one floating dtype, which the kernel rounds to; selected (batch, k) int64, not written
+    unless ``choose``), one program per input, on the logits' device; with ``x`` (batch, tokens, dim) contiguous,
+    each token's logits are first multiplied by ``rsqrt(sum(x^2) + eps)`` over its dim."""
     batch, tokens, slots = logits.shape
     device = logits.device.index
     if device is not None and device != torch.cuda.current_device():  # Triton launches on the current device
         # (None: CPU tensors in Triton's interpreter)
         with torch.cuda.device(device):
-            return launch(logits, dispatch, combine, selected, slots_per_expert, k, choose)
+            return launch(logits, dispatch, combine, selected, slots_per_expert, k, choose, x, eps)
     if not choose:
         selected = dispatch  # (not written)
-    pointers = (logits.data_ptr(), dispatch.data_ptr(), combine.data_ptr(), selected.data_ptr())
-    key = (device, tokens, slots, slots_per_expert, k, choose, *(pointer % 16 for pointer in pointers))
+    normalize = x is not None
+    if not normalize:
+        x = logits  # (not read)
+    tensors = (logits, x, dispatch, combine, selected)
+    pointers = tuple(t.data_ptr() for t in tensors)
+    dim = x.shape[2] if normalize else 0
+    key = (device, tokens, slots, dim, slots_per_expert, k, choose, normalize, eps, x.dtype, dispatch.dtype,
+           *(pointer % 16 for pointer in pointers))
     known = _COMPILED.get(key)
     if known is None:
         num_experts = slots // slots_per_expert
-        meta = (block_size(tokens), block_size(slots), block_size(num_experts), choose)
+        block_t = block_size(tokens)
+        meta = (block_t, block_size(slots), block_size(num_experts), max(16, min(64, 8192 // block_t)), choose,
+                normalize, dim, eps)
         compiled = routing_softmaxes_kernel[(batch,)](
-            logits, dispatch, combine, selected, tokens, slots, slots_per_expert, num_experts, k,
-            BLOCK_T=meta[0], BLOCK_S=meta[1], BLOCK_E=meta[2], CHOOSE=choose,
-            num_warps=8 if meta[0] * meta[1] >= 8192 else 4,
+            *tensors, tokens, slots, slots_per_expert, num_experts, k,
+            BLOCK_T=meta[0], BLOCK_S=meta[1], BLOCK_E=meta[2], BLOCK_D=meta[3], CHOOSE=choose, NORMALIZE=normalize,
+            DIM=dim, EPS=eps, num_warps=8 if meta[0] * meta[1] >= 8192 else 4,
         )
         if compiled is not None and DIRECT_LAUNCH:  # None from Triton's interpreter, which compiles nothing
             _COMPILED[key] = (compiled, (tokens, slots, slots_per_expert, num_experts, k, *meta),
@@ -105,14 +127,14 @@ def launch(logits, dispatch, combine, selected, slots_per_expert: int, k: int, c
         return
     compiled, args, bare = known
     if bare is None or _hooked(triton.knobs.runtime):  # (a profiler's launch hooks: Triton's call runs them)
-        compiled[(batch, 1, 1)](logits, dispatch, combine, selected, *args)
+        compiled[(batch, 1, 1)](*tensors, *args)
         return
     c_launch, head = bare
     try:
         c_launch(batch, 1, 1, torch._C._cuda_getCurrentRawStream(device), *head, *pointers, *args)
     except Exception:  # (arguments refused before any launch): Triton's call for this key from now on
         _COMPILED[key] = (compiled, args, None)
-        compiled[(batch, 1, 1)](logits, dispatch, combine, selected, *args)
+        compiled[(batch, 1, 1)](*tensors, *args)
 
 
 def _hooked(runtime) -> bool:
