@@ -108,6 +108,31 @@ def test_mlp_forward_selected_skips_unnamed_experts():
     assert (out[1] - ref_expert(experts, 0, rows[1])).abs().max().item() < 1e-12
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # (torch's jvp rules)
+@pytest.mark.parametrize("expert", [[2, 0, -1, 3], [1, 1], [-1, -1]])
+def test_mlp_forward_selected_under_forward_mode_ad(expert):
+    """Under forward-mode AD (a transform for softmoe: the grouped products are custom ops, which drop tangents)
+    every expert runs on every group in torch's ops and each group keeps its own: values and tangents equal the
+    usual path's and its central differences; padding groups (-1) give zeros; unnamed experts' NaN weights stay out."""
+    experts = make_mlp()
+    with torch.no_grad():
+        experts.weight1[1 if 1 not in expert else 2].fill_(float("nan"))  # an expert no group names
+    rows, tangent = torch.randn(len(expert), 3, 5, dtype=F64), torch.randn(len(expert), 3, 5, dtype=F64)
+    index = torch.tensor(expert)
+    fwd = torch.autograd.forward_ad
+    with torch.no_grad():
+        want = experts.forward_selected(rows, index)
+        h = 1e-7
+        slope = (experts.forward_selected(rows + h * tangent, index) -
+                 experts.forward_selected(rows - h * tangent, index)) / (2 * h)
+        with fwd.dual_level():
+            out = fwd.unpack_dual(experts.forward_selected(fwd.make_dual(rows, tangent), index))
+    assert torch.isfinite(out.primal).all() and torch.isfinite(out.tangent).all()
+    torch.testing.assert_close(out.primal, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.tangent, slope, rtol=1e-6, atol=1e-7)
+    assert (out.primal[index < 0] == 0).all() and (out.tangent[index < 0] == 0).all()
+
+
 @pytest.mark.parametrize("kind", ["mlp", "stacked"])
 def test_forward_selected_gradients_equal_the_per_group_loop(kind):
     """Gradients of rows and of every stacked parameter equal those of running each group through its expert

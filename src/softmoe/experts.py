@@ -183,15 +183,16 @@ class MLPExperts(nn.Module):
         products give them zero rows (no bias), so their output is zero and no gradient flows through them. Without
         a gradient to compute, the first product applies the activation itself (in the native kernel's registers).
         Under torch.func transforms and forward-mode AD (the grouped products are custom ops, which have no
-        forward-mode rule) each group runs instead with its expert's weights gathered, in torch's batched products.
+        forward-mode rule) every expert runs on every group in torch's batched products and each group keeps its
+        own expert's rows: the work of every expert, no copy of the weights.
         """
         check_selected_rows(rows, expert, self.dim)
-        if transforms_active():
-            index = expert.clamp_min(0)
-            weight1, bias1, weight2, bias2 = (None if t is None else t[index] for t in self._weights())
-            y = batched_matmul(self.act(batched_matmul(rows, weight1, bias1)), weight2, bias2)
-            return torch.where((expert >= 0).view(-1, 1, 1), y, 0.0)
         groups, per_group, _ = rows.shape
+        if transforms_active():
+            every = self(rows.reshape(1, groups * per_group, self.dim).expand(self.num_experts, -1, -1))
+            y = every.view(self.num_experts, groups, per_group, self.out_dim)[expert.clamp_min(0), torch.arange(
+                groups, device=rows.device)]
+            return torch.where((expert >= 0).view(-1, 1, 1), y, 0.0)
         key = torch.where(expert < 0, self.num_experts, expert)  # padding sorts last
         order = torch.argsort(key, stable=True)
         ends = (token_counts(expert, self.num_experts).cumsum(0) * per_group).to(torch.int32)
