@@ -69,9 +69,11 @@ def test_the_op_equals_the_formulas_in_float64(shape, p, k):
 @pytest.mark.parametrize("shape, p, k", SHAPES)
 def test_the_op_normalizes_the_tokens_and_rounds_to_out_dtype(shape, p, k):
     """With tokens x the logits of each token are first divided by sqrt(sum x^2 + eps), written out here; with
-    out_dtype the weights are the float64 ones rounded to it (the choice made before rounding)."""
+    out_dtype the weights are the float64 ones rounded to it (the choice made before rounding; float32 tokens
+    holding the same values as the float64 ones)."""
+    torch.manual_seed(sum(shape) + k)
     logits = torch.randn(*shape, dtype=F64) * 3
-    x = torch.randn(*shape[:2], 5, dtype=F64)
+    x = torch.randn(*shape[:2], 5).double()  # (values a float32 holds exactly)
     x[0, 0] = 0.0  # a zero token: its logits times 1 / sqrt(eps)
     norms = torch.tensor([[math.sqrt(sum(v * v for v in x[b, t].tolist()) + 1e-6) for t in range(shape[1])]
                           for b in range(shape[0])], dtype=F64)
@@ -230,9 +232,9 @@ def test_a_bfloat16_layer_takes_its_weights_from_the_op_in_its_dtype(monkeypatch
                                                                       narrow, tokens, dtype):
     """The layer's fused path (forced on the CPU) in bfloat16 (and float16): the op writes dispatch and combine in
     x's dtype where the mixing would cast them (the default experts), not for a renormalization, stacked experts or
-    experts of the user's own (whose outputs may be wider); with the "router" normalization it gets the tokens and the unnormalized product. The plain layer
-    takes the op (k = 0) only where it writes them narrow. Both equal the unfused paths (the selector's choice,
-    torch's softmaxes, the weights cast in the mixing)."""
+    experts of the user's own (whose outputs may be wider); with the "router" normalization it gets the tokens and
+    the unnormalized product. The plain layer takes the op (k = 0) only where it writes them narrow. Both equal the
+    unfused paths (the selector's choice, torch's softmaxes, the weights cast in the mixing)."""
     asked = []
 
     def stand_in(logits, p, k, kernel, out_dtype, x, eps):

@@ -569,7 +569,8 @@ class SoftMoE(nn.Module):
         (:func:`~softmoe.kernels.routing_softmaxes.fused_routing_softmaxes`: eager CUDA inference, where
         :func:`fused_routing_applies`), phi (dim, n*p) flat; combine zero outside the kept experts' slots. With the
         "router" normalization the op normalizes the tokens itself (one kernel fewer); where the mixing casts the
-        weights to x's narrower dtype anyway it writes them in that dtype (two kernels fewer; :meth:`_narrow_weights`)."""
+        weights to x's narrower dtype anyway it writes them in that dtype (two kernels fewer:
+        :meth:`_narrow_weights`)."""
         if self.normalize == "router":
             logits, tokens = router_products(x, phi, scale), x
         else:

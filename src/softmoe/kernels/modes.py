@@ -94,8 +94,6 @@ def _eager_inference(device_type: str, tensors: tuple) -> bool:
     )
 
 
-
-
 def _watched(tensors: tuple) -> bool:
     return (
         torch._C._has_torch_function(tensors)

@@ -191,12 +191,10 @@ def _record_launch_failure(error: Exception) -> None:
                   "experts with torch's ops in this process", RuntimeWarning, stacklevel=3)
 
 
-def normalized_logits(logits: Tensor, x: Tensor | None, eps: float) -> Tensor:
-    """The logits the softmaxes take: ``logits``, or with tokens ``x`` each token's row times
-    ``rsqrt(sum(x^2) + eps)`` (in the logits' dtype)."""
-    if x is None:
-        return logits
-    return logits * torch.rsqrt(x.to(logits.dtype).square().sum(-1, keepdim=True) + eps)
+def token_scale(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:
+    """What the op multiplies each token's logits by: ``rsqrt(sum(x^2) + eps)`` over x's last dim, in ``dtype``:
+    x (batch, tokens, dim) -> (batch, tokens, 1)."""
+    return torch.rsqrt(x.to(dtype).square().sum(-1, keepdim=True) + eps)
 
 
 def reference_routing_softmaxes(
@@ -205,7 +203,8 @@ def reference_routing_softmaxes(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The op in torch's ops (every device; the kernel's reference)."""
     batch, tokens, slots = logits.shape
-    logits = normalized_logits(logits, x, eps)
+    if x is not None:
+        logits = logits * token_scale(x, logits.dtype, eps)
     dispatch, combine = logits.softmax(dim=1), logits.softmax(dim=-1)
     if k == 0:
         selected = logits.new_empty(batch, 0, dtype=torch.int64)
@@ -241,7 +240,8 @@ def _backward(ctx, grad_dispatch: Tensor | None, grad_combine: Tensor | None, _g
     softmax over every slot. With tokens x, z = logits * r, r = rsqrt(sum x^2 + eps): dlogits = dz r and
     dx = -(sum over slots of dz logits) r^3 x."""
     logits, x, selected = ctx.saved_tensors
-    z = normalized_logits(logits, x, ctx.eps)
+    r = None if x is None else token_scale(x, logits.dtype, ctx.eps)
+    z = logits if r is None else logits * r
     grad = torch.zeros_like(z)
     if grad_dispatch is not None:
         dispatch, grad_dispatch = z.softmax(dim=1), grad_dispatch.to(z.dtype)
@@ -252,9 +252,8 @@ def _backward(ctx, grad_dispatch: Tensor | None, grad_combine: Tensor | None, _g
             keep = kept_slots(selected, z.shape[2] // ctx.slots_per_expert, ctx.slots_per_expert)
             grad_combine = torch.where(keep, grad_combine, 0.0)
         grad = grad + combine * (grad_combine - (grad_combine * combine).sum(dim=-1, keepdim=True))
-    if x is None:
+    if r is None:
         return grad, None, None, None, None, None
-    r = torch.rsqrt(x.to(z.dtype).square().sum(-1, keepdim=True) + ctx.eps)
     grad_x = -(grad * logits).sum(-1, keepdim=True) * r.pow(3) * x.to(z.dtype)
     return grad * r, None, None, None, grad_x.to(x.dtype), None
 

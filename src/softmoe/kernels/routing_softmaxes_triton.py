@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from softmoe.kernels.routing_softmaxes import block_size
+from softmoe.kernels.routing_softmaxes import NORM_EPS, block_size
 
 try:
     import triton
@@ -82,14 +82,14 @@ TRITON_VERSION = tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2
 DIRECT_LAUNCH = TRITON_VERSION >= (3, 6)
 # Per device, shape, output dtype and alignment of the pointers (what Triton specializes the kernel on), once
 # launched: the kernel compiled for it, the kernel's arguments after the pointers and, where its launcher allows, the
-# launcher's C function with what it takes besides the kernel's arguments. On an H200 machine the op took 16-25 us of host time a
-# call with the C function called bare, 25-45 through the compiled kernel's call (launch metadata built and empty
-# hook chains called at every launch), torch's two softmaxes 15-25 (docs/performance.md).
+# launcher's C function with what it takes besides the kernel's arguments. On an H200 machine the op took 16-25 us of
+# host time a call with the C function called bare, 25-45 through the compiled kernel's call (launch metadata built
+# and empty hook chains called at every launch), torch's two softmaxes 15-25 (docs/performance.md).
 _COMPILED: dict[tuple, tuple] = {}
 
 
 def launch(logits, dispatch, combine, selected, slots_per_expert: int, k: int, choose: bool, x=None,
-           eps: float = 1e-6) -> None:
+           eps: float = NORM_EPS) -> None:
     """Run the kernel over ``logits`` (batch, tokens, slots) float32 contiguous into the outputs (same shapes,
     dispatch and combine of one floating dtype, which the kernel rounds to; selected (batch, k) int64, not written
     unless ``choose``), one program per input, on the logits' device; with ``x`` (batch, tokens, dim) contiguous,
