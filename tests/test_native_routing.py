@@ -24,9 +24,10 @@ NORMALIZATIONS = ["router", "inputs", "none"]
 # tokens), and 9, 13, 21, 29 and 32 slots (two to four AVX2 vectors, three to eight of 4 lanes, two AVX-512 vectors).
 # Up to half a vector of slots (6 with AVX-512) the logits are dot products along dim, tokens in blocks by the slots:
 # 1-6 slots, with dims of a tail only (7), whole vectors and tails (20, 33, the MNIST layer's 196) and 1-7 tokens.
+# From 2^15 / dim slots on (168 at dim 196) the slot parameters are normalized by two threads, each its columns.
 SHAPES = [(5, 4, 20, 6), (3, 17, 33, 37), (2, 1, 7, 1), (4, 30, 48, 16), (2, 64, 40, 128), (3, 5, 100, 40),
           (3, 7, 33, 9), (2, 6, 16, 13), (3, 7, 33, 29), (2, 5, 20, 21), (2, 6, 17, 32), (3, 5, 7, 2), (2, 7, 33, 3),
-          (3, 4, 196, 2), (2, 6, 196, 4), (2, 3, 40, 5)]
+          (3, 4, 196, 2), (2, 6, 196, 4), (2, 3, 40, 5), (2, 3, 196, 203)]
 SMALL_SLOTS = 32
 
 

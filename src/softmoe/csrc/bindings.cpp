@@ -726,22 +726,28 @@ at::Tensor linear_product(const at::Tensor &a, const at::Tensor &w, bool onednn)
 enum { ROUTING_NONE = 0, ROUTING_ROUTER = 1, ROUTING_INPUTS = 2 }; /* normalize "none", "router", "inputs" */
 constexpr double ROUTING_NORM_EPS = 1e-6;
 
-/* The normalized slot parameters the logits take, transposed (S, D) (the faster operand layout for torch's CPU
- * matmul, as in F.linear): phi_n[d, s] = scale phi[d, s] q[s] with q (S,): "router" q = rsqrt(|phi_s|^2 + 1e-6),
- * "inputs" q = 1 / (|phi_s| + 1e-6), "none" q = 1 and no scale; and the columns' norms |phi_s| (S,). */
+/* The normalized slot parameters the logits take, (D, width) with phi's rows padded by zeros to width >= S:
+ * phi_n[d, s] = scale phi[d, s] q[s] with q (S,): "router" q = rsqrt(|phi_s|^2 + 1e-6), "inputs" q = 1 / (|phi_s| +
+ * 1e-6), "none" q = 1 and no scale; and the columns' norms |phi_s| (S,). Both passes run along phi's rows, and
+ * the products take phi_n as it is (torch's CPU matmul ran x phi_n as fast as x phi_t^T): no transposition, which
+ * the op alone paid for at 16-512 slots and few inputs (the MNIST layer's routing at batch 16, AMD EPYC Zen 4: the
+ * op 0.72-0.94x its time without it, the same outputs bit for bit; in the whole layer within the host's noise). The
+ * routing kernel computes a small routing's logits from phi_n padded to SOFTMOE_ROUTING_SMALL_SLOTS. */
 struct NormalizedPhi {
-    at::Tensor phi_t;
+    at::Tensor phi_n;
     std::vector<double> q, norms;
 };
 
-NormalizedPhi normalized_phi(const at::Tensor &phi, float scale, int64_t mode)
+NormalizedPhi normalized_phi(const at::Tensor &phi, float scale, int64_t mode, int64_t width)
 {
     const int64_t D = phi.size(0), S = phi.size(1);
     const float *p = phi.data_ptr<float>();
-    NormalizedPhi n{transposed(phi), std::vector<double>(S, 1.0), std::vector<double>(S, 0.0)};
-    float *o = n.phi_t.data_ptr<float>();
+    at::Tensor out = width > S ? at::zeros({D, width}, phi.options()) : at::empty({D, S}, phi.options());
+    NormalizedPhi n{out, std::vector<double>(S, 1.0), std::vector<double>(S, 0.0)};
+    float *o = n.phi_n.data_ptr<float>();
     at::parallel_for(0, S, grain(D), [&](int64_t first, int64_t last) {
         std::vector<double> sums(last - first, 0.0);
+        std::vector<float> f(last - first);
         for (int64_t d = 0; d < D; d++) /* row by row, in phi's memory order (vectorized along the slots) */
             for (int64_t s = first; s < last; s++) sums[s - first] += double(p[d * S + s]) * p[d * S + s];
         for (int64_t s = first; s < last; s++) {
@@ -750,24 +756,12 @@ NormalizedPhi normalized_phi(const at::Tensor &phi, float scale, int64_t mode)
             if (mode != ROUTING_NONE)
                 n.q[s] = float(mode == ROUTING_ROUTER ? 1.0 / std::sqrt(sum + ROUTING_NORM_EPS)
                                                       : 1.0 / (n.norms[s] + ROUTING_NORM_EPS));
-            const float f = float(n.q[s]) * scale;
-            for (int64_t d = 0; d < D; d++) o[s * D + d] *= f;
+            f[s - first] = float(n.q[s]) * scale;
         }
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t s = first; s < last; s++) o[d * width + s] = p[d * S + s] * f[s - first];
     });
     return n;
-}
-
-/* phi_n's columns (phi_t's rows, (S, D)) as rows of SOFTMOE_ROUTING_SMALL_SLOTS floats, zeros past S: the (D,
- * SOFTMOE_ROUTING_SMALL_SLOTS) from which the routing kernel computes a small routing's logits itself. */
-at::Tensor padded_columns(const at::Tensor &phi_t)
-{
-    const int64_t S = phi_t.size(0), D = phi_t.size(1), width = SOFTMOE_ROUTING_SMALL_SLOTS;
-    at::Tensor rows = at::zeros({D, width}, phi_t.options());
-    const float *p = phi_t.data_ptr<float>();
-    float *o = rows.data_ptr<float>();
-    for (int64_t s = 0; s < S; s++)
-        for (int64_t d = 0; d < D; d++) o[d * width + s] = p[s * D + d];
-    return rows;
 }
 
 float scale_value(const c10::optional<at::Tensor> &scale, int64_t mode)
@@ -805,19 +799,21 @@ routing_forward(const at::Tensor &x_in, const at::Tensor &phi_in, const c10::opt
     const int64_t B = x.size(0), M = x.size(1), D = x.size(2), S = phi.size(1);
     TORCH_CHECK(p >= 1 && S % p == 0, "softmoe: phi's ", S, " slots are not a multiple of ", p, " per expert");
     TORCH_CHECK(k >= 0 && k <= S / p, "softmoe: k must be in [1, ", S / p, "] (the experts), got ", k);
-    const at::Tensor phi_t = normalized_phi(phi, scale_value(scale, mode), mode).phi_t;
-    const bool small = S <= SOFTMOE_ROUTING_SMALL_SLOTS;
-    const at::Tensor columns = small ? padded_columns(phi_t) : at::Tensor();
+    const bool small = S <= SOFTMOE_ROUTING_SMALL_SLOTS, dots = S <= SOFTMOE_ROUTING_DOT_SLOTS(v.lanes);
+    const bool rows = small && !dots; /* phi_n padded to the kernel's rows */
+    const at::Tensor phi_n =
+        normalized_phi(phi, scale_value(scale, mode), mode, rows ? SOFTMOE_ROUTING_SMALL_SLOTS : S).phi_n;
+    const at::Tensor phi_t = dots ? transposed(phi_n) : at::Tensor();
     at::Tensor logits = small ? at::empty({B, M, S}, x.options())
-                              : linear_product(x.view({B * M, D}), phi_t, onednn).view({B, M, S});
+                              : linear_product(x.view({B * M, D}), phi_n.t(), onednn).view({B, M, S});
     at::Tensor dispatch = at::empty_like(logits), combine = at::empty_like(logits);
     at::Tensor r = at::empty({B, M}, x.options());
     const at::Tensor selected = with_selected ? at::empty({B, k}, x.options().dtype(at::kLong)) : at::Tensor();
     const at::Tensor slots = at::empty({B, k ? (S + 63) / 64 : 0}, x.options().dtype(at::kLong));
     {
         pybind11::gil_scoped_release no_gil;
-        v.routing_forward(logits.data_ptr<float>(), x.data_ptr<float>(), small ? phi_t.data_ptr<float>() : nullptr,
-                          small ? columns.data_ptr<float>() : nullptr, dispatch.data_ptr<float>(),
+        v.routing_forward(logits.data_ptr<float>(), x.data_ptr<float>(), dots ? phi_t.data_ptr<float>() : nullptr,
+                          rows ? phi_n.data_ptr<float>() : nullptr, dispatch.data_ptr<float>(),
                           combine.data_ptr<float>(), r.data_ptr<float>(), B, M, S, D, mode == ROUTING_ROUTER, p, k,
                           with_selected ? selected.data_ptr<int64_t>() : nullptr,
                           reinterpret_cast<uint64_t *>(slots.data_ptr<int64_t>()), threads());
@@ -877,12 +873,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
             g = g->contiguous();
         }
     const float scale_v = scale_value(scale, mode);
-    const NormalizedPhi n = normalized_phi(phi, scale_v, mode);
-    const at::Tensor &phi_t = n.phi_t;
+    const NormalizedPhi n = normalized_phi(phi, scale_v, mode, S);
     const std::vector<double> &q = n.q;
     at::Tensor gp = at::empty({B, M, S}, x.options()), dot = at::empty({B, M}, x.options());
     /* up to SOFTMOE_ROUTING_SMALL_SLOTS slots the kernel computes grad_x and phi_n's gradient (transposed) itself */
     const bool small = S <= SOFTMOE_ROUTING_SMALL_SLOTS;
+    const at::Tensor phi_t = small ? transposed(n.phi_n) : at::Tensor();
     at::Tensor grad_x = small ? at::empty({B * M, D}, x.options()) : at::Tensor();
     const at::Tensor grad_phi_t = small ? at::empty({S, D}, x.options()) : at::Tensor();
     {
@@ -900,7 +896,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
     const float *dots = dot.data_ptr<float>(), *rs = r.data_ptr<float>();
     double dot_sum = 0.0;
     for (int64_t i = 0; i < B * M; i++) dot_sum += dots[i];
-    if (!small) grad_x = linear_product(gp_flat, phi_t.t(), onednn);
+    if (!small) grad_x = linear_product(gp_flat, n.phi_n, onednn);
     if (!small && mode == ROUTING_ROUTER) {
         at::Tensor coef = at::empty({B * M, 1}, x.options());
         float *c = coef.data_ptr<float>();

@@ -8,6 +8,10 @@
  * its passes over each input; from more, bindings.cpp runs them in MKL or oneDNN. */
 #define SOFTMOE_ROUTING_SMALL_SLOTS 32
 
+/* Up to this many slots (with `lanes` floats per vector) a small routing's products are dot products along dim, from
+ * phi_n's columns as rows (S, D); from more, products from phi_n's rows padded to SOFTMOE_ROUTING_SMALL_SLOTS. */
+#define SOFTMOE_ROUTING_DOT_SLOTS(lanes) ((lanes) == 16 ? 6 : (lanes) / 2)
+
 /* Inputs of one expert whose slots run together when Algorithm 1's kept combine runs as the rows of each expert
  * (soft_moe_small.h; bindings.cpp's cost model counts its blocks): each weight vector loaded once for them. With
  * AVX-512's 32 registers 8 rows of 2 vectors of accumulators, else 4. */

@@ -194,7 +194,7 @@ static void input_logits(float *lb, const float *xb, const float *rows, long M, 
    forward, new and old modules in one process, AMD EPYC Zen 4: with AVX-512 (one 512-bit multiply-add a cycle)
    0.59x / 0.64x / 0.70x / 0.76x / 0.80x the time at 1 / 2 / 4 / 5 / 6 slots, 0.98x at 7, 1.03x at 8 (the lane sums
    take over); with AVX2 0.67x / 0.72x / 0.86x at 1 / 2 / 4. */
-#define DOT_SLOTS (LANES == 16 ? 6 : LANES / 2)
+#define DOT_SLOTS SOFTMOE_ROUTING_DOT_SLOTS(LANES)
 
 /* lb[t * S + s] = sum_d xb[t * D + d] phi_t[s * D + d] for the TB tokens from t0, phi_t (S, D): TB * S sums, one
    vector each, chains of multiply-adds that do not wait on each other. */
@@ -300,9 +300,9 @@ static void input_grads(float *gxb, float *acc, const float *xb, const float *gp
 
 /* ---- the elementwise passes --------------------------------------------------------------------------------- */
 
-/* logits (B, M, S) holds P = x phi on entry, or with phi_t (S, D: phi_n transposed) and phi_rows (D,
- * SOFTMOE_ROUTING_SMALL_SLOTS: phi's rows, zeros past S; S <= SOFTMOE_ROUTING_SMALL_SLOTS) P is computed here (dot
- * products from phi_t up to DOT_SLOTS slots, else from phi_rows); the logits on return. r (B, M) gets
+/* logits (B, M, S) holds P = x phi on entry, or P is computed here: as dot products from phi_t (S, D: phi_n
+ * transposed; S <= DOT_SLOTS), or from phi_rows (D, SOFTMOE_ROUTING_SMALL_SLOTS: phi_n's rows, zeros past S;
+ * S <= SOFTMOE_ROUTING_SMALL_SLOTS); the logits on return. r (B, M) gets
  * rsqrt(|x|^2 + 1e-6) of the tokens of x (B, M, D) when `router`, else ones. With k >= 1, Algorithm 1's choice of k
  * experts of P slots each is made from each input's combine weights while they are in cache (top_k_input,
  * top_k_combine.h): selected (B, k; NULL: not written) gets the kept experts, slots (B, ceil(S / 64)) their slots
@@ -322,9 +322,9 @@ void soft_moe_routing_forward(float *logits, const float *x, const float *phi_t,
 #pragma omp for schedule(static)
         for (long b = 0; b < B; b++) {
             float *lb = logits + b * M * S, *db = dispatch + b * M * S, *cb = combine + b * M * S;
-            if (phi_t && S <= DOT_SLOTS)
+            if (phi_t)
                 input_dots(lb, x + b * M * D, phi_t, M, S, D);
-            else if (phi_t)
+            else if (phi_rows)
                 input_logits(lb, x + b * M * D, phi_rows, M, S, D);
             for (long s = 0; s < SV; s++) colmax[s] = -__builtin_inff(), colsum[s] = 0.0f;
             for (long t = 0; t < M; t++) {
