@@ -728,11 +728,12 @@ constexpr double ROUTING_NORM_EPS = 1e-6;
 
 /* The normalized slot parameters the logits take, (D, width) with phi's rows padded by zeros to width >= S:
  * phi_n[d, s] = scale phi[d, s] q[s] with q (S,): "router" q = rsqrt(|phi_s|^2 + 1e-6), "inputs" q = 1 / (|phi_s| +
- * 1e-6), "none" q = 1 and no scale; and the columns' norms |phi_s| (S,). Both passes run along phi's rows, and
- * the products take phi_n as it is (torch's CPU matmul ran x phi_n as fast as x phi_t^T): no transposition, which
- * the op alone paid for at 16-512 slots and few inputs (the MNIST layer's routing at batch 16, AMD EPYC Zen 4: the
- * op 0.72-0.94x its time without it, the same outputs bit for bit; in the whole layer within the host's noise). The
- * routing kernel computes a small routing's logits from phi_n padded to SOFTMOE_ROUTING_SMALL_SLOTS. */
+ * 1e-6), "none" q = 1 and no scale; and the columns' norms |phi_s| (S,). Both passes run along phi's rows, and the
+ * products take phi_n as it is (torch's CPU matmul ran x phi_n as fast as x phi_t^T): no transposition, which cost
+ * more than its size suggests at 16-512 slots and few inputs (the MNIST layer at batch 16, AMD EPYC Zen 4: the
+ * routing op 0.64-0.94x its time without it, the same outputs bit for bit; the whole layer 0.78-0.96x at 256 experts
+ * and batch 1-16). The routing kernel computes a small routing's logits from phi_n padded to
+ * SOFTMOE_ROUTING_SMALL_SLOTS. */
 struct NormalizedPhi {
     at::Tensor phi_n;
     std::vector<double> q, norms;
