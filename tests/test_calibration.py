@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 from softmoe import SoftMoE
 from softmoe.calibration import Setting, calibrate, choose, evaluate_setting
+from softmoe.selection import UNIFORM_HALF_MASS, NoBetterThanRandomWarning
 from softmoe.data import ImageDataset
 
 
@@ -146,6 +148,37 @@ def test_an_impossible_target_and_empty_splits_are_clear_errors():
         calibrate(model, four_classes(), 1.0, test=empty)
 
 
+def test_calibrate_says_when_the_shares_are_nearly_uniform():
+    model, val = FourClasses(), four_classes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoBetterThanRandomWarning)
+        peaked = calibrate(model, val, max_drop=0.0)
+    assert peaked.uniformity[0].k == 2 and not peaked.uniformity[0].nearly_uniform
+    assert peaked.chosen.value == 2 and peaked.random_accuracy < peaked.chosen.accuracy
+    with torch.no_grad():
+        model.moe.phi.zero_()  # every expert the same combine weight
+    with pytest.warns(NoBetterThanRandomWarning, match="nearly uniform") as caught:
+        uniform = calibrate(model, val, max_drop=100.0)
+    assert len(caught) == 1 and uniform.uniformity[0].entropy == pytest.approx(1.0)
+    assert uniform.to_json()["uniformity"][0]["kept_mass_ratio"] == pytest.approx(1.0)
+
+
+def test_calibrate_says_when_random_subsets_do_as_well():
+    """Routing that is far from uniform but sends classes 0 and 1 to each other's expert: Algorithm 1 with k = 1
+    keeps the wrong expert for every input (0 %), random single experts score 5 of 36 (3 seeds x 12 inputs)."""
+    model, val = FourClasses(), four_classes()
+    with torch.no_grad():
+        model.moe.phi[:, [0, 1]] = model.moe.phi[:, [1, 0]].clone()
+    with pytest.warns(NoBetterThanRandomWarning, match="random subsets of the same size") as caught:
+        result = calibrate(model, val, max_drop=100.0, grid=[1])
+    assert len(caught) == 1 and "Algorithm 1 with k = 1 reaches 0.00 %" in str(caught[0].message)
+    assert not result.uniformity[0].nearly_uniform
+    assert (result.chosen.accuracy, result.random_accuracy) == (0.0, pytest.approx(5 / 36))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoBetterThanRandomWarning)
+        assert calibrate(model, val, max_drop=100.0, grid=[2]).random_accuracy < 0.5  # Algorithm 1: 50 %
+
+
 def test_calibrate_command(tmp_path):
     run = tmp_path / "run"
     train = [sys.executable, "-m", "softmoe", "train", str(run), "--dataset", "digits", "--experts", "4", "--epochs", "1",
@@ -155,6 +188,10 @@ def test_calibrate_command(tmp_path):
                            "mass", "--grid", "0.5", "1.0"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
+    # the shares' uniformity is in the result, and said once on stderr exactly when nearly uniform
+    (uniformity,) = result["uniformity"]
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("softmoe calibrate: note: the combine")]
+    assert len(notes) == (uniformity["half_mass_ratio"] < UNIFORM_HALF_MASS) and "Traceback" not in proc.stderr
     assert result["epoch"] == 1 and result["strategy"] == "mass"
     assert [s["value"] for s in result["settings"]] == [0.5, 1.0]
     assert result["chosen"]["expert_fraction"] <= 1.0 and result["test_accuracy"] is not None

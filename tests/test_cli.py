@@ -27,20 +27,35 @@ def test_smoke_reproduction_writes_complete_results(smoke_results):
     assert (suite["model"]["name"], suite["protocol"]["name"]) == ("authors", "authors")
     assert suite["preset"]["train"]["shuffle"] is False and suite["preset"]["train"]["frozen_first_epoch"] is True
     assert sorted(int(n) for n in suite["models"]) == [2, 4, 8]
+    assert suite["seeds"] == [0, 1] and suite["masked_forward"] == "renormalized"
+    # the authors' protocol trains on the validation split too
+    assert suite["data"]["val_in_train"] and suite["data"]["train"] == 600 + suite["data"]["val"]
     for n, model in suite["models"].items():
         selection = model["selection"]
+        assert selection == model["masked_forwards"]["renormalized"]["selection"]
         assert 0.0 <= selection["all_experts"] <= 1.0
         assert sorted(int(k) for k in selection["per_k"]) == list(range(1, int(n)))
         for cell in selection["per_k"].values():
-            assert len(cell["random"]["accuracies"]) == 3
+            assert len(cell["random"]["accuracies"]) == 2 * 3  # pooled over training seeds x random seeds
             assert 0.0 <= cell["algorithm1"] <= 1.0
+            paired = cell["paired"]
+            assert paired["examples"] == suite["data"]["test"] and 0 < paired["p_value"] <= 1
+            assert paired["ci99"][0] <= paired["difference"] <= paired["ci99"][1]
         assert model["epoch"] == 3  # the authors' protocol evaluates the last epoch
+        assert [record["seed"] for record in model["seeds"]] == [0, 1]
+        assert model["test_accuracy"] == pytest.approx(sum(r["test_accuracy"] for r in model["seeds"]) / 2)
         assert model["oracle"]["k"] == max(1, round(int(n) / 4))
         assert 0.0 <= model["oracle"]["best_subset_accuracy"] <= 1.0
-        # The oracle includes Algorithm 1's subset, so it can never do worse.
+        assert 0.0 <= model["oracle"]["wrong_label_reach"] <= 1.0
+        assert 1.0 <= model["oracle"]["mean_reachable_classes"] <= 10.0
+        assert 0.0 <= model["diagnostics"]["share_entropy"] <= 1.0 and model["diagnostics"]["scale"] > 0
+        # Per model and masked forward, the oracle includes Algorithm 1's subset, so it can never do worse.
         k = str(model["oracle"]["k"])
-        if k in selection["per_k"]:
-            assert model["oracle"]["best_subset_accuracy"] >= selection["per_k"][k]["algorithm1"] - 1e-9
+        for record in model["seeds"]:
+            for masked in ("renormalized", "plain"):
+                oracle, sweep = record[masked]["oracle"], record[masked]["selection"]
+                if k in sweep["per_k"]:
+                    assert oracle["best_subset_accuracy"] >= sweep["per_k"][k]["algorithm1"] - 1e-9
     # Beyond the paper, for n = 4 and 8: accuracy against expert compute, calibrated settings, specialization.
     for n in ("4", "8"):
         study = suite["models"][n]["budgets"]
@@ -61,16 +76,26 @@ def test_smoke_reproduction_writes_complete_results(smoke_results):
 def test_smoke_report_is_well_formed(smoke_results):
     report = (smoke_results / "report.md").read_text()
     for heading in ("Table 1", "Figures 1 and 2a", "Table 10", "Figure 5", "How our numbers compare",
-                    "Beyond Algorithm 1", "Specialization made visible"):
+                    "Beyond Algorithm 1", "Specialization made visible", "The paired test", "(y+1) mod 10",
+                    "Why Algorithm 1 wins or loses", "The other masked forward: plain"):
         assert heading in report
     assert "94.69" in report and "46.57 ± 0.44" in report  # the paper's numbers beside ours
-    assert "model `authors` and the protocol `authors`" in report and "sample standard deviation (ddof = 1)" in report
+    assert "model `authors` and the protocol `authors`" in report and "sample standard deviation over them (ddof = 1)" in report
     assert "| n = 8 | adaptive mass | tau = " in report
     for png in ("fig_selection_vs_n.png", "fig_distinct_best_subsets.png", "fig_training_curves.png", "fig_budgets.png",
                 "fig_class_experts.png", "fig_expert_top_images.png"):
         assert f"({png})" in report
         data = (smoke_results / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+@pytest.mark.slow
+def test_calibrating_a_suite_model_says_it_trained_on_the_validation_split(smoke_results, capsys):
+    run = smoke_results / "runs" / "authors_authors" / "n004"
+    assert json.loads((run / "run.json").read_text())["model"]["train_split"] == "train+val"
+    assert main(["calibrate", str(run), "--max-drop", "100"]) == 0
+    err = capsys.readouterr().err
+    assert "note: this model was trained on the validation split too" in err and "Traceback" not in err
 
 
 @pytest.mark.slow
@@ -151,7 +176,8 @@ def test_other_model_and_protocol_run_beside_the_default(smoke_results):
     assert main([*args, "--out", str(smoke_results), "--no-progress"]) == 0
     variant = json.loads((smoke_results / "mnist_suite_definition1_equal-accuracy.json").read_text())
     assert variant["model"]["name"] == "definition1" and variant["model"]["normalize"] == "none"
-    assert variant["preset"]["train"]["shuffle"] is True and variant["equal_accuracy_target"] is not None
+    assert variant["preset"]["train"]["shuffle"] is True
+    assert all(target is not None for target in variant["equal_accuracy_target"].values())
     assert (smoke_results / "runs" / "definition1_equal-accuracy" / "n002" / "epoch_001.json").exists()
     report = (smoke_results / "report.md").read_text()
     assert "## The MNIST suite under each model and protocol" in report

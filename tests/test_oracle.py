@@ -77,36 +77,68 @@ def test_contributions_decompose_the_logits_exactly(model_and_data):
     assert torch.allclose(contributions[:, [0, 2, 5]].sum(1) + bias, selected_logits, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("renormalize", [False, True], ids=["plain", "renormalized"])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_both_paths_equal_brute_force(model_and_data, k):
+def test_both_paths_equal_brute_force(model_and_data, k, renormalize):
     model, images, labels = model_and_data
     # Brute force with the masked dense reference: every subset, every input.
-    solvable, counts, margins = [], [], []
+    solvable, counts, margins, reached = [], [], [], []
     subsets = list(itertools.combinations(range(6), k))
     with torch.no_grad():
         for i in range(len(images)):
             x = model.tokenize(images[i : i + 1])
-            row_margins = []
+            row_margins, classes = [], set()
             correct = 0
             for s in subsets:
-                out = masked_reference_forward(model.moe, x, torch.tensor([s]))
+                out = masked_reference_forward(model.moe, x, torch.tensor([s]), renormalize=renormalize)
                 logits = model.head(out.flatten(1))[0]
                 others = logits.clone()
                 others[labels[i]] = -float("inf")
                 row_margins.append(float(logits[labels[i]] - others.max()))
                 correct += int(logits.argmax() == labels[i])
+                classes.add(int(logits.argmax()))
             solvable.append(correct > 0)
             counts.append(correct)
             margins.append(row_margins)
+            reached.append(classes)
     best = [max(range(len(subsets)), key=lambda j: (m[j], -j)) for m in margins]
     with torch.no_grad():
-        fast = oracle_from_contributions(*model.expert_logit_contributions(images), labels, k)
-    generic = oracle_by_forward(model, images, labels, k, rows_per_forward=40)
+        contributions, bias, mass = model.expert_logit_contributions(images, per_token=True)
+        if renormalize:
+            fast = oracle_from_contributions(contributions, bias, labels, k, token_mass=mass)
+        else:
+            fast = oracle_from_contributions(*model.expert_logit_contributions(images), labels, k)
+            # the per-token contributions add up to the per-input ones
+            assert torch.allclose(contributions.sum(1), model.expert_logit_contributions(images)[0], atol=1e-12)
+    generic = oracle_by_forward(model, images, labels, k, rows_per_forward=40, renormalize=renormalize)
+    wrong = (labels + 1) % 4
     for result in (fast, generic):
         assert result.solvable.tolist() == solvable
         assert result.correct_subsets.tolist() == counts
         assert result.best_subset.tolist() == best
+        assert [set(row.nonzero().flatten().tolist()) for row in result.reachable] == reached
+        assert result.reaches(wrong) == pytest.approx(sum(int(w) in r for w, r in zip(wrong, reached)) / len(labels))
+        assert result.mean_reachable_classes == pytest.approx(sum(map(len, reached)) / len(labels))
     assert fast.distinct_best_subsets == len({b for b, ok in zip(best, solvable) if ok})
+
+
+def test_hand_worked_renormalized_oracle():
+    # 1 input, 2 tokens, 3 experts, 2 classes, k = 2. Token 0 weights experts (0.5, 0.3, 0.2), token 1 (0.1, 0.1, 0.8).
+    mass = torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]])
+    contributions = torch.zeros(1, 2, 3, 2)
+    contributions[0, 0, :, 0] = torch.tensor([0.5, 0.3, 0.2])  # token 0 votes class 0 through every expert
+    contributions[0, 1, :, 1] = torch.tensor([0.1, 0.1, 0.8])  # token 1 votes class 1
+    # subset (0,1): class 0 gets 0.8/0.8 = 1, class 1 gets 0.2/0.2 = 1 -> a tie, argmax 0 (the first);
+    # (0,2): 0.7/0.7 = 1 vs 0.9/0.9 = 1, a tie; (1,2): 0.5/0.5 vs 0.9/0.9: a tie too. Without renormalization:
+    # (0,1): 0.8 vs 0.2 -> 0; (0,2): 0.7 vs 0.9 -> 1; (1,2): 0.5 vs 0.9 -> 1.
+    labels = torch.tensor([1])
+    renormalized = oracle_from_contributions(contributions, torch.zeros(2), labels, 2, token_mass=mass)
+    plain = oracle_from_contributions(contributions.sum(1), torch.zeros(2), labels, 2)
+    assert renormalized.correct_subsets.tolist() == [0] and renormalized.reachable.tolist() == [[True, False]]
+    assert plain.correct_subsets.tolist() == [2] and plain.reachable.tolist() == [[True, True]]
+    assert plain.best_subset.tolist() == [2]  # margin 0.4 for (1,2) against 0.2 for (0,2)
+    with pytest.raises(ValueError, match="token_mass"):
+        oracle_from_contributions(contributions, torch.zeros(2), labels, 2, token_mass=mass[:, :1])
 
 
 def test_oracle_by_forward_needs_one_layer():

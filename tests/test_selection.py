@@ -9,6 +9,7 @@ draw, or an explicit mask; select_experts must install and restore per-layer sel
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -23,12 +24,15 @@ import softmoe.selection as selection_module
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.selection import (
     Selector,
+    NoBetterThanRandomWarning,
     combine_scores,
     experts_by_budget,
     experts_by_mass,
     mask_from_subsets,
+    measure_share_uniformity,
     random_subsets,
     resolve_k,
+    share_uniformity,
     soft_moe_layers,
     subsets_from_mask,
     top_k_by_combine,
@@ -1098,3 +1102,69 @@ def test_algorithm1_fast_top_k_equals_the_stable_rule(monkeypatch, seed, path):
         for k in range(1, n + 1):
             want = top_k(combine_scores(combine), k, dim=1)[1].sort(dim=1).values
             assert torch.equal(top_k_by_combine(combine, k), want)
+
+
+# ------------------------------------------------------------------------- uniform combine shares
+
+
+def test_share_uniformity_golden_values():
+    # combine (batch 3, tokens 2, n 4, p 1); each input's C_sum over tokens, normalized over experts, gives its shares
+    combine = torch.zeros(3, 2, 4, 1, dtype=torch.float64)
+    combine[0] = 0.25  # uniform: entropy 1, top-k holds k / n of the mass
+    combine[1, :, 2] = 1.0  # one expert: entropy 0, top-k holds everything
+    combine[2, 0, :, 0] = torch.tensor([0.5, 0.5, 0.0, 0.0])  # shares (0.5, 0.25, 0.25, 0): 1.5 of 2 bits
+    combine[2, 1, :, 0] = torch.tensor([0.5, 0.0, 0.5, 0.0])
+    one = share_uniformity(combine[:1], 2)
+    assert (one.entropy, one.kept_mass_ratio, one.half_mass_ratio, one.k, one.num_experts) == (
+        pytest.approx(1.0), pytest.approx(1.0), pytest.approx(1.0), 2, 4)
+    assert one.nearly_uniform
+    assert "nearly uniform" in one.message() and "1.000x" in one.message() and "no better than random" in one.message()
+    peaked = share_uniformity(combine[1:2], 1)
+    assert peaked.entropy == pytest.approx(0.0, abs=1e-12) and peaked.kept_mass_ratio == pytest.approx(4.0)
+    assert peaked.half_mass_ratio == pytest.approx(2.0) and not peaked.nearly_uniform
+    mixed = share_uniformity(combine[2:], 1)
+    assert mixed.entropy == pytest.approx(0.75) and mixed.kept_mass_ratio == pytest.approx(2.0)
+    assert mixed.half_mass_ratio == pytest.approx(1.5)  # the top two hold 0.75 of the mass, a random two 0.5
+    everything = share_uniformity(combine, 0.25)  # k as a fraction of n; the means over the inputs
+    assert everything.k == 1 and everything.entropy == pytest.approx((1.0 + 0.0 + 0.75) / 3)
+    assert everything.kept_mass_ratio == pytest.approx((0.25 + 1.0 + 0.5) / 3 * 4)
+    assert everything.half_mass_ratio == pytest.approx((0.5 + 1.0 + 0.75) / 3 * 2)
+    # just inside and just outside the threshold: the top half keeps 0.505 / 0.515 of the mass
+    for top, uniform in ((0.505, True), (0.515, False)):
+        close = torch.tensor([top / 2, top / 2, (1 - top) / 2, (1 - top) / 2], dtype=torch.float64).view(1, 1, 4, 1)
+        assert share_uniformity(close, 2).nearly_uniform == uniform
+    assert not share_uniformity(torch.ones(2, 3, 1, 1), 1).nearly_uniform  # one expert: nothing to choose
+
+
+def uniform_and_peaked_layers():
+    torch.manual_seed(0)
+    uniform = SoftMoE(DIM, N, 1, expert_hidden=HIDDEN).eval()
+    with torch.no_grad():
+        uniform.phi.zero_()  # every logit 0: every expert the same combine weight
+    peaked = SoftMoE(DIM, N, 1, expert_hidden=HIDDEN).eval()
+    with torch.no_grad():
+        peaked.scale.fill_(50.0)
+    return uniform, peaked
+
+
+def test_select_experts_says_once_when_shares_are_nearly_uniform():
+    uniform, peaked = uniform_and_peaked_layers()
+    x = torch.randn(BATCH, TOKENS, DIM)
+    model = nn.Sequential(uniform, uniform)  # two visits of the layer, one warning
+    with pytest.warns(NoBetterThanRandomWarning, match="nearly uniform") as caught:
+        with torch.no_grad(), select_experts(model, k=2):
+            model(x)
+            model(x)
+    assert len([w for w in caught if issubclass(w.category, NoBetterThanRandomWarning)]) == 1
+    assert "which 2 experts Algorithm 1 keeps" in str(caught[0].message)
+    assert "no better than random selection" in str(caught[0].message)
+    assert not uniform._forward_pre_hooks  # the check is gone after the block, and after its first batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoBetterThanRandomWarning)
+        with torch.no_grad(), select_experts(peaked, k=2):
+            peaked(x)
+        with torch.no_grad(), select_experts(uniform, k=2, strategy="random"):  # only Algorithm 1 is concerned
+            uniform(x)
+    assert not measure_share_uniformity(peaked, x, 2)[0].nearly_uniform
+    (flat,) = measure_share_uniformity(uniform, x, 2)
+    assert flat.entropy == pytest.approx(1.0) and flat.half_mass_ratio == pytest.approx(1.0) and flat.k == 2

@@ -16,6 +16,7 @@ The expert-FLOP fraction counts the (input, expert) pairs each layer runs, weigh
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -25,10 +26,19 @@ from torch import nn
 
 from softmoe.data import ImageDataset
 from softmoe.layer import SoftMoE
-from softmoe.selection import ADAPTIVE, select_experts, soft_moe_layers
+from softmoe.selection import (
+    ADAPTIVE,
+    ShareUniformity,
+    NoBetterThanRandomWarning,
+    measure_share_uniformity,
+    select_experts,
+    soft_moe_layers,
+)
 from softmoe.train import accuracy
 
 CALIBRATED = ("combine", "mass")
+RANDOM_SEEDS = 3
+"""Seeds of the random subsets that Algorithm 1's chosen k is compared with on the validation split."""
 DEFAULT_TAUS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 1.0)
 
 
@@ -46,7 +56,9 @@ class Setting:
 @dataclass(frozen=True)
 class Calibration:
     """What :func:`calibrate` found: the chosen setting, the all-experts reference, every setting tried (on the
-    validation split), the accuracy required, and test accuracies when a test split was given."""
+    validation split), the accuracy required, test accuracies when a test split was given, and how uniform each
+    layer's combine shares are on the validation split's first batch (:class:`~softmoe.selection.ShareUniformity`,
+    for Algorithm 1's chosen k, else k = n/4)."""
 
     strategy: str
     required_accuracy: float
@@ -55,6 +67,8 @@ class Calibration:
     settings: tuple[Setting, ...]
     test_accuracy: float | None = None
     reference_test_accuracy: float | None = None
+    uniformity: tuple[ShareUniformity, ...] = ()
+    random_accuracy: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -154,6 +168,9 @@ def calibrate(
             setting and for all experts.
         strategy: "combine" (Algorithm 1, ``grid`` of k values, default 1..n) or "mass" (the adaptive strategy,
             ``grid`` of tau values, default :data:`DEFAULT_TAUS`, with ``k_min``/``k_max``).
+    Warns:
+        NoBetterThanRandomWarning: once, when some layer's combine shares on the validation split are nearly uniform,
+            or else when random subsets of Algorithm 1's chosen k score at least as well on the validation split.
     Raises:
         ValueError: no or both targets, a negative drop, a target outside [0, 1], an empty split, an unknown
             strategy, or a target that even all experts miss on the validation split.
@@ -177,10 +194,42 @@ def calibrate(
     if reference.accuracy < required:
         raise ValueError(f"the target accuracy {required:.4f} is out of reach: even all experts reach only "
                          f"{reference.accuracy:.4f} on the validation split")
-    settings = tuple(evaluate_setting(model, val, strategy, v, batch_size, k_min, k_max) for v in values)
-    chosen = choose((reference, *settings), required)
-    test_accuracy = reference_test = None
-    if test is not None:
-        reference_test = accuracy(model, test, batch_size)
-        test_accuracy = evaluate_setting(model, test, chosen.strategy, chosen.value, batch_size, k_min, k_max).accuracy
-    return Calibration(strategy, required, reference, chosen, settings, test_accuracy, reference_test)
+    with warnings.catch_warnings():  # said once below, for the whole calibration, not once per setting
+        warnings.simplefilter("ignore", NoBetterThanRandomWarning)
+        settings = tuple(evaluate_setting(model, val, strategy, v, batch_size, k_min, k_max) for v in values)
+        chosen = choose((reference, *settings), required)
+        random_accuracy = None
+        if chosen.strategy == "combine" and any(chosen.value < layer.num_experts for layer in soft_moe_layers(model)):
+            random_accuracy = _random_accuracy(model, val, chosen.value, batch_size)
+        test_accuracy = reference_test = None
+        if test is not None:
+            reference_test = accuracy(model, test, batch_size)
+            test_accuracy = evaluate_setting(
+                model, test, chosen.strategy, chosen.value, batch_size, k_min, k_max
+            ).accuracy
+    was_training = model.training
+    k = chosen.value if chosen.strategy == "combine" else 0.25
+    uniformity = tuple(measure_share_uniformity(model.eval(), val.images[:batch_size], k))
+    model.train(was_training)
+    uniform = [u for u in uniformity if u.nearly_uniform]
+    if uniform:
+        warnings.warn(uniform[0].message(), NoBetterThanRandomWarning, stacklevel=2)
+    elif random_accuracy is not None and chosen.accuracy <= random_accuracy:
+        warnings.warn(
+            f"on the validation split Algorithm 1 with k = {chosen.value} reaches {100 * chosen.accuracy:.2f} %, "
+            f"random subsets of the same size {100 * random_accuracy:.2f} % (mean of {RANDOM_SEEDS} seeds): its "
+            "choice of experts is no better than random here",
+            NoBetterThanRandomWarning, stacklevel=2,
+        )
+    return Calibration(
+        strategy, required, reference, chosen, settings, test_accuracy, reference_test, uniformity, random_accuracy
+    )
+
+
+def _random_accuracy(model: nn.Module, data: ImageDataset, k: int | float, batch_size: int) -> float:
+    """The accuracy of random k-subsets on ``data``, the mean over :data:`RANDOM_SEEDS` seeds."""
+    accuracies = []
+    for seed in range(RANDOM_SEEDS):
+        with select_experts(model, k=k, strategy="random", seed=seed):
+            accuracies.append(accuracy(model, data, batch_size))
+    return sum(accuracies) / len(accuracies)

@@ -19,9 +19,11 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 COMMANDS = "softmoe.commands"
+MNIST_MODEL_NAMES = ("authors", "authors-scale10", "definition1")
+"""The keys of :data:`softmoe.models.mnist.MNIST_MODELS`, named here so that parsing imports no torch."""
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -40,8 +42,8 @@ def _k_value(text: str) -> int | float:
 
 
 def _add_bounds(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--k-min", type=_positive_int, default=1, help="adaptive strategies: fewest experts (default 1)")
-    parser.add_argument("--k-max", type=_positive_int, help="adaptive strategies: most experts (default: n)")
+    parser.add_argument("--k-min", type=positive_int, default=1, help="adaptive strategies: fewest experts (default 1)")
+    parser.add_argument("--k-max", type=positive_int, help="adaptive strategies: most experts (default: n)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,12 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train one Soft MoE classifier (resumes if RUN_DIR has epochs)")
     train.add_argument("run_dir", type=Path, help="folder for checkpoints (safetensors + JSON per epoch)")
     train.add_argument("--dataset", default="mnist5k", help="dataset spec, as for reproduce (default: mnist5k)")
-    train.add_argument("--experts", type=_positive_int, default=16, help="number of experts n (default: 16)")
+    train.add_argument("--experts", type=positive_int, default=16, help="number of experts n (default: 16)")
     train.add_argument(
-        "--model", default="authors", choices=("authors", "definition1"), help="the MNIST model (default: authors)"
+        "--model", default="authors", choices=MNIST_MODEL_NAMES, help="the MNIST model (default: authors)"
     )
-    train.add_argument("--epochs", type=_positive_int, default=15, help="epochs (default: 15)")
-    train.add_argument("--batch-size", type=_positive_int, default=256, help="batch size (default: 256)")
+    train.add_argument("--epochs", type=positive_int, default=15, help="epochs (default: 15)")
+    train.add_argument("--batch-size", type=positive_int, default=256, help="batch size (default: 256)")
     train.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default: 1e-3)")
     train.add_argument("--seed", type=int, default=0, help="seed of initialization and shuffling (default: 0)")
     train.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -81,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="a run folder of 'softmoe train', or one model's folder of the MNIST suite (runs/<model>_<protocol>/nNNN)",
     )
-    evaluate.add_argument("--epoch", type=_positive_int, help="epoch to load (default: the last)")
+    evaluate.add_argument("--epoch", type=positive_int, help="epoch to load (default: the last)")
     evaluate.add_argument("--k", type=_k_value, help="experts per input: an int, or a fraction of n like 0.25")
     evaluate.add_argument(
         "--strategy",
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--tau", type=float, help="the mass strategy's share of the combine mass, in (0, 1]")
     _add_bounds(evaluate)
-    evaluate.add_argument("--seeds", type=_positive_int, default=10, help="seeds for the random strategy (default: 10)")
+    evaluate.add_argument("--seeds", type=positive_int, default=10, help="seeds for the random strategy (default: 10)")
     evaluate.add_argument("--renormalize", action="store_true", help="rescale combine weights over the kept slots")
     evaluate.set_defaults(handler=_evaluate)
 
@@ -99,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate", help="the cheapest expert selection within an accuracy drop, found on the validation split"
     )
     calibrate.add_argument("run_dir", type=Path, help="a run folder, as for evaluate")
-    calibrate.add_argument("--epoch", type=_positive_int, help="epoch to load (default: the last)")
+    calibrate.add_argument("--epoch", type=positive_int, help="epoch to load (default: the last)")
     target = calibrate.add_mutually_exclusive_group(required=True)
     target.add_argument("--max-drop", type=float, help="tolerated validation-accuracy drop, in points (e.g. 1.0)")
     target.add_argument("--target", type=float, help="or an absolute validation accuracy to reach (e.g. 0.85)")
@@ -217,14 +219,32 @@ def _evaluate(args: argparse.Namespace) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> None:
+    import warnings
+
     from softmoe.calibration import calibrate
+    from softmoe.selection import NoBetterThanRandomWarning
 
     epoch, splits, model = _trained(args)
-    result = calibrate(
-        model, splits.val, args.max_drop, target=args.target, strategy=args.strategy, grid=args.grid,
-        test=splits.test, k_min=args.k_min, k_max=args.k_max,
-    )
+    if _run_model(args.run_dir).get("train_split") == "train+val":
+        _note(args, "this model was trained on the validation split too (the authors' protocol trains on the whole "
+                    "training set), so the validation accuracies are on training images; the test accuracies are not")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NoBetterThanRandomWarning)
+        result = calibrate(
+            model, splits.val, args.max_drop, target=args.target, strategy=args.strategy, grid=args.grid,
+            test=splits.test, k_min=args.k_min, k_max=args.k_max,
+        )
+    for warning in caught:
+        if issubclass(warning.category, NoBetterThanRandomWarning):
+            _note(args, str(warning.message))
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     print(json.dumps({"epoch": epoch, **result.to_json()}, indent=2))
+
+
+def _note(args: argparse.Namespace, text: str) -> None:
+    """One line on stderr that the user should read, beside the command's output."""
+    print(f"softmoe {args.command}: note: {text}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,8 @@ For each labelled input: does SOME subset of k experts predict the label, and wh
 
 - ``oracle_from_contributions``: when everything after the Soft MoE layer is linear (the paper's MNIST model), the
   logits of a subset S are ``bias + sum_{j in S} contribution_j``, so every expert's contribution is computed once
-  and millions of subsets cost one gather-and-sum each.
+  and millions of subsets cost one gather-and-sum each. With the kept combine weights renormalized per token, the
+  logits are ``bias + sum_m (sum_{j in S} contribution_mj) / (sum_{j in S} c_mj)`` over the tokens m, still exact.
 - ``oracle_by_forward``: any model; it runs the model once per subset (inputs and subsets batched together) with
   the explicit-subset strategy of :func:`softmoe.select_experts`.
 
@@ -51,12 +52,15 @@ class OracleResult:
     solvable: (B,) bool, some subset predicts the label. correct_subsets: (B,) int64, how many do.
     best_subset: (B,) int64 index into ``subsets`` of the subset with the largest margin (true-class logit minus
     the best other logit; ties to the lower index); it predicts the label exactly when ``solvable``.
+    reachable: (B, classes) bool, the classes that some subset predicts (the oracle's control: an oracle that can
+    reach many classes, wrong ones included, says little about specialization by itself).
     """
 
     subsets: torch.Tensor
     solvable: torch.Tensor
     correct_subsets: torch.Tensor
     best_subset: torch.Tensor
+    reachable: torch.Tensor
 
     @property
     def accuracy(self) -> float:
@@ -68,12 +72,22 @@ class OracleResult:
         """How many different subsets are the best subset of a correctly predicted input (Figure 5)."""
         return int(self.best_subset[self.solvable].unique().numel())
 
+    def reaches(self, labels: torch.Tensor) -> float:
+        """The fraction of inputs for which some subset predicts ``labels`` (B,), e.g. a deliberately wrong label."""
+        return float(self.reachable.gather(1, labels.view(-1, 1)).float().mean())
+
+    @property
+    def mean_reachable_classes(self) -> float:
+        """The number of classes some subset predicts, averaged over the inputs."""
+        return float(self.reachable.sum(dim=1).double().mean())
+
 
 class _SubsetScan:
     """Accumulates, chunk by chunk of subsets, the per-input statistics of an :class:`OracleResult`."""
 
-    def __init__(self, labels: torch.Tensor) -> None:
+    def __init__(self, labels: torch.Tensor, classes: int) -> None:
         self.labels = labels
+        self.reachable = torch.zeros(labels.shape[0], classes, dtype=torch.bool, device=labels.device)
         self.correct_subsets = torch.zeros_like(labels)
         self.best_margin = torch.full(labels.shape, -math.inf, dtype=torch.float64, device=labels.device)
         self.best_subset = torch.zeros_like(labels)
@@ -83,14 +97,16 @@ class _SubsetScan:
         true = logits.gather(2, self.labels.view(-1, 1, 1).expand(-1, logits.shape[1], 1)).squeeze(2)
         others = logits.scatter(2, self.labels.view(-1, 1, 1).expand(-1, logits.shape[1], 1), -math.inf)
         margin = (true - others.amax(dim=2)).double()
-        self.correct_subsets += (logits.argmax(dim=2) == self.labels.unsqueeze(1)).sum(dim=1)
+        predicted = logits.argmax(dim=2)
+        self.reachable.scatter_(1, predicted, True)
+        self.correct_subsets += (predicted == self.labels.unsqueeze(1)).sum(dim=1)
         chunk_best, where = first_argmax(margin, dim=1)  # ties to the lower subset index on every device
         better = chunk_best > self.best_margin
         self.best_margin = torch.where(better, chunk_best, self.best_margin)
         self.best_subset = torch.where(better, where + first_subset, self.best_subset)
 
     def result(self, subsets: torch.Tensor) -> OracleResult:
-        return OracleResult(subsets, self.correct_subsets > 0, self.correct_subsets, self.best_subset)
+        return OracleResult(subsets, self.correct_subsets > 0, self.correct_subsets, self.best_subset, self.reachable)
 
 
 def oracle_from_contributions(
@@ -100,25 +116,39 @@ def oracle_from_contributions(
     k: int,
     max_subsets: int = DEFAULT_MAX_SUBSETS,
     chunk_elements: int = 2**24,
+    token_mass: torch.Tensor | None = None,
 ) -> OracleResult:
     """Exact oracle for a model whose logits are linear in the Soft MoE output.
 
-    contributions: (B, n, classes), expert j's share of the logits of each input (computed once).
+    contributions: (B, n, classes), expert j's share of the logits of each input (computed once); or, to renormalize
+    each token's kept combine weights (``select_experts(..., renormalize=True)``), (B, tokens, n, classes) per token
+    with ``token_mass`` (B, tokens, n), each token's combine weight on each expert (summed over its slots).
     bias: (classes,), the logits with no expert. labels: (B,) int64.
     Subsets are scanned in chunks of about ``chunk_elements`` logits at a time.
     """
-    batch, n, classes = contributions.shape
+    batch, classes = contributions.shape[0], contributions.shape[-1]
+    n = contributions.shape[-2]
+    expected = (batch, n, classes) if token_mass is None else (batch, token_mass.shape[1], n, classes)
+    if contributions.shape != expected or (token_mass is not None and token_mass.shape != expected[:3]):
+        got = tuple(contributions.shape) if token_mass is None else (tuple(contributions.shape), tuple(token_mass.shape))
+        raise ValueError(f"contributions must have shape {expected} (and token_mass {expected[:3]}), got {got}")
     if bias.shape != (classes,) or labels.shape != (batch,):
         raise ValueError(
             f"bias must have shape ({classes},) and labels ({batch},), got {tuple(bias.shape)} and {tuple(labels.shape)}"
         )
     check_subset_count(n, k, max_subsets)
     subsets = all_subsets(n, k).to(contributions.device)
-    scan = _SubsetScan(labels)
-    step = max(1, chunk_elements // max(1, batch * classes * k))
+    scan = _SubsetScan(labels, classes)
+    tokens = 1 if token_mass is None else token_mass.shape[1]
+    step = max(1, chunk_elements // max(1, batch * classes * k * tokens))
+    tiny = torch.finfo(contributions.dtype).tiny
     for start in range(0, subsets.shape[0], step):
         chunk = subsets[start : start + step]
-        logits = contributions[:, chunk, :].sum(dim=2) + bias
+        if token_mass is None:
+            logits = contributions[:, chunk, :].sum(dim=2) + bias
+        else:  # (B, tokens, S, classes) over each token's kept mass (B, tokens, S), summed over the tokens
+            kept = token_mass[:, :, chunk].sum(dim=3).clamp_min(tiny)
+            logits = (contributions[:, :, chunk, :].sum(dim=3) / kept.unsqueeze(-1)).sum(dim=1) + bias
         scan.add(logits, start)
     return scan.result(subsets)
 
@@ -131,11 +161,12 @@ def oracle_by_forward(
     k: int,
     max_subsets: int = DEFAULT_MAX_SUBSETS,
     rows_per_forward: int = 4096,
+    renormalize: bool = False,
 ) -> OracleResult:
     """Exact oracle for any classifier with one SoftMoE layer: the model runs once per (input, subset) pair.
 
     inputs: (B, ...) model inputs; labels (B,) int64. Pairs are batched ``rows_per_forward`` at a time, each row
-    with its own explicit expert subset.
+    with its own explicit expert subset (``renormalize`` as in :func:`softmoe.select_experts`).
     """
     layers = soft_moe_layers(model)
     if len(layers) != 1:
@@ -144,14 +175,16 @@ def oracle_by_forward(
     check_subset_count(n, k, max_subsets)
     subsets = all_subsets(n, k).to(inputs.device)
     batch = inputs.shape[0]
-    scan = _SubsetScan(labels)
+    scan: _SubsetScan | None = None
     per_forward = max(1, rows_per_forward // batch)
     for start in range(0, subsets.shape[0], per_forward):
         chunk = subsets[start : start + per_forward]
         keep = torch.zeros(batch, chunk.shape[0], n, dtype=torch.bool, device=inputs.device)
         keep.scatter_(2, chunk.unsqueeze(0).expand(batch, -1, -1), True)
         repeated = inputs.unsqueeze(1).expand(batch, chunk.shape[0], *inputs.shape[1:]).flatten(0, 1)
-        with select_experts(model, strategy=keep.flatten(0, 1)):
+        with select_experts(model, strategy=keep.flatten(0, 1), renormalize=renormalize):
             logits = model(repeated)
+        scan = scan or _SubsetScan(labels, logits.shape[-1])
         scan.add(logits.view(batch, chunk.shape[0], -1), start)
+    assert scan is not None  # C(n, k) >= 1 subsets
     return scan.result(subsets)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -104,6 +105,76 @@ def combine_shares(combine: torch.Tensor) -> torch.Tensor:
     """Algorithm 1's C_sum normalized over experts: each input's share of the combine mass per expert (batch, n)."""
     scores = combine_scores(combine)
     return scores / scores.sum(dim=1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+
+
+UNIFORM_HALF_MASS = 1.02
+"""The shares count as nearly uniform when each input's top half of the experts (n // 2 of them) keeps less than this
+multiple of the combine mass a random half keeps: Algorithm 1's choice is then close to arbitrary."""
+
+
+@dataclass(frozen=True)
+class ShareUniformity:
+    """How uniform the inputs' combine shares (:func:`combine_shares`) are, and what Algorithm 1 keeps over chance.
+
+    entropy: the mean over inputs of the shares' entropy divided by log n (0: one expert, 1: uniform). Trained
+    routers often sit near 1 while their choice still matters: it is reported, not judged on.
+    kept_mass_ratio: the combine mass that Algorithm 1's top k keeps, over k / n, what a random k keeps in
+    expectation (1: no better than chance). half_mass_ratio: the same for the top n // 2, the judged quantity
+    (:data:`UNIFORM_HALF_MASS`). k, num_experts: what it was measured for.
+    """
+
+    entropy: float
+    kept_mass_ratio: float
+    half_mass_ratio: float
+    k: int
+    num_experts: int
+
+    @property
+    def nearly_uniform(self) -> bool:
+        return self.num_experts > 1 and self.half_mass_ratio < UNIFORM_HALF_MASS
+
+    def message(self) -> str:
+        """One plain sentence for a user, saying what near-uniform shares mean for Algorithm 1."""
+        return (
+            f"the combine shares on these inputs are nearly uniform: each input's top half of its "
+            f"{self.num_experts} experts keeps only {self.half_mass_ratio:.3f}x the combine mass of a random half "
+            f"(normalized entropy {self.entropy:.4f}, where 1 is uniform), so which {self.k} experts Algorithm 1 keeps "
+            "is close to arbitrary: it is no better than random selection here"
+        )
+
+
+def share_uniformity(combine: torch.Tensor, k: int | float) -> ShareUniformity:
+    """The :class:`ShareUniformity` of combine weights (batch, tokens, n, p) for Algorithm 1 keeping k experts (an
+    int, or a fraction of n)."""
+    shares = combine_shares(combine.detach()).double()
+    num_experts = shares.shape[1]
+    k = resolve_k(k, num_experts)
+    entropy = -(shares * shares.clamp_min(torch.finfo(shares.dtype).tiny).log()).sum(dim=1)
+    normalized = float(entropy.mean()) / math.log(num_experts) if num_experts > 1 else 0.0
+
+    def ratio(count: int) -> float:
+        return float(shares.topk(count, dim=1).values.sum(dim=1).mean()) / (count / num_experts)
+
+    return ShareUniformity(normalized, ratio(k), ratio(max(1, num_experts // 2)), k, num_experts)
+
+
+@torch.no_grad()
+def measure_share_uniformity(model: nn.Module, inputs: torch.Tensor, k: int | float) -> list[ShareUniformity]:
+    """The :class:`ShareUniformity` of every SoftMoE layer of ``model`` on one forward pass of ``inputs``, in module
+    order (k: an int, or a fraction of each layer's n)."""
+    found: list[ShareUniformity] = []
+
+    def measure(layer: SoftMoE, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else kwargs["x"]
+        found.append(share_uniformity(layer.route(x, args[1] if len(args) > 1 else kwargs.get("mask")).combine, k))
+
+    hooks = [layer.register_forward_pre_hook(measure, with_kwargs=True) for layer in soft_moe_layers(model)]
+    try:
+        model(inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found
 
 
 def _ascending_with_padding(ranked: torch.Tensor, counts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -315,6 +386,11 @@ def select_experts(
         plan: "selected" (run only the kept experts), "dense" (run all, zero the others' combine weights) or
             "auto" (the cheaper for the shape): same output (:mod:`softmoe.selection_plan`).
     Yields the list of affected layers. Previous selectors are restored on exit.
+
+    With Algorithm 1 ("combine"), the first eager forward in the block checks the combine shares of its batch and,
+    when they are nearly uniform (:class:`ShareUniformity`), says once, as a :class:`NoBetterThanRandomWarning`, that
+    Algorithm 1 is no better than random selection there (without labels this is all that can be judged;
+    :func:`softmoe.calibration.calibrate` also compares with random subsets on labelled data).
     """
     layers = soft_moe_layers(model)
     if not layers:
@@ -325,13 +401,46 @@ def select_experts(
         make_selector(layer, k, strategy, renormalize, seed, generators, tau, k_min, k_max, plan) for layer in layers
     ]
     previous = [layer.selector for layer in layers]
+    hooks: list = []
+    if isinstance(strategy, str) and strategy == "combine" and not torch.compiler.is_compiling():
+        check = _UniformityCheck(k, hooks)
+        hooks.extend(layer.register_forward_pre_hook(check, with_kwargs=True) for layer in layers)
     try:
         for layer, selector in zip(layers, selectors):
             layer.selector = selector
         yield layers
     finally:
+        for hook in hooks:
+            hook.remove()
         for layer, selector in zip(layers, previous):
             layer.selector = selector
+
+
+class NoBetterThanRandomWarning(UserWarning):
+    """Algorithm 1 runs where its choice is no better than random selection: the combine shares are nearly uniform
+    (:func:`select_experts`, :func:`softmoe.calibration.calibrate`), or random subsets score as well on labelled data
+    (:func:`softmoe.calibration.calibrate`)."""
+
+
+class _UniformityCheck:
+    """A forward pre-hook that checks the first eager batch of a :func:`select_experts` block (its routing is computed
+    once more for that batch), warns if its combine shares are nearly uniform, then removes every hook of the block
+    (``handles``). Under torch.compile it does nothing."""
+
+    def __init__(self, k: int | float, handles: list) -> None:
+        self.k, self.handles = k, handles
+
+    def __call__(self, layer: SoftMoE, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():
+            return
+        for handle in self.handles:
+            handle.remove()
+        x = args[0] if args else kwargs["x"]
+        with torch.no_grad():
+            combine = layer.route(x, args[1] if len(args) > 1 else kwargs.get("mask")).combine
+        uniformity = share_uniformity(combine, self.k)
+        if uniformity.nearly_uniform:
+            warnings.warn(uniformity.message(), NoBetterThanRandomWarning, stacklevel=2)
 
 
 def masked_reference_forward(

@@ -27,6 +27,7 @@ from softmoe.checkpoint import write_json
 from softmoe.data import Splits, load_dataset
 from softmoe.distributed import LOCAL, DistContext
 from softmoe_repro.common import (
+    correct_predictions,
     default_vision_dataset,
     equal_accuracy_epochs,
     mean_std_pct,
@@ -38,7 +39,7 @@ from softmoe_repro.common import (
 )
 from softmoe.models.vit import ViT, count_parameters, second_half
 from softmoe.runs import load_epoch
-from softmoe.train import TrainConfig, evaluate_accuracy, train_classifier
+from softmoe.train import TrainConfig, train_classifier
 from softmoe_repro import budgets
 from softmoe_repro.budgets import budget_study
 from softmoe_repro.specialization import dispatch_maps, plot_dispatch
@@ -167,8 +168,9 @@ def evaluate_selection(model: ViT, splits: Splits, preset: VitPreset) -> dict:
     """All-experts, Algorithm 1 and random-selection test accuracies (every MoE layer picks k of its n experts)."""
     ks = selection_ks(model.moe_layers()[0].num_experts)
     return selection_sweep(
-        model, splits.test, ks, preset.random_seeds, lambda m, data: evaluate_accuracy(m, data, preset.trainer)
-    )
+        model, splits.test, ks, preset.random_seeds,
+        lambda m, data: correct_predictions(m, data, preset.trainer.eval_batch_size, preset.trainer.bf16),
+    )[0]
 
 
 def run(

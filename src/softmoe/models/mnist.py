@@ -12,6 +12,8 @@ stays about 4 * 196 hidden units; the head is linear on the flattened layer outp
   phi, then each expert's two layers), as ``nn.Linear`` draws them.
 - ``"definition1"``: Definition 1 as the paper's text writes it: equation (1) routing without normalization, pixels
   in [0, 1], biases, phi from the layer's truncated normal, hidden ``round(196 * 4 / n)``.
+- ``"authors-scale10"``: the authors' model with the router's learnable scale starting at 10 instead of 1, a
+  control: it starts the combine weights far from uniform.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class MNISTModel:
     hidden: "truncate" (``int(dim * (4 / n))``, the authors') or "round" (``round(4 * dim / n)``); at least 1.
     phi_init: "uniform" (U[-1, 1], the authors') or "lecun" (the layer's truncated normal).
     pixel_mean, pixel_std: the images (in [0, 1]) enter as ``(x - pixel_mean) / pixel_std``.
+    scale_init: the router's learnable scale at initialization (1 in both codes; a control sets it larger).
     """
 
     normalize: str
@@ -42,11 +45,15 @@ class MNISTModel:
     phi_init: str
     pixel_mean: float = 0.0
     pixel_std: float = 1.0
+    scale_init: float = 1.0
 
 
 MNIST_MODELS = {
     "authors": MNISTModel("inputs", bias=False, hidden="truncate", phi_init="uniform", pixel_mean=0.1307, pixel_std=0.3081),
     "definition1": MNISTModel("none", bias=True, hidden="round", phi_init="lecun"),
+    "authors-scale10": MNISTModel(
+        "inputs", bias=False, hidden="truncate", phi_init="uniform", pixel_mean=0.1307, pixel_std=0.3081, scale_init=10.0
+    ),
 }
 """The MNIST model variants by name: the authors' code and Definition 1 as written (see the module doc)."""
 
@@ -117,6 +124,9 @@ class SoftMoEClassifier(nn.Module):
         if self.config.phi_init == "uniform":
             torch.random.set_rng_state(seed_state)
             self._authors_init(identical_expert_init)
+        if self.moe.scale is not None:
+            with torch.no_grad():
+                self.moe.scale.fill_(self.config.scale_init)
 
     @torch.no_grad()
     def _authors_init(self, identical_experts: bool) -> None:
@@ -150,12 +160,16 @@ class SoftMoEClassifier(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.head(self.moe(self.tokenize(images)).flatten(1))
 
-    def expert_logit_contributions(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def expert_logit_contributions(
+        self, images: torch.Tensor, per_token: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each expert's exact share of the logits: (contributions (batch, n, classes), bias (classes,)).
 
         With the head linear, logits under any expert subset S (no renormalization) are
         ``bias + sum_{j in S} contributions[:, j]``; with all experts this is the forward pass. A head without
-        bias gives a zero bias.
+        bias gives a zero bias. ``per_token``: (contributions (batch, tokens, n, classes), bias, each token's combine
+        weight on each expert (batch, tokens, n)), what the renormalized oracle needs
+        (:func:`softmoe.oracle.oracle_from_contributions`).
         """
         tokens = self.tokenize(images)
         routing = self.moe.route(tokens)
@@ -164,9 +178,11 @@ class SoftMoEClassifier(nn.Module):
         expert_out = self.moe.run_experts(slots).view(batch, n, p, self.dim)
         head = self.head.weight.view(-1, m, self.dim)
         per_slot_token = torch.einsum("bjpd,cmd->bjpmc", expert_out, head)
-        contributions = torch.einsum("bmjp,bjpmc->bjc", routing.combine.to(per_slot_token.dtype), per_slot_token)
-        bias = self.head.bias if self.head.bias is not None else contributions.new_zeros(contributions.shape[-1])
-        return contributions, bias
+        combine = routing.combine.to(per_slot_token.dtype)
+        bias = self.head.bias if self.head.bias is not None else per_slot_token.new_zeros(per_slot_token.shape[-1])
+        if per_token:
+            return torch.einsum("bmjp,bjpmc->bmjc", combine, per_slot_token), bias, combine.sum(dim=3)
+        return torch.einsum("bmjp,bjpmc->bjc", combine, per_slot_token), bias
 
     def expert_parameter_count(self) -> int:
         return sum(p.numel() for p in self.moe.experts.parameters())
