@@ -1134,6 +1134,8 @@ def test_share_uniformity_golden_values():
         close = torch.tensor([top / 2, top / 2, (1 - top) / 2, (1 - top) / 2], dtype=torch.float64).view(1, 1, 4, 1)
         assert share_uniformity(close, 2).nearly_uniform == uniform
     assert not share_uniformity(torch.ones(2, 3, 1, 1), 1).nearly_uniform  # one expert: nothing to choose
+    padded = torch.cat([combine[1:2], torch.zeros(1, 2, 4, 1, dtype=torch.float64)])  # a fully padded input
+    assert share_uniformity(padded, 1) == share_uniformity(combine[1:2], 1)
 
 
 def uniform_and_peaked_layers():

@@ -145,8 +145,9 @@ class ShareUniformity:
 
 def share_uniformity(combine: torch.Tensor, k: int | float) -> ShareUniformity:
     """The :class:`ShareUniformity` of combine weights (batch, tokens, n, p) for Algorithm 1 keeping k experts (an
-    int, or a fraction of n)."""
-    shares = combine_shares(combine.detach()).double()
+    int, or a fraction of n), over the inputs with some combine mass (a fully padded one has none)."""
+    scores = combine_scores(combine.detach()).double()
+    shares = combine_shares(combine.detach()).double()[scores.sum(dim=1) > 0]  # a fully padded input has no shares
     num_experts = shares.shape[1]
     k = resolve_k(k, num_experts)
     entropy = -(shares * shares.clamp_min(torch.finfo(shares.dtype).tiny).log()).sum(dim=1)
