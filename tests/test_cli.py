@@ -98,6 +98,15 @@ def test_calibrating_a_suite_model_says_it_trained_on_the_validation_split(smoke
     assert "note: this model was trained on the validation split too" in err and "Traceback" not in err
 
 
+def test_a_suite_file_of_an_older_format_is_one_line_saying_what_to_do(smoke_results, tmp_path, capsys):
+    suite = json.loads((smoke_results / "mnist_suite.json").read_text())
+    del suite["seeds"]
+    (tmp_path / "mnist_suite.json").write_text(json.dumps(suite))
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "written by an older softmoe" in err and "softmoe reproduce mnist" in err
+
+
 @pytest.mark.slow
 def test_rerun_resumes_without_training(smoke_results, capsys):
     def files():  # every file but the lock, which holds the pid of the last writer

@@ -460,8 +460,21 @@ def cell(models: dict, n: int, fraction: float, masked: str | None = None) -> di
     return selection["per_k"].get(str(k))
 
 
+def check_format(results: dict) -> None:
+    """A ValueError, saying what to do, for a suite JSON that an older softmoe wrote (one without training seeds and
+    masked forwards)."""
+    if "seeds" not in results or "masked_forward" not in results:
+        raise ValueError(
+            f"the MNIST suite results of {results.get('data', {}).get('name', 'this folder')} (model "
+            f"{results.get('model', {}).get('name', '?')}) were written by an older softmoe, without training seeds "
+            "and masked forwards: run `softmoe reproduce mnist` with the same options into this folder again; "
+            "finished models are evaluated, not trained again"
+        )
+
+
 def write_plots(results: dict, out_dir: str | Path) -> dict[str, str]:
     """Figure 1/2a (accuracy against n), Figure 5 (distinct best subsets) and the training curves, as PNG files."""
+    check_format(results)
     import matplotlib
 
     matplotlib.use("Agg")
