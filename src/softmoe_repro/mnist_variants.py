@@ -31,10 +31,10 @@ def _row(results: dict) -> list[str]:
         row.append(f"{best} / {mean_std_pct(quarter['random']) if quarter else '–'}")
     won, total = tally(models)
     row.append(f"{won} of {total}")
-    correlations = [c for n in ns if (c := models[str(n)]["diagnostics"]["share_evidence_correlation"]) is not None]
-    row.append(f"{min(correlations):.2f} to {max(correlations):.2f}" if correlations else "–")
     large = [models[str(n)]["selection"]["all_experts"] - cell(models, n, 0.5)["algorithm1"] for n in ns if n >= 64]
     row.append(f"{100 * max(large):.2f}" if large else "–")
+    correlations = [c for n in ns if (c := models[str(n)]["diagnostics"]["share_evidence_correlation"]) is not None]
+    row.append(f"{min(correlations):.2f} to {max(correlations):.2f}" if correlations else "–")
     return row
 
 
@@ -69,7 +69,8 @@ def markdown(variants: dict, plots: dict[str, str]) -> str:
         "(paired test; * = holds at p < 0.01), the correlation of the combine shares with each expert's evidence for "
         "the true class, and the learned router scale.",
         "",
-        "| n | " + " | ".join(f"`{name}`" for name in names) + " |",
+        "| n | " + " | ".join(f"`{variants[name]['model']['name']}` / `{variants[name]['protocol']['name']}`"
+                               for name in names) + " |",
         "|---|" + "---|" * len(names),
     ]
     for n in ns:
