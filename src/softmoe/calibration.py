@@ -28,8 +28,8 @@ from softmoe.data import ImageDataset
 from softmoe.layer import SoftMoE
 from softmoe.selection import (
     ADAPTIVE,
-    ShareUniformity,
     NoBetterThanRandomWarning,
+    ShareUniformity,
     measure_share_uniformity,
     select_experts,
     soft_moe_layers,

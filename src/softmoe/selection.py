@@ -166,8 +166,7 @@ def measure_share_uniformity(model: nn.Module, inputs: torch.Tensor, k: int | fl
     found: list[ShareUniformity] = []
 
     def measure(layer: SoftMoE, args: tuple, kwargs: dict) -> None:
-        x = args[0] if args else kwargs["x"]
-        found.append(share_uniformity(layer.route(x, args[1] if len(args) > 1 else kwargs.get("mask")).combine, k))
+        found.append(share_uniformity(_combine_of_call(layer, args, kwargs), k))
 
     hooks = [layer.register_forward_pre_hook(measure, with_kwargs=True) for layer in soft_moe_layers(model)]
     try:
@@ -176,6 +175,13 @@ def measure_share_uniformity(model: nn.Module, inputs: torch.Tensor, k: int | fl
         for hook in hooks:
             hook.remove()
     return found
+
+
+@torch.no_grad()
+def _combine_of_call(layer: SoftMoE, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The combine weights of a call ``layer(x, mask)`` seen by a forward pre-hook (positional or keyword)."""
+    x = args[0] if args else kwargs["x"]
+    return layer.route(x, args[1] if len(args) > 1 else kwargs.get("mask")).combine
 
 
 def _ascending_with_padding(ranked: torch.Tensor, counts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -436,10 +442,7 @@ class _UniformityCheck:
             return
         for handle in self.handles:
             handle.remove()
-        x = args[0] if args else kwargs["x"]
-        with torch.no_grad():
-            combine = layer.route(x, args[1] if len(args) > 1 else kwargs.get("mask")).combine
-        uniformity = share_uniformity(combine, self.k)
+        uniformity = share_uniformity(_combine_of_call(layer, args, kwargs), self.k)
         if uniformity.nearly_uniform:
             warnings.warn(uniformity.message(), NoBetterThanRandomWarning, stacklevel=2)
 
