@@ -1161,6 +1161,11 @@ def test_select_experts_says_once_when_shares_are_nearly_uniform():
     assert "which 2 experts Algorithm 1 keeps" in str(caught[0].message)
     assert "no better than random selection" in str(caught[0].message)
     assert not uniform._forward_pre_hooks  # the check is gone after the block, and after its first batch
+    with warnings.catch_warnings():  # once per layer: a later block neither checks nor warns again
+        warnings.simplefilter("error", NoBetterThanRandomWarning)
+        with torch.no_grad(), select_experts(uniform, k=2):
+            assert not uniform._forward_pre_hooks
+            uniform(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error", NoBetterThanRandomWarning)
         with torch.no_grad(), select_experts(peaked, k=2):

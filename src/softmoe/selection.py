@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -394,8 +395,8 @@ def select_experts(
             "auto" (the cheaper for the shape): same output (:mod:`softmoe.selection_plan`).
     Yields the list of affected layers. Previous selectors are restored on exit.
 
-    With Algorithm 1 ("combine"), the first eager forward in the block checks the combine shares of its batch and,
-    when they are nearly uniform (:class:`ShareUniformity`), says once, as a :class:`NoBetterThanRandomWarning`, that
+    With Algorithm 1 ("combine"), the first eager forward of a layer under Algorithm 1 in this process checks the
+    combine shares of its batch (once per layer, whatever the blocks) and, when they are nearly uniform (:class:`ShareUniformity`), says once, as a :class:`NoBetterThanRandomWarning`, that
     Algorithm 1 is no better than random selection there (without labels this is all that can be judged;
     :func:`softmoe.calibration.calibrate` also compares with random subsets on labelled data).
     """
@@ -409,9 +410,10 @@ def select_experts(
     ]
     previous = [layer.selector for layer in layers]
     hooks: list = []
-    if isinstance(strategy, str) and strategy == "combine" and not torch.compiler.is_compiling():
-        check = _UniformityCheck(k, hooks)
-        hooks.extend(layer.register_forward_pre_hook(check, with_kwargs=True) for layer in layers)
+    unchecked = [layer for layer in layers if layer not in _CHECKED_LAYERS]
+    if isinstance(strategy, str) and strategy == "combine" and unchecked and not torch.compiler.is_compiling():
+        check = _UniformityCheck(k, hooks, unchecked)
+        hooks.extend(layer.register_forward_pre_hook(check, with_kwargs=True) for layer in unchecked)
     try:
         for layer, selector in zip(layers, selectors):
             layer.selector = selector
@@ -429,19 +431,25 @@ class NoBetterThanRandomWarning(UserWarning):
     (:func:`softmoe.calibration.calibrate`)."""
 
 
-class _UniformityCheck:
-    """A forward pre-hook that checks the first eager batch of a :func:`select_experts` block (its routing is computed
-    once more for that batch), warns if its combine shares are nearly uniform, then removes every hook of the block
-    (``handles``). Under torch.compile it does nothing."""
+_CHECKED_LAYERS: weakref.WeakSet[SoftMoE] = weakref.WeakSet()
+"""Layers whose shares :func:`select_experts` has checked in this process: each is checked once, so a block entered
+for every call costs nothing after the first (and a compiled model sees its hooks change once at most)."""
 
-    def __init__(self, k: int | float, handles: list) -> None:
-        self.k, self.handles = k, handles
+
+class _UniformityCheck:
+    """A forward pre-hook that checks the first eager batch Algorithm 1 sees on not yet checked ``layers`` (their
+    routing is computed once more for that batch), warns if its combine shares are nearly uniform, marks the layers
+    checked and removes every hook of the block (``handles``). Under torch.compile it does nothing."""
+
+    def __init__(self, k: int | float, handles: list, layers: list[SoftMoE]) -> None:
+        self.k, self.handles, self.layers = k, handles, layers
 
     def __call__(self, layer: SoftMoE, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling():
             return
         for handle in self.handles:
             handle.remove()
+        _CHECKED_LAYERS.update(self.layers)
         uniformity = share_uniformity(_combine_of_call(layer, args, kwargs), self.k)
         if uniformity.nearly_uniform:
             warnings.warn(uniformity.message(), NoBetterThanRandomWarning, stacklevel=2)
