@@ -2,7 +2,7 @@
 (``layer.backend_for(x)``) against each other one that can run it.
 
 For each layer (dim, experts, hidden; relu MLP experts by default, as in the paper's MNIST model) one SoftMoE per
-backend ("slots", "tokens", "native", "reference"; "native" is the fused one-pass mixing where
+backend ("slots", "tokens", "cpu", "reference"; "cpu" is the fused one-pass mixing where
 ``softmoe.kernels.native_mixing_applies``, else the native slot path), all with the same weights, are timed
 round-robin: the forward under no_grad, and forward+backward with every gradient reset to None first and a dense
 upstream gradient (as ``bench_layer.py``). The table gives each backend's median time and its time over the
@@ -35,7 +35,7 @@ from common import (  # noqa: E402
 
 from softmoe import SoftMoE  # noqa: E402
 
-BACKENDS = ("slots", "tokens", "native", "reference")
+BACKENDS = ("slots", "tokens", "cpu", "reference")
 
 
 def layer_spec(text: str) -> tuple[int, int, int]:

@@ -50,15 +50,15 @@ Definitions (B batch, M tokens, D dim, N experts, P slots per expert, H expert h
   a tensor of as many bytes as the row's expert weights (read beside the row: a short probe catches bursts of a
   shared host that a stream of hundreds of MB never sees); "x roofline" = measured time / roofline.
 - Speed-up vs loop = loop time / layer time; dense-MLP ratio = layer time / dense MLP time (fwd, fwd+bwd).
-- Forward floor (rows on the "slots" and "native" backends): the expert products alone (the backend's batched
+- Forward floor (rows whose mixing is the slot formulation, "slots" or "native"): the expert products alone (the backend's batched
   expert matmuls on the row's slots, timed in the same rounds as the forward) and the time to read the expert weights once at the read bandwidth
   (``sum`` of 256 MB, bytes read), each as a multiple of the forward roofline. The roofline's bandwidth is the copy
   probe's, which counts written bytes too. No implementation reads its weights faster than the read floor; where
   the products alone approach a target, this one can meet it only by running the routing inside the weight stream.
-- backend: the one the layer's "auto" backend picks for the row (``layer.backend_for(x)``, see
-  ``softmoe.backends``): "native" (softmoe's custom ops: the fused one-pass mixing of small relu experts, or the
-  native expert matmul for few rows through large weights), "slots" (dispatch, batched experts, combine) or
-  "tokens" (the exact token-space rewrite).
+- backend: the mixing "auto" runs for the row (``layer.backend_for(x)``, see ``softmoe.backends``): "fused"
+  (the one-pass native mixing of small relu experts), "native" (the slot formulation with the native expert matmul
+  for few rows through large weights), "slots" (dispatch, batched experts, combine) or "tokens" (the exact
+  token-space rewrite).
 - other load: cores kept busy by other processes while a row was timed (from /proc/stat); above 0.2 the row's
   multi-threaded timings are inflated and the script says so.
 
@@ -102,7 +102,7 @@ from common import (  # noqa: E402
 from peers import MLP_PEERS, build_peers  # noqa: E402
 
 import softmoe  # noqa: E402
-from softmoe.kernels import expert_matmul, native_mixing_applies  # noqa: E402
+from softmoe.kernels import expert_matmul  # noqa: E402
 from softmoe.models.mnist import expert_hidden_for  # noqa: E402
 
 # The layer's time as a fraction of the fastest published MLP peer's (benchmarks/peers.py) that a row must meet.
@@ -262,9 +262,10 @@ def measure_shape(
     params = {name: list(module.parameters()) for name, module in modules.items()}
     params["loop"] += loop.routing_parameters()
     fns = {name: step_fns(module, params[name], x, grad) for name, module in modules.items()}
-    path = layer.backend_for(x).name
+    choice = layer.backend_for(x)
+    path = choice.backend.mixing(layer, x)
     forwards = {k: v[0] for k, v in fns.items()}
-    if path == "slots" or (path == "native" and not native_mixing_applies(x, s.hidden, s.activation)):
+    if path in ("slots", "native"):
         forwards["experts"] = expert_products(layer, x, native=path == "native")
     volume = torch.empty(parameter_bytes(layer.experts) // 4)
     volume.fill_(1.0)

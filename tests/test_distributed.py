@@ -186,7 +186,8 @@ def _worker_main(rank: int, world: int, out_dir: Path) -> dict:
     for case in LAYER_CASES:
         layer = make_layer(case)
         probe = torch.zeros(1, LAYER_CASES[case][2], layer.dim, dtype=layer.phi.dtype)
-        backend_before = layer.backend_for(probe).name
+        choice = layer.backend_for(probe)
+        backend_before = choice.backend.mixing(layer, probe)
         shard_experts(layer)
         assert isinstance(layer.experts, ExpertParallelExperts)
         ddp = data_parallel(layer)

@@ -21,7 +21,10 @@ from torch import nn
 import softmoe.layer as layer_module
 from softmoe import MLPExperts, Routing, SoftMoE, StackedExperts, select_experts
 from softmoe.kernels import native_available
-from softmoe.layer import l2_normalize, rms_norm_logits, soft_moe_logits, soft_moe_reference
+from softmoe.backends import REGISTRY
+from softmoe.backends.generic import token_space_mixing
+from softmoe.backends.cuda import rms_norm_logits
+from softmoe.layer import l2_normalize, soft_moe_logits, soft_moe_reference
 
 F64 = torch.float64
 EPS = 1e-6
@@ -192,31 +195,30 @@ def make_mask(batch: int, tokens: int, seed: int = 1) -> torch.Tensor:
 
 
 class PathSpy:
-    """Records the backend that computed each forward of one layer: the name handed to ``experts.mix``, or
-    "reference" when the layer ran its experts on all slots itself."""
+    """Records the backend that computed each forward's mixing: the name of the registered backend whose ``mix``
+    ran."""
 
     def __init__(self, layer: SoftMoE, monkeypatch: pytest.MonkeyPatch) -> None:
         self.ran: list[str] = []
-        mix, run_experts = layer.experts.mix, layer.run_experts
+        for name, backend in REGISTRY.items():
+            def spy_mix(mixed_layer, *args, _name=name, _mix=backend.mix, **kwargs):
+                if mixed_layer is layer:
+                    self.ran.append(_name)
+                return _mix(mixed_layer, *args, **kwargs)
 
-        def spy_mix(backend, *args, **kwargs):
-            self.ran.append(backend)
-            return mix(backend, *args, **kwargs)
-
-        def spy_run_experts(*args, **kwargs):
-            self.ran.append("reference")
-            return run_experts(*args, **kwargs)
-
-        monkeypatch.setattr(layer.experts, "mix", spy_mix)
-        monkeypatch.setattr(layer, "run_experts", spy_run_experts)
+            monkeypatch.setattr(backend, "mix", spy_mix)
 
     def assert_path(self, path: str, calls: int = 1) -> None:
         assert self.ran == [path] * calls, f"expected the {path} backend to run {calls} time(s), ran {self.ran}"
 
 
 def assert_path_chosen(layer: SoftMoE, tokens: int, path: str) -> None:
+    """"auto" runs the ``path`` formulation for the shape: as that backend (float64), or as the "cpu" backend's
+    mixing (float32, where the native ops serve), whose tests then run ``path`` itself."""
     x = torch.zeros(2, tokens, layer.dim, dtype=layer.phi.dtype)
-    assert layer.backend_for(x).name == path, f"shape does not select the {path} backend"
+    choice = layer.backend_for(x)
+    ran = choice.backend.mixing(layer, x)
+    assert ran == path, f"shape does not select the {path} formulation"
 
 
 def force_path(layer: SoftMoE, path: str) -> None:
@@ -315,8 +317,8 @@ def test_slots_use_raw_tokens_not_normalized():
     torch.manual_seed(5)
     x = torch.randn(1, TOKENS, layer.dim, dtype=F64)
     with torch.no_grad():
-        _, dispatch, _ = layer._route_flat(x, None, *layer._weights()[:2])
-        _, dispatch_scaled, _ = layer._route_flat(3.0 * x, None, *layer._weights()[:2])
+        dispatch = layer.route(x).dispatch.flatten(2)
+        dispatch_scaled = layer.route(3.0 * x).dispatch.flatten(2)
         slots = layer.dispatch_slots(x, dispatch)
         slots_scaled = layer.dispatch_slots(3.0 * x, dispatch_scaled)
     # Normalization makes the routing (nearly) invariant to the token scale...
@@ -431,10 +433,10 @@ def test_token_space_rewrite_equals_slot_formulation(shape, data):
     mask = random_mask(data, shape["batch"], shape["tokens"])
     real = mask.unsqueeze(-1)
     with torch.no_grad():
-        _, dispatch, combine = layer._route_flat(x, mask, *layer._weights()[:2])
+        routing = layer.route(x, mask)
+        dispatch, combine = routing.dispatch.flatten(2), routing.combine.flatten(2)
         slots_out = layer.combine_slots(combine, layer.run_experts(layer.dispatch_slots(x, dispatch)))
-        view = (*x.shape[:2], layer.num_experts, layer.slots_per_expert)
-        token_out = layer.experts.forward_through_tokens(x, dispatch.view(view), combine.view(view))
+        token_out = token_space_mixing(layer.experts, x, routing.dispatch, routing.combine)
         out = layer(x, mask)
     assert torch.allclose(slots_out, token_out, atol=1e-11, rtol=0)
     assert torch.allclose(out, slots_out, atol=1e-11, rtol=0)
@@ -536,31 +538,20 @@ def test_rms_norm_logits_equal_the_router_logits_with_their_gradients():
     assert torch.autograd.gradgradcheck(rms_norm_logits, args, eps=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["reference", "slots", "tokens"])
-def test_the_layer_with_cudas_logits_equals_the_layer_with_the_general_ones(monkeypatch, backend):
-    """The whole layer in float64 on the CPU with the logits CUDA computes (``launch_bound`` forced), forward and
-    every gradient, against the same layer with the general logits; Algorithm 1 on top of it too."""
+def test_cudas_logits_equal_the_general_ones_with_every_gradient():
+    """The "router" logits as the "cuda" backend computes them (two RMS norms), in float64 on the CPU, against
+    soft_moe_logits: values and the gradients of x, phi and scale."""
     torch.manual_seed(6)
-    layer = SoftMoE(12, 4, 2, expert_hidden=10, backend=backend, dtype=F64)
-    x = torch.randn(3, 5, 12, dtype=F64)
-    grad = torch.randn(3, 5, 12, dtype=F64)
-
-    def run() -> list[torch.Tensor]:
-        leaf = x.clone().requires_grad_()
-        out = layer(leaf)
-        grads = torch.autograd.grad(out, [leaf, *layer.parameters()], grad)
-        with torch.no_grad(), select_experts(layer, k=2):
-            selected = layer(x)
-        return [out.detach(), *grads, selected]
-
-    want = run()
-    calls, fused = [], layer_module.rms_norm_logits
-    monkeypatch.setattr(layer_module, "launch_bound", lambda tokens: True)
-    monkeypatch.setattr(layer_module, "rms_norm_logits", lambda *args: calls.append(1) or fused(*args))
-    got = run()
-    # the forward with its gradients and Algorithm 1's (the layer's shares were checked once, in the first run)
-    assert len(calls) == 2
-    for g, expected in zip(got, want, strict=True):
+    layer = SoftMoE(12, 4, 2, expert_hidden=10, dtype=F64)
+    x = torch.randn(3, 5, 12, dtype=F64, requires_grad=True)
+    phi = layer.phi.reshape(12, 8)
+    want = soft_moe_logits(x, phi, layer.scale, "router")
+    got = rms_norm_logits(x, phi, layer.scale)
+    assert (got - want).abs().max().item() < 1e-12
+    grad = torch.randn_like(want)
+    inputs = [x, layer.phi, layer.scale]
+    for g, expected in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(want, inputs, grad),
+                           strict=True):
         assert (g - expected).abs().max().item() < 1e-12
 
 
@@ -698,37 +689,48 @@ def test_forward_mode_ad_in_inference_keeps_its_tangents(monkeypatch, plan):
 
 
 def test_auto_backend_rules_and_reasons():
-    """"auto" takes "slots" in plain CPU eager mode, "reference" under torch.func transforms and autocast (where the
-    one-node slot function does not apply), and the native ops for few rows through large float32 weights."""
+    """"auto" takes the native ops for float32 CPU tensors (mixing by their cost model: here the slot formulation,
+    and the native expert matmul for few rows through large weights), the cost model's formulation for float64,
+    "reference" under torch.func transforms, autocast and for custom experts; each choice with its reason."""
     layer = SoftMoE(8, 4, 3, expert_hidden=16)
     x = torch.randn(3, 5, 8)
-    assert layer.backend_for(x) == ("slots", "CPU cost model: the slot formulation")
+    choice = layer.backend_for(x)
+    expected = "cpu" if native_available() else "slots"
+    assert choice.name == expected and choice.reason and choice.backend is REGISTRY[expected]
+    if native_available():
+        assert choice.backend.mixing(layer, x) == "slots"
+    assert SoftMoE(8, 4, 3, expert_hidden=16, dtype=F64).backend_for(x.double()).name == "slots"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer.backend_for(x).name == "reference"
     seen = []
     torch.func.grad(lambda t: seen.append(layer.backend_for(x).name) or t.sum())(torch.ones(2))
     assert seen == ["reference"]
+    assert SoftMoE(8, 4, expert=nn.Linear(8, 8)).backend_for(x).name == "reference"
     large = SoftMoE(64, 2, 8, expert_hidden=4096)  # 8 rows per expert through 64 x 4096 weights
-    choice = large.backend_for(torch.randn(1, 64, 64))
-    assert choice.name == ("native" if native_available() else "slots")
-    assert choice.reason
+    x = torch.randn(1, 64, 64)
+    if native_available():
+        assert large.backend_for(x).backend.mixing(large, x) == "native"
 
 
 def test_explicit_backends_that_cannot_run_say_why():
     x = torch.randn(2, 5, 8, dtype=F64)
-    layer = SoftMoE(8, 4, dtype=F64, backend="native")
-    with pytest.raises(ValueError, match=r"backend 'native' cannot run this input: the native ops take float32 CPU"):
+    layer = SoftMoE(8, 4, dtype=F64, backend="cpu")
+    with pytest.raises(ValueError, match=r"backend 'cpu' cannot run this input: the native ops take float32 CPU"):
+        layer(x)
+    layer.backend = "cuda"
+    with pytest.raises(ValueError, match=r"backend 'cuda' cannot run this input: it runs CUDA tensors"):
         layer(x)
     layer.backend = "slots"
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="autocast is on"):
         layer(x.float().to(F64))
     custom = SoftMoE(8, 4, expert=nn.Linear(8, 8), dtype=F64, backend="tokens")
-    with pytest.raises(ValueError, match=r"backend .tokens. cannot run this input: custom experts \(StackedExperts\)"):
+    with pytest.raises(ValueError, match=r"backend .tokens. cannot run this input: it runs MLPExperts, not Stacked"):
         custom(x)
-    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'reference', 'slots', 'tokens', 'native'\)"):
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'reference', 'slots', 'tokens', 'cpu', "
+                                         r"'cuda'\)"):
         SoftMoE(8, 4, backend="fast")
     with pytest.raises(ValueError, match="backend must be one of"):
-        layer.backend = "cuda"
+        layer.backend = "native"
     assert "backend='slots'" in repr(layer)
 
 

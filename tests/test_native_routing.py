@@ -4,12 +4,15 @@ against the routing written in torch's ops in float64, and where the layer takes
 
 from __future__ import annotations
 
+import softmoe.backends.cpu as cpu_backend
 import pytest
 import torch
 from reference import kernels_called, output_and_gradients, relative_error
 
 import softmoe.kernels.onednn as onednn_module
 import softmoe.layer as layer_module
+from softmoe.runtime import cpu_vendor
+from softmoe.tuning import TABLE, Measured
 from softmoe import SoftMoE
 from softmoe.kernels import cpu_isa
 from softmoe.kernels.soft_moe_routing import native_routing_applies, soft_moe_routing
@@ -81,19 +84,16 @@ def test_routing_and_its_gradients_match_float64(isa, shape, normalize, threads)
 @pytest.mark.parametrize("normalize", NORMALIZATIONS)
 @pytest.mark.parametrize("shape", [(16, 32, 64, 256), (24, 50, 100, 72)], ids=str)
 def test_products_in_onednn_or_mkl_match_float64(library, onednn, normalize, shape, monkeypatch):
-    """Products of at least 2^24 FLOPs (the least that oneDNN takes), in each library as SOFTMOE_ONEDNN says: the
+    """Products of at least 2^24 FLOPs (the least that oneDNN takes), in each library as the tuning table says: the
     logits, x's gradient and phi's (whose contraction runs over the rows, handed to oneDNN transposed) all in oneDNN,
     or none. The second shape's 1200 rows of dim 100 leave partial blocks in both directions of that transpose."""
-    monkeypatch.setenv(onednn_module.ONEDNN_ENVIRONMENT, onednn)
-    onednn_module.onednn_outruns_mkl.cache_clear()
-    try:
-        assert 2 * shape[0] * shape[1] * shape[2] * shape[3] >= onednn_module.ONEDNN_MIN_PRODUCT_FLOPS
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            assert_routing_matches_float64(shape, normalize)
-        ran = sum(event.count for event in prof.key_averages() if event.key == "mkldnn::_linear_pointwise")
-        assert ran == (3 if onednn == "1" and torch.backends.mkldnn.is_available() else 0)
-    finally:
-        onednn_module.onednn_outruns_mkl.cache_clear()
+    vendors = (cpu_vendor(),) if onednn == "1" else ()
+    monkeypatch.setitem(TABLE, "onednn_vendors", Measured(vendors, "a test"))
+    assert 2 * shape[0] * shape[1] * shape[2] * shape[3] >= onednn_module.ONEDNN_MIN_PRODUCT_FLOPS
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert_routing_matches_float64(shape, normalize)
+    ran = sum(event.count for event in prof.key_averages() if event.key == "mkldnn::_linear_pointwise")
+    assert ran == (3 if onednn == "1" and torch.backends.mkldnn.is_available() else 0)
 
 
 def assert_routing_matches_float64(shape, normalize):
@@ -210,13 +210,13 @@ class RoutingSpy:
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        native = layer_module.native_routing
+        native = cpu_backend.soft_moe_routing
 
         def counted(*args):
             self.calls += 1
             return native(*args)
 
-        monkeypatch.setattr(layer_module, "native_routing", counted)
+        monkeypatch.setattr(cpu_backend, "soft_moe_routing", counted)
 
 
 @pytest.mark.parametrize("normalize", NORMALIZATIONS)
@@ -235,7 +235,7 @@ def test_the_layer_takes_it_and_matches_its_float64_twin(library, normalize, mon
         assert relative_error(got_t, want_t) < tolerance(got_t)
 
 
-def test_masks_and_noise_keep_torch_ops_large_inference_takes_the_kernel(library, monkeypatch):
+def test_masks_and_noise_keep_torch_ops(library, monkeypatch):
     torch.manual_seed(7)
     layer = SoftMoE(12, 4, noise_std=0.5)
     x = torch.randn(2, 5, 12)
@@ -247,8 +247,4 @@ def test_masks_and_noise_keep_torch_ops_large_inference_takes_the_kernel(library
     assert spy.calls == 0
     layer(x)
     assert spy.calls == 1
-    monkeypatch.setattr(layer_module, "ONEDNN_MIN_TOKEN_ELEMENTS", 1)
-    with torch.no_grad():
-        layer(x)  # a large inference input: the kernel too (its products in oneDNN where that pays)
-    assert spy.calls == 2
     assert not native_routing_applies(x.double(), layer.phi.reshape(12, 4).double(), None)

@@ -14,7 +14,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import softmoe.backends.cuda as cuda_backend
 import softmoe.layer as layer_module
+from softmoe.backends import REGISTRY
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.selection import Selector, top_k_by_combine
 from softmoe.selection_plan import kept_slots
@@ -194,6 +196,13 @@ def test_the_layer_takes_the_op_only_in_cuda_inference(monkeypatch):
     assert len(asked) == 1
 
 
+def cuda_backend_on_the_cpu(monkeypatch, layer: SoftMoE) -> None:
+    """Run ``layer`` on the "cuda" backend with CPU tensors (the backend's own check of the device lifted): its
+    routing and selection paths, with the op's torch implementation standing in for the kernel where a test says."""
+    monkeypatch.setattr(REGISTRY["cuda"], "unsupported", lambda layer, x: None)
+    layer.backend = "cuda"
+
+
 def kernel_stand_in(logits, slots_per_expert, k, kernel, out_dtype, x, eps):
     """The op's torch implementation where the layer asks for the kernel (whose applying it has checked)."""
     assert kernel is True
@@ -206,11 +215,12 @@ def kernel_stand_in(logits, slots_per_expert, k, kernel, out_dtype, x, eps):
 def test_the_layer_runs_algorithm1_from_the_op_as_from_its_selector(monkeypatch, p, plan, renormalize):
     """The layer's fused path (forced on the CPU: the op's torch implementation stands in for the kernel): the
     selector's select() is not called, and every plan equals the paper's masked forward; the plain forward too."""
-    monkeypatch.setattr(layer_module, "fused_routing_applies", lambda *args: True)
+    monkeypatch.setattr(cuda_backend, "fused_routing_applies", lambda *args: True)
     monkeypatch.setattr(fused, "_compute", kernel_stand_in)
     monkeypatch.setattr(Selector, "select", lambda self, combine: pytest.fail("select() called"))
     torch.manual_seed(0)
     layer = SoftMoE(12, 6, slots_per_expert=p, expert_hidden=20, dtype=F64).eval()
+    cuda_backend_on_the_cpu(monkeypatch, layer)
     with torch.no_grad():
         layer.scale.fill_(4.0)
     x = torch.randn(5, 7, 12, dtype=F64)
@@ -224,17 +234,15 @@ def test_the_layer_runs_algorithm1_from_the_op_as_from_its_selector(monkeypatch,
             x, layer.phi, layer.scale, layer.experts, layer.normalize), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("normalize, renormalize, experts, narrow, tokens, dtype", [
-    ("router", False, "mlp", True, True, torch.bfloat16), ("router", True, "mlp", False, True, torch.bfloat16),
-    ("inputs", False, "mlp", True, False, torch.float16), ("none", False, "stacked", False, False, torch.bfloat16),
-    ("router", False, "own", False, True, torch.bfloat16)])
-def test_a_bfloat16_layer_takes_its_weights_from_the_op_in_its_dtype(monkeypatch, normalize, renormalize, experts,
-                                                                      narrow, tokens, dtype):
-    """The layer's fused path (forced on the CPU) in bfloat16 (and float16): the op writes dispatch and combine in
-    x's dtype where the mixing would cast them (the default experts), not for a renormalization, stacked experts or
-    experts of the user's own (whose outputs may be wider); with the "router" normalization it gets the tokens and
-    the unnormalized product. The plain layer takes the op (k = 0) only where it writes them narrow. Both equal the
-    unfused paths (the selector's choice, torch's softmaxes, the weights cast in the mixing)."""
+@pytest.mark.parametrize("normalize, renormalize, narrow, tokens, dtype", [
+    ("router", False, True, True, torch.bfloat16), ("router", True, False, True, torch.bfloat16),
+    ("inputs", False, True, False, torch.float16)])
+def test_a_bfloat16_layer_takes_its_weights_from_the_op_in_its_dtype(monkeypatch, normalize, renormalize, narrow,
+                                                                      tokens, dtype):
+    """The "cuda" backend's fused path (forced on the CPU) in bfloat16 (and float16): the op writes dispatch and
+    combine in x's dtype where the mixing would cast them, not for a renormalization; with the "router"
+    normalization it gets the tokens and the unnormalized product. The plain layer takes the op (k = 0) too. Both
+    equal the unfused paths (the selector's choice, torch's softmaxes, the weights cast in the mixing)."""
     asked = []
 
     def stand_in(logits, p, k, kernel, out_dtype, x, eps):
@@ -243,56 +251,31 @@ def test_a_bfloat16_layer_takes_its_weights_from_the_op_in_its_dtype(monkeypatch
 
     monkeypatch.setattr(fused, "_compute", stand_in)
     torch.manual_seed(0)
-    expert = {"mlp": None, "stacked": torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.ReLU(),
-                                                          torch.nn.Linear(20, 12))}.get(experts)
-    layer = SoftMoE(12, 6, expert_hidden=20, normalize=normalize, expert=expert, dtype=dtype).eval()
-    if experts == "own":  # an expert bank of the user's own (the Experts protocol), whose mix may not cast
-        own = _OwnExperts(layer.experts)
-        layer.experts = own
+    layer = SoftMoE(12, 6, expert_hidden=20, normalize=normalize, dtype=dtype).eval()
+    cuda_backend_on_the_cpu(monkeypatch, layer)
     x = torch.randn(5, 7, 12, dtype=dtype)
     with torch.no_grad():
         want_plain = layer(x)
         with select_experts(layer, k=2, renormalize=renormalize):
             want = layer(x)
-            monkeypatch.setattr(layer_module, "fused_routing_applies", lambda *args: True)
+            monkeypatch.setattr(cuda_backend, "fused_routing_applies", lambda *args: True)
             got = layer(x)
         got_plain = layer(x)
-    plain = [(0, dtype, tokens)] if experts == "mlp" else []
-    assert asked == [(2, dtype if narrow else None, tokens), *plain]
+    assert asked == [(2, dtype if narrow else None, tokens), (0, dtype, tokens)]
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(got_plain, want_plain, rtol=2e-2, atol=2e-3)
-
-
-class _OwnExperts(torch.nn.Module):
-    """An expert bank of a user's own: MLPExperts' work behind another class."""
-
-    def __init__(self, experts):
-        super().__init__()
-        self.inner = experts
-
-    def forward(self, x):
-        return self.inner(x)
-
-    def forward_selected(self, rows, expert):
-        return self.inner.forward_selected(rows, expert)
-
-    def choose_backend(self, backend, x, slots_per_expert):
-        return self.inner.choose_backend(backend, x, slots_per_expert)
-
-    def mix(self, backend, x, dispatch, combine, slots_per_expert, kept_combine=False):
-        assert dispatch.dtype == combine.dtype == torch.float32
-        return self.inner.mix(backend, x, dispatch, combine, slots_per_expert, kept_combine=kept_combine)
 
 
 @pytest.mark.parametrize("watcher", ["profiler", "dispatch mode"])
 def test_a_watched_layer_calls_the_op_through_the_dispatcher(monkeypatch, watcher):
     """Under the profiler or a dispatch mode the layer's fused path goes through the op (forced on the CPU, where the
     op is torch's ops), so they see it and the kernels it runs, as the layer runs unwatched."""
-    monkeypatch.setattr(layer_module, "fused_routing_applies", lambda *args: True)
+    monkeypatch.setattr(cuda_backend, "fused_routing_applies", lambda *args: True)
     monkeypatch.setattr(fused, "_compute",  # the op's torch implementation for the kernel, both ways
                         lambda logits, p, k, kernel, *args: fused.reference_routing_softmaxes(logits, p, k, *args))
     torch.manual_seed(0)
     layer = SoftMoE(12, 6, expert_hidden=20, dtype=F64).eval()
+    cuda_backend_on_the_cpu(monkeypatch, layer)
     x = torch.randn(3, 7, 12, dtype=F64)
     seen = []
 
@@ -353,8 +336,9 @@ class _TopKSelector:
 
 
 def test_a_selector_whose_top_k_is_not_a_k_chooses_through_select(monkeypatch):
-    monkeypatch.setattr(layer_module, "fused_routing_applies", lambda *args: True)
+    monkeypatch.setattr(cuda_backend, "fused_routing_applies", lambda *args: True)
     layer = SoftMoE(12, 6, expert_hidden=20).eval()
+    cuda_backend_on_the_cpu(monkeypatch, layer)
     layer.selector = _TopKSelector()
     with torch.no_grad():
         layer(torch.randn(3, 7, 12))
@@ -675,11 +659,12 @@ def test_algorithm1_on_cuda_launches_no_more_kernels_than_every_expert(dtype):
                                                ("mask", {})])
 def test_other_strategies_choose_through_their_selector(monkeypatch, strategy, options):
     """Only Algorithm 1 with a fixed k ("combine") has a top_k; every other strategy keeps calling select()."""
-    monkeypatch.setattr(layer_module, "fused_routing_applies", lambda *args: True)
+    monkeypatch.setattr(cuda_backend, "fused_routing_applies", lambda *args: True)
     calls = []
     original = Selector.select
     monkeypatch.setattr(Selector, "select", lambda self, combine: calls.append(self.top_k) or original(self, combine))
     layer = SoftMoE(12, 6, expert_hidden=20).eval()
+    cuda_backend_on_the_cpu(monkeypatch, layer)
     x = torch.randn(3, 7, 12)
     if strategy == "mask":
         strategy = torch.tensor([[True, False, True, False, False, False]] * 3)

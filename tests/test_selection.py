@@ -18,9 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import softmoe.backends.base as base_backend
+import softmoe.backends.generic as generic_backend
 import softmoe.kernels.grouped_mm as grouped_mm_module
 import softmoe.layer as layer_module
 import softmoe.selection as selection_module
+from softmoe.backends import Backend
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.selection import (
     Selector,
@@ -101,19 +104,26 @@ def strategy_arg(strategy, batch, n, k, seed=5):
     return random_mask(batch, n, k, seed) if strategy == "mask" else strategy
 
 
+@pytest.fixture(autouse=True)
+def _restore_mix_selected():
+    """capture_selections wraps the backends' shared mix_selected: put it back after each test."""
+    original = Backend.mix_selected
+    yield
+    Backend.mix_selected = original
+
+
 def capture_selections(layers):
     """Record the experts each layer's forward selects (per layer, per call), whether its selector's ``select``
-    chose them or the layer's own kernel did (Algorithm 1 on a float32 CPU layer: softmoe::top_k_combine)."""
+    chose them or the backend's own kernel did (Algorithm 1 on a float32 CPU layer: softmoe::top_k_combine)."""
     records = {id(layer): [] for layer in layers}
-    for layer in layers:
-        original = layer._selected_forward
+    original = Backend.mix_selected
 
-        def selected_forward(x, dispatch, combine, selected, *args, _original=original, _record=records[id(layer)],
-                             **kwargs):
-            _record.append(selected.clone())
-            return _original(x, dispatch, combine, selected, *args, **kwargs)
+    def mix_selected(self, layer, x, dispatch, combine, selected, *args, **kwargs):
+        if id(layer) in records:
+            records[id(layer)].append(selected.clone())
+        return original(self, layer, x, dispatch, combine, selected, *args, **kwargs)
 
-        layer._selected_forward = selected_forward
+    Backend.mix_selected = mix_selected
     return records
 
 
@@ -288,7 +298,8 @@ def test_k_equal_n_equals_plain_forward_when_plain_uses_token_space(strategy):
     """Few tokens and many slots: the plain forward takes MLPExperts' token-space rewrite; selection must agree."""
     layer = make_layer(p=4)
     x = make_input(tokens=1)
-    assert layer.backend_for(x).name == "tokens"
+    choice = layer.backend_for(x)
+    assert (choice.backend.mixing(layer, x)) == "tokens"
     with torch.no_grad():
         plain = layer(x)
         with select_experts(layer, k=N, strategy=strategy):
@@ -309,7 +320,7 @@ def test_strategy_all_is_the_plain_forward(custom, monkeypatch):
             def boom(*args, **kwargs):
                 raise AssertionError("strategy 'all' must not take the selection path")
 
-            monkeypatch.setattr(layer, "_selected_forward", boom)
+            monkeypatch.setattr(Backend, "mix_selected", boom)
             out = layer(x, mask)
         with select_experts(layer, k=3, strategy="all"):  # k is ignored for "all"
             out_k = layer(x, mask)
@@ -356,7 +367,7 @@ def instrument(layer, monkeypatch):
     full-expert entry point."""
     log = {"counts": [], "rows": [], "slots": []}
     original_selected = layer.experts.forward_selected
-    original_dispatch = layer_module.dispatch_slots
+    original_dispatch = base_backend.dispatch_slots
 
     def forward_selected(rows, expert):
         log["counts"].append(torch.bincount(expert, minlength=layer.num_experts) * rows.shape[1])
@@ -375,11 +386,10 @@ def instrument(layer, monkeypatch):
         return fail
 
     monkeypatch.setattr(layer.experts, "forward_selected", forward_selected)
-    monkeypatch.setattr(layer_module, "dispatch_slots", dispatch_slots)
+    monkeypatch.setattr(base_backend, "dispatch_slots", dispatch_slots)
     monkeypatch.setattr(layer, "run_experts", forbidden("run_experts"))
     monkeypatch.setattr(layer.experts, "forward", forbidden("experts.forward"))
-    if hasattr(layer.experts, "forward_through_tokens"):
-        monkeypatch.setattr(layer.experts, "forward_through_tokens", forbidden("forward_through_tokens"))
+    monkeypatch.setattr(generic_backend, "token_space_mixing", forbidden("token_space_mixing"))
     return log
 
 

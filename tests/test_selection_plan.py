@@ -13,7 +13,8 @@ from torch import nn
 import softmoe.selection_plan as plans
 from softmoe import SoftMoE, select_experts
 from softmoe.selection import masked_reference_forward
-from softmoe.selection_plan import ROW_OVERHEAD, plan_costs
+from softmoe.selection_plan import plan_costs
+from softmoe.tuning import TABLE, Measured, autotune_enabled, set_autotune, value
 
 F64 = torch.float64
 CPU = torch.device("cpu")
@@ -89,7 +90,7 @@ def test_cost_model_golden_values(monkeypatch):
     -> dense.
     """
     monkeypatch.setattr(plans, "cpu_isa", lambda: "avx512")
-    assert (plans.row_floor("cpu"), ROW_OVERHEAD["cpu"], plans.MARGIN["cpu"]) == (16, 2, 0.85)
+    assert (plans.row_floor("cpu"), value("plan_row_overhead")["cpu"], value("plan_margin")["cpu"]) == (16, 2, 0.85)
     f = 1e9
     assert cheaper(1, 2, 8, 1, f, CPU)
     assert cheaper(1, 6, 8, 1, f, CPU)
@@ -120,7 +121,7 @@ def test_cost_model_golden_values_with_avx2(monkeypatch):
     assert not cheaper(16, 7, 8, 1, f, CPU, kept=(112, 8))
     assert not cheaper(4, 3, 8, 1, f, CPU, kept=(12, 8))
     monkeypatch.setattr(plans, "cpu_isa", lambda: None)
-    assert plans.row_floor("cpu") == plans.ROW_FLOOR["cpu"] == 16
+    assert plans.row_floor("cpu") == value("plan_row_floor")["cpu"] == 16
     assert not cheaper(16, 1, 8, 1, f, CPU, kept=(16, 8))
 
 
@@ -189,23 +190,51 @@ def test_a_timed_plan_beats_the_default_only_by_the_margin(monkeypatch, ratio, c
     assert plans.timed_plan("key", {"dense": advance(1.0), "selected": advance(ratio)}, CPU) == chosen
 
 
-@pytest.mark.parametrize("faster", ["dense", "selected"])
-def test_auto_runs_the_plan_timed_faster_where_plans_are_timed(monkeypatch, faster):
-    """Where plans are timed (eager CUDA; here the CPU standing in, every shape worth timing), "auto" times both
-    plans at the first call of a shape, runs the faster from then on, with gradients, and the layer reports it;
-    another batch size is another shape."""
-    import softmoe.layer as layer_module
+@pytest.fixture
+def autotune():
+    """Autotuning on for one test (softmoe.tuning.set_autotune), off again after it."""
+    previous = set_autotune(True)
+    yield
+    set_autotune(previous)
 
-    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
-    monkeypatch.setattr(plans, "synchronize", lambda device: None)
-    monkeypatch.setattr(plans, "may_synchronize", lambda device: True)
-    monkeypatch.setattr(layer_module, "plans_are_timed", lambda device: True)
-    monkeypatch.setattr(layer_module, "worth_timing", lambda costs: True)
+
+def record_timings(monkeypatch, plan: str | None = None) -> list:
+    """Replace timed_plan with a stand-in that records each key it is asked for and answers ``plan`` (None: the
+    real timing)."""
+    keys, original = [], plans.timed_plan
+
+    def timed_plan(key, runs, device):
+        keys.append(key)
+        return original(key, runs, device) if plan is None else plan
+
+    monkeypatch.setattr(plans, "timed_plan", timed_plan)
+    return keys
+
+
+def test_nothing_is_timed_by_default(monkeypatch):
+    """Autotuning is off unless turned on: plan "auto" is the cost model's, untimed, even for a close call, and
+    the same in every process."""
+    assert not autotune_enabled()
+    assert not plans.plans_are_timed(CPU) and not plans.plans_are_timed(torch.device("cuda"))
+    keys = record_timings(monkeypatch, "dense")
+    monkeypatch.setattr(plans, "plan_costs", lambda *args: (value("plan_margin")["cpu"], 1.0))  # a close call
+    layer = make_layer().eval()
+    x, selected = torch.randn(3, 5, 12, dtype=F64), torch.tensor([[0, 3], [2, 7], [7, 1]])
+    with torch.no_grad():
+        torch.testing.assert_close(layer.forward_selected(x, selected), masked_reference_forward(layer, x, selected),
+                                   atol=1e-12, rtol=1e-12)
+    assert keys == [] and layer.selected_plan_is_cheaper(x, selected)
+
+
+@pytest.mark.parametrize("faster", ["dense", "selected"])
+def test_auto_runs_the_plan_timed_faster_where_plans_are_timed(monkeypatch, autotune, faster):
+    """With autotuning on and every shape worth timing, "auto" runs the plan the timing names, with gradients, and
+    the layer reports it; another batch size is another key."""
+    monkeypatch.setattr(plans, "worth_timing", lambda costs: True)
+    keys = record_timings(monkeypatch, faster)
     layer = make_layer().eval()
     x = torch.randn(3, 5, 12, dtype=F64, requires_grad=True)
     selected = torch.tensor([[0, 3], [2, 7], [7, 1]])
-    key = layer._plan_key(layer.slot_inputs(x), selected)
-    plans._TIMED_PLANS[key] = faster
     runs = []
     original = layer.experts.forward_selected
     monkeypatch.setattr(layer.experts, "forward_selected", lambda rows, expert: runs.append(expert) or
@@ -215,15 +244,12 @@ def test_auto_runs_the_plan_timed_faster_where_plans_are_timed(monkeypatch, fast
     torch.testing.assert_close(got, masked_reference_forward(layer, x, selected), atol=1e-12, rtol=1e-12)
     got.square().sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
-    runs.clear()
     with torch.no_grad():
         layer.forward_selected(x[:2], selected[:2])
-    chose_selected = plans.timed_choice(layer._plan_key(x[:2], selected[:2])) == "selected"
-    assert len(runs) == plans.TIMED_ROUNDS + 1 + chose_selected  # timed once each way, then the faster ran
-    assert len(plans._TIMED_PLANS) == 2
+    assert len(set(keys)) == 2
 
 
-def test_plans_are_timed_eagerly_on_cuda_and_cpu(monkeypatch):
+def test_plans_are_timed_eagerly_on_cuda_and_cpu(monkeypatch, autotune):
     cuda = torch.device("cuda")
     assert plans.plans_are_timed(CPU) and plans.plans_are_timed(cuda)
     assert not plans.plans_are_timed(torch.device("meta"))
@@ -236,22 +262,20 @@ def test_plans_are_timed_eagerly_on_cuda_and_cpu(monkeypatch):
 
 def test_only_close_calls_are_worth_timing_on_the_cpu():
     """On the CPU the shapes whose selected cost lies within a factor TIMING_BAND of MARGIN times the dense one."""
-    band, margin = plans.TIMING_BAND, plans.MARGIN["cpu"]
+    band, margin = plans.TIMING_BAND, value("plan_margin")["cpu"]
     for ratio, worth in ((1.0, True), (band * 0.99, True), (1.01 / band, True), (band * 1.01, False),
                          (0.99 / band, False), (0.2, False), (3.0, False)):
         assert plans.worth_timing((ratio * margin * 10.0, 10.0)) is worth, ratio
 
 
 @pytest.mark.parametrize("close", [False, True])
-def test_the_cpu_times_close_calls_and_leaves_clear_ones_to_the_cost_model(monkeypatch, close):
-    """Eager CPU, plan "auto": a close call is timed once (each plan TIMED_ROUNDS + 1 times, then the faster runs),
-    a clear one runs the cost model's plan untimed and remembers nothing; the output is Algorithm 1's either way."""
-    import softmoe.layer as layer_module
-
+def test_the_cpu_times_close_calls_and_leaves_clear_ones_to_the_cost_model(monkeypatch, autotune, close):
+    """Eager CPU with autotuning on, plan "auto": a close call is timed once (each plan TIMED_ROUNDS + 1 times, then
+    the faster runs), a clear one runs the cost model's plan untimed; the output is Algorithm 1's either way."""
     monkeypatch.setattr(plans, "_TIMED_PLANS", {})
-    cheap = plans.MARGIN["cpu"] * (1.0 if close else 0.1)  # the selected plan's cost, the dense one's 1
-    for module in (layer_module, plans):  # the costs the layer weighs and the cost model's
-        monkeypatch.setattr(module, "plan_costs", lambda *args: (cheap, 1.0))
+    cheap = value("plan_margin")["cpu"] * (1.0 if close else 0.1)  # the selected plan's cost, the dense one's 1
+    monkeypatch.setattr(plans, "plan_costs", lambda *args: (cheap, 1.0))
+    keys = record_timings(monkeypatch)
     layer = make_layer().eval()
     x = torch.randn(3, 5, 12, dtype=F64)
     selected = torch.tensor([[0, 3], [2, 7], [7, 1]])
@@ -262,33 +286,22 @@ def test_the_cpu_times_close_calls_and_leaves_clear_ones_to_the_cost_model(monke
     with torch.no_grad():
         got = layer.forward_selected(x, selected)
     torch.testing.assert_close(got, masked_reference_forward(layer, x, selected), atol=1e-12, rtol=1e-12)
-    key = layer._plan_key(x, selected)
     if close:
-        chose_selected = plans.timed_choice(key) == "selected"
+        chose_selected = plans.timed_choice(keys[0]) == "selected"
         assert len(runs) == plans.TIMED_ROUNDS + 1 + chose_selected
     else:
-        assert plans.timed_choice(key) is None and len(runs) == 1  # the cost model's selected plan, once
+        assert keys == [] and len(runs) == 1  # the cost model's selected plan, once
     runs.clear()
     with torch.no_grad():
         layer.forward_selected(x, selected)
-    assert len(runs) == (plans.timed_choice(key) == "selected" if close else 1)  # not timed again
+    assert len(runs) == (plans.timed_choice(keys[0]) == "selected" if close else 1)  # not timed again
 
 
-def test_a_timed_shape_does_not_overrule_the_cost_model_for_a_clear_call(monkeypatch):
+def test_a_timed_shape_does_not_overrule_the_cost_model_for_a_clear_call(monkeypatch, autotune):
     """The timing key is the shape; the kept counts vary from batch to batch (-1 places, adaptive strategies). A
-    close call (7 of 8 experts kept per input) is timed and remembered; a later batch of that shape keeping 1 of 8
-    is a clear call: the cost model's selected plan runs, not the plan timed for the close one."""
-    import softmoe.layer as layer_module
-
-    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
-    timings = []
-
-    def timed_plan(key, runs, device):  # remember "dense" for the key without running anything
-        timings.append(key)
-        plans._TIMED_PLANS[key] = "dense"
-        return "dense"
-
-    monkeypatch.setattr(layer_module, "timed_plan", timed_plan)
+    close call (7 of 8 experts kept per input) is timed; a later batch of that shape keeping 1 of 8 is a clear
+    call: the cost model's selected plan runs, not the plan timed for the close one."""
+    keys = record_timings(monkeypatch, "dense")
     torch.manual_seed(0)
     layer = SoftMoE(128, 8, slots_per_expert=2, expert_hidden=1024).eval()
     x = torch.randn(64, 3, 128)
@@ -296,50 +309,46 @@ def test_a_timed_shape_does_not_overrule_the_cost_model_for_a_clear_call(monkeyp
     most[:, 7] = -1  # 7 of 8 kept: selected cost 1.2x the margin's, a close call
     few = torch.full((64, 8), -1)
     few[:, 0] = torch.arange(64) % 8  # 1 of 8 kept: 0.33x, a clear one
-    assert layer._plan_key(x, most) == layer._plan_key(x, few)
     runs = []
     original = layer.experts.forward_selected
     monkeypatch.setattr(layer.experts, "forward_selected",
                         lambda rows, expert: runs.append(1) or original(rows, expert))
     with torch.no_grad():
         layer.forward_selected(x, most)
-        assert len(timings) == 1 and runs == [] and not layer.selected_plan_is_cheaper(x, most)
+        assert len(keys) == 1 and runs == [] and not layer.selected_plan_is_cheaper(x, most)
         torch.testing.assert_close(layer.forward_selected(x, few), masked_reference_forward(layer, x, few),
                                    rtol=1e-5, atol=1e-5)
-    assert runs == [1] and len(timings) == 1 and layer.selected_plan_is_cheaper(x, few)
+    assert runs == [1] and len(keys) == 2 and layer.selected_plan_is_cheaper(x, few)  # (the second: "most" above)
 
 
-def test_nothing_is_timed_in_training_mode(monkeypatch):
+def test_nothing_is_timed_in_training_mode(monkeypatch, autotune):
     """Timing runs the experts again, which in training would draw their dropout anew: a training layer takes the
     cost model's plan, untimed, even for a close call."""
-    import softmoe.layer as layer_module
-
-    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
     monkeypatch.setattr(plans, "timed_plan", lambda *args: pytest.fail("timed in training mode"))
-    monkeypatch.setattr(layer_module, "timed_plan", lambda *args: pytest.fail("timed in training mode"))
-    for module in (layer_module, plans):
-        monkeypatch.setattr(module, "plan_costs", lambda *args: (plans.MARGIN["cpu"], 1.0))  # a close call
+    monkeypatch.setattr(plans, "plan_costs", lambda *args: (value("plan_margin")["cpu"], 1.0))  # a close call
     layer = make_layer().train()
     x, selected = torch.randn(3, 5, 12, dtype=F64), torch.tensor([[0, 3], [2, 7], [7, 1]])
     with torch.no_grad():
         torch.testing.assert_close(layer.forward_selected(x, selected), masked_reference_forward(layer, x, selected),
                                    atol=1e-12, rtol=1e-12)
-    assert layer.selected_plan_is_cheaper(x, selected) and plans._TIMED_PLANS == {}
+    assert layer.selected_plan_is_cheaper(x, selected)
 
 
-def test_the_cpu_plan_key_tells_threads_and_instruction_sets_apart(monkeypatch):
-    layer = make_layer()
+def test_the_cpu_plan_key_tells_threads_and_instruction_sets_apart(monkeypatch, autotune):
+    monkeypatch.setattr(plans, "worth_timing", lambda costs: True)
+    keys = record_timings(monkeypatch, "dense")
+    layer = make_layer().eval()
     x, selected = torch.randn(2, 5, 12, dtype=F64), torch.tensor([[0, 1], [2, 3]])
-    key = layer._plan_key(x, selected)
+    layer.selected_plan_is_cheaper(x, selected)
     threads = torch.get_num_threads()
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
-    assert layer._plan_key(x, selected) != key
+    layer.selected_plan_is_cheaper(x, selected)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    assert layer._plan_key(x, selected) == key
-    import softmoe.layer as layer_module
-
-    monkeypatch.setattr(layer_module, "cpu_isa", lambda: "some other variant")
-    assert layer._plan_key(x, selected) != key
+    layer.selected_plan_is_cheaper(x, selected)
+    other = "portable" if plans.cpu_isa() != "portable" else "avx2"
+    monkeypatch.setattr(plans, "cpu_isa", lambda: other)
+    layer.selected_plan_is_cheaper(x, selected)
+    assert keys[0] != keys[1] and keys[0] == keys[2] and keys[3] != keys[0]
 
 
 def test_a_plan_that_runs_out_of_memory_loses(monkeypatch):
@@ -358,19 +367,22 @@ def test_a_plan_that_runs_out_of_memory_loses(monkeypatch):
         plans.timed_plan("other", {"dense": out_of_memory, "selected": out_of_memory}, CPU)
 
 
-def test_the_plan_key_tells_autocast_backends_and_expert_sizes_apart():
-    layer, wide = make_layer(), SoftMoE(12, 8, expert_hidden=40, dtype=F64)
+def test_the_plan_key_tells_autocast_backends_and_expert_sizes_apart(monkeypatch, autotune):
+    monkeypatch.setattr(plans, "worth_timing", lambda costs: True)
+    keys = record_timings(monkeypatch, "dense")
+    layer, wide = make_layer().eval(), SoftMoE(12, 8, expert_hidden=40, dtype=F64).eval()
     x, selected = torch.randn(2, 5, 12, dtype=F64), torch.tensor([[0, 1], [2, 3]])
-    key = layer._plan_key(x, selected)
-    assert key == layer._plan_key(x, selected) and key != wide._plan_key(x, selected)
+    layer.backend = "slots"
+    for model in (layer, layer, wide):
+        model.selected_plan_is_cheaper(x, selected)
+    assert keys[0] == keys[1] != keys[2]
+    layer.backend = "tokens"  # (which runs under autocast)
+    layer.selected_plan_is_cheaper(x, selected)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert layer._plan_key(x, selected) != key
-    layer.backend = "reference"
-    assert layer._plan_key(x, selected) != key
-    reference = layer._plan_key(x, selected)
-    assert reference[:7] == key[:7] and reference[7] == "reference" and reference[8:] == key[8:]
+        layer.selected_plan_is_cheaper(x, selected)
     layer.experts.weight1 = nn.Parameter(torch.zeros(8, 12, 30, dtype=F64))  # a swapped weight of another shape
-    assert layer._plan_key(x, selected) != reference
+    layer.selected_plan_is_cheaper(x, selected)
+    assert len(set(keys)) == 5
 
 
 def test_a_shape_is_not_timed_where_synchronizing_is_unwelcome(monkeypatch):
@@ -394,7 +406,7 @@ def test_auto_follows_the_cost_model(monkeypatch):
     x = torch.randn(2, 5, 12, dtype=F64)
     selected = torch.tensor([[0, 1], [1, 0]])
     for cheaper in (True, False):
-        monkeypatch.setattr(plans, "MARGIN", {"cpu": 1e9 if cheaper else 0.0, "cuda": 0.4})
+        monkeypatch.setitem(TABLE, "plan_margin", Measured({"cpu": 1e9 if cheaper else 0.0, "cuda": 0.4}, "a test"))
         assert layer.selected_plan_is_cheaper(x, selected) is cheaper
 
 
@@ -438,7 +450,7 @@ def test_kept_counts_in_python_and_in_torch_agree_beside_the_mask(monkeypatch, h
 def test_counts_decide_only_between_the_bands_edges():
     """The experts in use matter to the CPU's call only where the selected plan's costs at the fewest and at the
     most of them do not both lie above the timing band, or both below it."""
-    margin, band = plans.MARGIN["cpu"], plans.TIMING_BAND
+    margin, band = value("plan_margin")["cpu"], plans.TIMING_BAND
     dense = 100.0
 
     def costs(ratio):  # selected / (margin * dense)
@@ -448,69 +460,3 @@ def test_counts_decide_only_between_the_bands_edges():
     assert not plans.counts_decide(costs(0.1), costs(0.9 / band))  # selected either way
     assert plans.counts_decide(costs(0.5), costs(2.0))  # selected at the fewest, dense at the most
     assert plans.counts_decide(costs(1.0), costs(1.0))  # a close call: timed on the counts' word
-
-
-def test_algorithm1s_plan_is_remembered_per_layer_and_call(monkeypatch):
-    """Algorithm 1's top k through a layer decides its plan once per shape and setting where the experts in use
-    cannot change it; another k, batch, thread count or training mode, or forget_timed_plans, decides again;
-    where the counts can change it, once per counts."""
-    decided = []
-    original = SoftMoE._auto_plan
-
-    def counted(self, *args, **kwargs):
-        decided.append(1)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(SoftMoE, "_auto_plan", counted)
-    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
-    torch.manual_seed(0)
-    layer, x = SoftMoE(12, 8, expert_hidden=16).eval(), torch.randn(3, 5, 12)  # float32: the native top k
-    with torch.no_grad():
-        with select_experts(layer, k=2):
-            want = layer(x)
-            for _ in range(3):
-                assert torch.equal(layer(x), want)
-            assert len(decided) == 1
-            layer(x[:2])
-            assert len(decided) == 2
-            plans.forget_timed_plans()
-            layer(x)
-            assert len(decided) == 3
-            threads = torch.get_num_threads()
-            monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
-            layer(x)
-            assert len(decided) == 4
-            layer.train()
-            layer(x)
-            layer(x)
-            assert len(decided) == 5
-            layer.eval()
-        with select_experts(layer, k=3):
-            layer(x)
-            assert len(decided) == 6
-        import softmoe.layer as layer_module
-
-        monkeypatch.setattr(layer_module, "counts_decide", lambda *args: True)
-        with select_experts(layer, k=4):
-            layer(x)
-            layer(x)
-            assert len(decided) == 7  # remembered for the counts too
-            monkeypatch.setattr(layer_module, "kept_counts", lambda selected, n: (12, 5))  # other counts
-            layer(x)
-            layer(x)
-            assert len(decided) == 8
-
-
-def test_the_remembered_plans_are_bounded_and_optional(monkeypatch):
-    """A layer forgets its remembered plans past MAX_REMEMBERED_PLANS, and one pickled before it had any (no
-    ``_plans``) starts remembering."""
-    import softmoe.layer as layer_module
-
-    monkeypatch.setattr(layer_module, "MAX_REMEMBERED_PLANS", 2)
-    torch.manual_seed(0)
-    layer = SoftMoE(12, 8, expert_hidden=16).eval()
-    del layer._plans
-    with torch.no_grad(), select_experts(layer, k=2):
-        for batch in range(1, 9):
-            layer(torch.randn(batch, 5, 12))
-            assert 1 <= len(layer._plans) <= 2 + 2  # at most two kept, and a call's two entries (counted)

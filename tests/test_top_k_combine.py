@@ -4,6 +4,8 @@ formulation (top_k_by_combine and the dense plan's mask); the same choice made i
 
 from __future__ import annotations
 
+import softmoe.backends.base as base_backend
+import softmoe.backends.cpu as cpu_backend
 import math
 
 import pytest
@@ -156,8 +158,8 @@ def test_the_layer_runs_algorithm1_through_the_ops_on_the_cpu(monkeypatch, p, pl
     recorded the op does (the selector's select() is never called), and every plan equals the paper's masked
     forward, as the selector's choice does."""
     chosen, routed = [], []
-    monkeypatch.setattr(layer_module, "top_k_combine", lambda *args: chosen.append(args) or top_k_combine(*args))
-    monkeypatch.setattr(layer_module, "soft_moe_routing_top_k",
+    monkeypatch.setattr(cpu_backend, "top_k_combine", lambda *args: chosen.append(args) or top_k_combine(*args))
+    monkeypatch.setattr(cpu_backend, "soft_moe_routing_top_k",
                         lambda *args, **kwargs: routed.append(soft_moe_routing_top_k(*args, **kwargs)) or routed[-1])
     monkeypatch.setattr(Selector, "select", lambda self, combine: pytest.fail("select() called"))
     torch.manual_seed(3)
@@ -183,13 +185,13 @@ def test_algorithm1_on_the_fused_small_experts_equals_the_masked_forward(monkeyp
     plan runs the mixing with the inputs grouped by their kept experts and idle slots skipped, exactly; the routing
     hands it the kept slots as bits and lists the kept experts only for plan "selected"."""
     listed = []
-    monkeypatch.setattr(layer_module, "soft_moe_routing_top_k",
+    monkeypatch.setattr(cpu_backend, "soft_moe_routing_top_k",
                         lambda *args, with_selected: listed.append(with_selected)
                         or soft_moe_routing_top_k(*args, with_selected=with_selected))
     torch.manual_seed(batch + k)
     layer = SoftMoE(20, 8, expert_hidden=6, activation="relu").eval()
     x = torch.randn(batch, 4, 20)
-    assert layer.backend_for(x).name == "native"
+    assert layer.backend_for(x).name == "cpu"
     with torch.no_grad():
         selected = top_k_by_combine(layer.route(x).combine.double(), k)
         want = masked_reference_forward(layer, x, selected, renormalize=renormalize)
@@ -206,21 +208,20 @@ def test_algorithm1_on_the_fused_small_experts_takes_the_dense_plan_without_the_
     layer = SoftMoE(20, 8, expert_hidden=6, activation="relu").eval()
     x = torch.randn(40, 4, 20)
     consulted = []
-    plan = layer._top_k_plan
-    monkeypatch.setattr(layer, "_top_k_plan", lambda *args: consulted.append(1) or plan(*args))
+    plan = base_backend.choose_plan
+    monkeypatch.setattr(base_backend, "choose_plan", lambda *args: consulted.append(1) or plan(*args))
     with select_experts(layer, k=3):
         with torch.no_grad():
-            assert layer.experts.mix_skips_unkept("native", x)
+            assert cpu_backend.skips_unkept(layer, x)
             layer(x)
         assert not consulted
-        assert not layer.experts.mix_skips_unkept("native", x)  # grad mode, parameters that require grad
-        assert not layer.experts.mix_skips_unkept("slots", x)
+        assert not cpu_backend.skips_unkept(layer, x)  # grad mode, parameters that require grad
         layer(x)
     assert consulted
     layer.experts.requires_grad_(False)  # frozen experts, a router that learns: the mixing records a gradient
     dispatch = layer.route(x).dispatch.flatten(2)
-    assert dispatch.requires_grad and not layer.experts.mix_skips_unkept("native", x, dispatch)
-    assert layer.experts.mix_skips_unkept("native", x)
+    assert dispatch.requires_grad and not cpu_backend.skips_unkept(layer, x, dispatch)
+    assert cpu_backend.skips_unkept(layer, x)
 
 
 def test_the_fused_path_takes_parametrized_expert_weights():
@@ -231,7 +232,7 @@ def test_the_fused_path_takes_parametrized_expert_weights():
     torch.nn.utils.parametrize.register_parametrization(layer.experts, "weight1", torch.nn.Identity())
     x = torch.randn(30, 4, 20)
     with torch.no_grad():
-        assert layer.experts.mix_skips_unkept("native", x)
+        assert cpu_backend.skips_unkept(layer, x)
         selected = top_k_by_combine(layer.route(x).combine.double(), 2)
         want = masked_reference_forward(layer, x, selected)
         with select_experts(layer, k=2):
@@ -244,7 +245,7 @@ def test_gradients_flow_through_the_layers_choice(monkeypatch):
     layer = SoftMoE(12, 6, expert_hidden=20)
     x = torch.randn(3, 5, 12, requires_grad=True)
     calls = []
-    monkeypatch.setattr(layer_module, "top_k_combine", lambda *args: calls.append(args) or top_k_combine(*args))
+    monkeypatch.setattr(cpu_backend, "top_k_combine", lambda *args: calls.append(args) or top_k_combine(*args))
 
     def gradients():
         with select_experts(layer, k=3):
@@ -253,7 +254,7 @@ def test_gradients_flow_through_the_layers_choice(monkeypatch):
 
     through_op = gradients()
     assert len(calls) == 1
-    monkeypatch.setattr(layer_module, "native_top_k_applies", lambda combine: False)
+    layer.backend = "slots"  # torch's ops: the selector chooses
     through_selector = gradients()
     assert len(calls) == 1
     for got, want in zip(through_op, through_selector, strict=True):
@@ -272,7 +273,7 @@ def test_the_selector_chooses_as_the_layer_on_float32_cpu_tensors():
 
 @pytest.mark.parametrize("case", ["mask", "noise", "float64"])
 def test_masks_noise_and_float64_choose_through_the_selector(monkeypatch, case):
-    monkeypatch.setattr(layer_module, "top_k_combine", lambda *args: pytest.fail("the op ran"))
+    monkeypatch.setattr(cpu_backend, "top_k_combine", lambda *args: pytest.fail("the op ran"))
     torch.manual_seed(5)
     dtype = torch.float64 if case == "float64" else torch.float32
     layer = SoftMoE(12, 6, expert_hidden=20, noise_std=0.5 if case == "noise" else 0.0, dtype=dtype)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import softmoe.backends.generic as generic_backend
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.models.vit import (
     LN_EPS,
@@ -247,7 +248,7 @@ def test_each_layer_picks_its_own_experts_and_skips_the_others(monkeypatch):
 
         monkeypatch.setattr(experts, "forward_selected", forward_selected)
         monkeypatch.setattr(experts, "forward", lambda *a, **k: full_runs.append(1))
-        monkeypatch.setattr(experts, "forward_through_tokens", lambda *a, **k: full_runs.append(1))
+        monkeypatch.setattr(generic_backend, "token_space_mixing", lambda *a, **k: full_runs.append(1))
 
         def hook(module, args, output, index=index):
             chosen[index] = top_k_by_combine(module.route(args[0]).combine, 2)

@@ -85,6 +85,7 @@ class _CountingSelector:
 
     def __init__(self, selector) -> None:
         self.inner, self.renormalize, self.plan = selector, selector.renormalize, selector.plan
+        self.top_k = None  # every call goes through select, which counts
         self.kept = self.possible = 0
 
     def select(self, combine: torch.Tensor) -> torch.Tensor:

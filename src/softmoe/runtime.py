@@ -39,11 +39,12 @@ do not combine the two, the combination took 650 ms).
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 import sys
 from collections.abc import Callable
 
-__all__ = ["cpu_model", "tune_cpu_allocator"]
+__all__ = ["cpu_model", "cpu_vendor", "tune_cpu_allocator"]
 
 # glibc's <malloc.h> parameter numbers.
 M_TRIM_THRESHOLD = -1
@@ -98,3 +99,9 @@ def _cpuinfo(field: str) -> str | None:
 def cpu_model() -> str:
     """The CPU's model name (from /proc/cpuinfo on Linux), else what the platform module knows."""
     return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor (``vendor_id`` of /proc/cpuinfo: "GenuineIntel", "AuthenticAMD", ...), else ""."""
+    return _cpuinfo("vendor_id") or ""

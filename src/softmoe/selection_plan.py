@@ -3,63 +3,34 @@
 Both plans give the same output (Algorithm 1's: unselected experts contribute nothing):
 
     "selected"  each expert runs on the slots of the inputs that keep it, grouped by expert
-                (``MLPExperts.forward_selected``); an unselected (input, expert) pair costs nothing.
+                (``Experts.forward_selected``); an unselected (input, expert) pair costs nothing.
     "dense"     every expert runs on every slot, as in the plain forward, and the slots of unselected experts get
-                zero combine weight: the plain forward's kernels, and no work saved but in one case: in inference
-                the CPU's fused kernel for small relu experts (``softmoe.kernels.soft_moe_mixing``) groups the
-                inputs by the experts they keep and skips, for each group of vector lanes, the experts none of its
-                inputs keeps (at batch 1 all the unselected ones).
+                zero combine weight; no work is saved, except where the mixing skips the unkept experts itself
+                (the "cpu" backend's fused small-expert kernel in inference).
 
 Skipping work pays only when enough of it is skipped. An expert product of r rows costs about as much as
-max(r, floor) + ROW_OVERHEAD rows at full speed: below `floor` rows it is bound by reading the weight, which
-costs the same whatever the rows, and ROW_OVERHEAD covers what every product costs beyond its rows (the selected
-plan's grouping, one call per expert); plus a fixed CALL_FLOPS per expert for the bookkeeping of its group. With
-F = 2 * (parameters per expert) FLOPs per row, batch B, p slots per expert and k of n experts kept:
+max(r, floor) + overhead rows at full speed: below ``floor`` rows it is bound by reading the expert's weights, which
+costs the same whatever the rows; ``overhead`` covers what every product costs beyond its rows; plus a fixed
+``call`` FLOPs per expert in use for the bookkeeping of its group. With F = 2 * (parameters per expert) FLOPs per row,
+batch B, p slots per expert and k of n experts kept:
 
-    selected = F * (max(P * p, u * floor) + u * ROW_OVERHEAD) + u * CALL_FLOPS
-    dense    = F * n * (max(B * p, floor) + ROW_OVERHEAD)
+    selected = F * (max(P * p, u * floor) + u * overhead) + u * call
+    dense    = F * n * (max(B * p, floor) + overhead)
 
-with P the (input, expert) pairs kept and u the experts in use (max(P * p, u * floor) is the sum over the
-experts in use of max(their rows, floor) where the rows spread evenly), and the selected plan runs when
-selected <= MARGIN * dense (the margin covers the gathers and sorting that only the selected plan does). P and u
-are counted where host reads are free (CPU, eager); elsewhere their bounds B * k and min(n, B * k) stand in, so
-the decision depends on shapes alone (no host synchronization; torch.compile makes it once per graph).
+with P the (input, expert) pairs kept and u the experts in use; the selected plan runs when selected <= margin *
+dense. The floor is the bytes term: a product of fewer rows than the floor streams its weights, whatever the rows,
+so a plan's cost is the weights it reads where they bound it and its FLOPs elsewhere. On the CPU the floor is the
+float lanes of the native kernels' instruction set (:func:`row_floor`). The constants (floor, overhead, call,
+margin) are softmoe.tuning.TABLE's, tagged with the hardware they were measured on. P and u are counted where host
+reads are free (CPU, eager); elsewhere their bounds B * k and min(n, B * k) stand in, so the decision depends on
+shapes alone (no host synchronization; torch.compile makes it once per graph). On eager CUDA, whose calls are bound
+by the host's launches, the dense plan runs unless autotuning times the plans.
 
-The CPU constants were fitted on an Intel Xeon (2 cores, AVX-512 and AVX2 only): one layer of Table 3's stack
-(768 -> 6144 -> 768, 8 experts) at batch 1, 4, 16 and 100, every k, both plans timed against all experts
-(docs/performance.md). With them the selected plan runs where it was measured 1.03-4.3x faster than all experts
-and the dense plan elsewhere, which costs all experts plus choosing them (0-4% more there); the selected plan would
-have been faster in 2 of 28 cells (AVX2 only: 3), by 8-20%. The CPU's floor is the float lanes of the native
-kernels' variant (:func:`row_floor`): the native expert matmul, which runs the products of up to 16 rows (the
-plain forward's) and of up to 48 (the selected plan's), kept its time flat up to 16 rows with AVX-512 but only up to
-8 with AVX2 (AMD EPYC Zen 5, 768 x 6144 weights, AVX-512 / AVX2: 8 rows 148 / 112 GFLOP/s, 16 rows 254 / 152;
-before the tile copy of the kernel's row passes 4 rows 58 / 54, 8 rows 119 / 108, 16 rows 226 / 126), and a floor of
-16 with AVX2 left the selected plan untaken at batch 16 where it ran 1.13-1.89x as fast as all experts (k = 1-5). On
-CUDA under torch.compile (CUDA graphs, bf16 grouped GEMM) the selected plan is taken with a row overhead of 256 (and
-no floor) where it costs at most 0.4x the dense one: Table 3's stack at batch 1 ran the selected plan 1.16-1.23x as
-fast as all experts at k = 2 (cost ratio 0.25) but 0.93-1.00x at k = 4 (ratio 0.5), no better than the dense plan
-ran at k = 6 (0.98x; H100, two sessions); k = 3 (ratio 0.375) was not measured, and on an H200 the selected plan
-lost at k = 2 too (0.91x).
-
-Eager CUDA calls are bound by the host's launches at small sizes and by the GPU's arithmetic at large ones (float32
-at batch 100), and where one turns into the other depends on the GPU, its host and the dtype: no FLOP count sees it.
-There "auto" times both plans (:func:`timed_plan`, as ``torch.backends.cudnn.benchmark`` times convolutions): once
-per shape, at its first call, which synchronizes with the device; later calls of that shape run the faster plan
-without timing. Where a synchronization is unwanted (CUDA's sync debug mode set, a CUDA graph being captured) a
-shape not yet timed takes the dense plan, untimed; so does every shape with deterministic algorithms on (the plans
-round differently). A plan that runs out of memory while timed loses, and the selected plan replaces the dense
-one only where it took at most TIMED_MARGIN of its time. Eager CPU calls time the plans the same way where the
-cost model's call is close (:func:`worth_timing`: its selected cost, from the call's own kept counts, within a
-factor TIMING_BAND of MARGIN times the dense one): its constants, fitted on one host, misjudged such shapes on
-another (the AMD EPYC Zen 5: batch 16, k = 1 with AVX-512, the selected plan 1.08x as fast as all experts and the
-dense one it chose 0.96x; batch 100, k = 6 with AVX2, the selected plan it chose 0.93x, the dense one 0.99x), and
-timing them costs 12 runs of the plans once per shape, threads and instruction set of the kernels. Timing runs the
-experts again, so a layer times only in eval mode (in training a forward would draw the experts' dropout anew);
-the plans agree to rounding, so where they are timed the output may differ in its last bits from run to run.
-
-On an H200 (docs/performance.md) the timing took the selected plan for one layer of Table 3's stack in float32 at
-batch 100, k <= 5 (1.17-1.46x as fast as all experts; the dense plan 0.99x), and the dense plan everywhere else
-(the selected plan 0.41-0.84x at batch 1-16, 0.43-0.53x in bfloat16).
+Nothing is timed by default: the same call gives the same plan, and the same bits, in every process. With
+autotuning on (:func:`softmoe.tuning.set_autotune`), like ``torch.backends.cudnn.benchmark``, plan "auto" times
+both plans for a close call (:func:`worth_timing`; every shape on eager CUDA) once per shape in eval mode
+(:func:`timed_plan`) and runs the faster from then on; where a synchronization is unwelcome (CUDA's sync debug mode,
+a CUDA graph being captured) or deterministic algorithms are on, it does not time.
 """
 
 from __future__ import annotations
@@ -69,36 +40,26 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from softmoe.compat import transforms_active
 from softmoe.kernels.build import LANES, cpu_isa
-from softmoe.kernels.modes import host_reads_are_free, transforms_active
+from softmoe.kernels.modes import host_reads_are_free
+from softmoe.tuning import autotune_enabled, value
+
+__all__ = ["SELECTION_PLANS", "check_plan", "choose_plan", "host_reads_are_free", "kept_slots", "plan_costs"]
 
 SELECTION_PLANS = ("auto", "selected", "dense")
-# Per device type: the rows below which a product costs the same (reading its weight; on CPU with the native
-# kernels their float lanes instead, see row_floor), the rows every product is worth beyond its own, the margin the
-# selected plan must beat.
-ROW_FLOOR = {"cpu": 16, "cuda": 0}
-ROW_OVERHEAD = {"cpu": 2, "cuda": 256}
-MARGIN = {"cpu": 0.85, "cuda": 0.4}
-CALL_FLOPS = 1e7
-# Selections of at most this many places are counted in Python where host reads are free (one read and a set: 1-7 us
-# up to 256 places on an AMD EPYC Zen 5), larger ones with torch's bincount (7 us at any size).
+# Selections of at most this many places are counted in Python where host reads are free, larger ones with
+# torch's bincount (which costs the same at any size).
 HOST_COUNT_MAX_PLACES = 256
-
-
-# Timed rounds of each plan after one untimed round, where "auto" times them (eager CUDA; eager CPU for close calls);
-# the fastest round counts (with 3, AVX2 on the AMD EPYC Zen 5 took the dense plan for batch 16, k = 6 of Table 3's
-# layer, 0.97x as fast as all experts where the selected one ran 1.04x, in one of five sweeps).
+# With autotuning: timed rounds of each plan after one untimed round (the fastest counts); on the CPU the plans are
+# timed where the selected plan's cost lies within this factor of the margin times the dense one's; a timed plan
+# replaces the default ("dense") only in at most TIMED_MARGIN of its time (timings of one plan scatter by a few
+# percent on a small host).
 TIMED_ROUNDS = 5
-# On CPU the plans are timed where the selected plan's cost lies within this factor of MARGIN times the dense one's.
 TIMING_BAND = 1.4
-# A timed plan replaces the default (the layer's: "dense", every expert and no more) only in at most this fraction of
-# its time: on a 2-core host, timings of one plan scatter by a few percent (AVX2, batch 1, k = 7 of Table 3's layer:
-# the selected plan, 0.94x as fast as all experts, was timed faster than the dense one, 0.98x, without it).
 TIMED_MARGIN = 0.97
 # The plan found faster per shape: {key: "selected" or "dense"} (see timed_plan).
 _TIMED_PLANS: dict[Hashable, str] = {}
-# How many times forget_timed_plans has run: plans remembered elsewhere for a timing (a layer's) name it.
-_FORGOTTEN = 0
 
 
 def check_plan(plan: str) -> None:
@@ -109,9 +70,9 @@ def check_plan(plan: str) -> None:
 def row_floor(kind: str) -> int:
     """The rows below which an expert product costs what reading its weight costs, on ``kind`` ("cpu" or "cuda"):
     on CPU the float lanes of the native kernels' variant (16 with AVX-512, 8 with AVX2; module doc), else
-    ``ROW_FLOOR``."""
+    softmoe.tuning.TABLE's "plan_row_floor"."""
     isa = cpu_isa() if kind == "cpu" else None
-    return LANES[isa] if isa is not None else ROW_FLOOR[kind]
+    return LANES[isa] if isa is not None else value("plan_row_floor")[kind]
 
 
 def plan_costs(
@@ -129,22 +90,22 @@ def plan_costs(
     are known (else batch * k and min(n, batch * k), their upper bounds)."""
     kind = "cpu" if device.type == "cpu" else "cuda"
     pairs, used = kept if kept is not None else (batch * k, min(num_experts, batch * k))
-    floor, overhead = row_floor(kind), ROW_OVERHEAD[kind]
+    floor, overhead, call = row_floor(kind), value("plan_row_overhead")[kind], value("plan_call_flops")
     rows = pairs * slots_per_expert
-    selected = flops_per_row * (max(rows, used * floor) + used * overhead) + used * CALL_FLOPS
+    selected = flops_per_row * (max(rows, used * floor) + used * overhead) + used * call
     dense = flops_per_row * num_experts * (max(batch * slots_per_expert, floor) + overhead)
     return selected, dense
 
 
 def selected_plan_is_cheaper(costs: tuple[float, float], device: torch.device) -> bool:
     """Whether the "selected" plan is expected to beat the "dense" one on ``device``, given their ``costs`` from
-    :func:`plan_costs`: the selected one's at most MARGIN times the dense one's; on eager CUDA never (the plans are
-    timed there instead)."""
+    :func:`plan_costs`: the selected one's at most the margin times the dense one's; on eager CUDA never (bound by
+    the host's launches: there only autotuning's timing takes the selected plan)."""
     kind = "cpu" if device.type == "cpu" else "cuda"
     if kind == "cuda" and not torch.compiler.is_compiling():
         return False  # eager CUDA: the dense plan unless the plans were timed (plans_are_timed)
     selected, dense = costs
-    return selected <= MARGIN[kind] * dense
+    return selected <= value("plan_margin")[kind] * dense
 
 
 def worth_timing(costs: tuple[float, float]) -> bool:
@@ -152,7 +113,8 @@ def worth_timing(costs: tuple[float, float]) -> bool:
     times every shape): the call is close, its (selected, dense) ``costs`` of :func:`plan_costs` within a factor
     TIMING_BAND of the margin (module doc)."""
     selected, dense = costs
-    return dense / TIMING_BAND <= selected / MARGIN["cpu"] <= dense * TIMING_BAND
+    scaled = value("plan_margin")["cpu"] * dense
+    return scaled / TIMING_BAND <= selected <= scaled * TIMING_BAND
 
 
 def counts_decide(fewest: tuple[float, float], most: tuple[float, float]) -> bool:
@@ -197,12 +159,13 @@ def kept_counts(selected: torch.Tensor, num_experts: int) -> tuple[int, int] | N
 
 
 def plans_are_timed(device: torch.device) -> bool:
-    """Whether plan "auto" may run the plan timed faster on ``device`` (module doc): eager CUDA or CPU (there for
-    the calls :func:`worth_timing` names; a layer only in eval mode), outside torch.compile and torch.func
-    transforms, with deterministic algorithms off (the plans round differently, and timings differ from run to
-    run)."""
+    """Whether plan "auto" may run the plan timed faster on ``device`` (module doc): autotuning turned on
+    (:func:`softmoe.tuning.set_autotune`), eager CUDA or CPU (there for the calls :func:`worth_timing` names; a
+    layer only in eval mode), outside torch.compile and torch.func transforms, with deterministic algorithms off
+    (the plans round differently)."""
     return (
-        device.type in ("cuda", "cpu")
+        autotune_enabled()
+        and device.type in ("cuda", "cpu")
         and not torch.compiler.is_compiling()
         and not transforms_active()
         and not torch.are_deterministic_algorithms_enabled()
@@ -253,16 +216,9 @@ def timed_choice(key: Hashable) -> str | None:
 
 
 def forget_timed_plans() -> None:
-    """Drop every plan :func:`timed_plan` remembers (and what layers remember of them): the next call of each shape
-    times them again."""
-    global _FORGOTTEN
+    """Drop every plan :func:`timed_plan` remembers: with autotuning on, the next call of each shape times them
+    again."""
     _TIMED_PLANS.clear()
-    _FORGOTTEN += 1
-
-
-def timings_forgotten() -> int:
-    """How many times :func:`forget_timed_plans` has run (a plan remembered with an older count is stale)."""
-    return _FORGOTTEN
 
 
 def may_synchronize(device: torch.device) -> bool:
@@ -280,3 +236,37 @@ def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device`` (nothing to wait for on the CPU)."""
     if device.type != "cpu":
         torch.cuda.synchronize(device)
+
+
+def flops_per_row(experts: torch.nn.Module) -> float:
+    """The FLOPs of one row through one expert, a multiply-add per parameter: the cost model's unit."""
+    return 2 * sum(t.numel() for t in experts.parameters()) / experts.num_experts
+
+
+def choose_plan(layer, x: torch.Tensor, selected: torch.Tensor, backend: str,
+                runs: Callable[[], dict[str, Callable[[], object]]], top_k: bool = False) -> str:
+    """The plan ("selected" or "dense") plan "auto" runs for ``layer``'s tokens x (batch, tokens, dim) keeping the
+    experts ``selected`` (batch, k) on ``backend`` (a name): the cost model's (module doc), the pairs and experts in
+    use counted where host reads are free (for Algorithm 1's top k, ``top_k``, whose places are all used, only where
+    the count can change the answer). With autotuning on
+    (:func:`plans_are_timed`), in eval mode, a close call is timed instead, once per shape (``runs``: a function
+    giving the plans' calls by name)."""
+    batch, k = selected.shape
+    n, p = layer.num_experts, layer.slots_per_expert
+    experts = layer.weights()[2]
+    flops, device = flops_per_row(experts), x.device
+    fewest, most = (batch * k, k), (batch * k, min(n, batch * k))
+    kept = most
+    if host_reads_are_free(selected) and (not top_k or fewest != most and counts_decide(
+            plan_costs(batch, k, n, p, flops, device, fewest), plan_costs(batch, k, n, p, flops, device, most))):
+        kept = kept_counts(selected, n)
+    costs = plan_costs(batch, k, n, p, flops, device, kept)
+    if not layer.training and plans_are_timed(device) and (device.type != "cpu" or worth_timing(costs)):
+        autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        host = (torch.get_num_threads(), cpu_isa()) if device.type == "cpu" else ()
+        weights = tuple(t.shape for t in experts.parameters())
+        key = (device, x.dtype, tuple(x.shape), k, n, p, autocast, backend, type(experts), weights, *host)
+        choice = timed_plan(key, runs(), device)
+        if choice is not None:
+            return choice
+    return "selected" if selected_plan_is_cheaper(costs, device) else "dense"

@@ -27,7 +27,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
-from softmoe.backends import ReferenceOnly
 from softmoe.experts import check_expert_input
 from softmoe.layer import SoftMoE
 from softmoe.distributed.communication import _timed, all_to_all
@@ -71,7 +70,7 @@ def _stacked_tensors(experts: nn.Module) -> list[tuple[str, torch.Tensor, bool]]
     return own
 
 
-class ExpertParallelExperts(ReferenceOnly, nn.Module):
+class ExpertParallelExperts(nn.Module):
     """This rank's slice of a stacked expert bank, serving the slots of every rank of ``group`` via all_to_all.
 
     Same calling convention as the full bank: ``(num_experts, rows, dim) -> (num_experts, rows, dim)`` with the
@@ -100,7 +99,6 @@ class ExpertParallelExperts(ReferenceOnly, nn.Module):
                 f"num_experts={experts.num_experts} is not divisible by the expert-parallel group size {size}"
             )
         self.group = group
-        self.reference_reason = "sharded experts (ExpertParallelExperts) exchange the slots with all_to_all"
         self.group_size, self.group_rank = size, rank
         self.num_experts, self.dim, self.out_dim = experts.num_experts, experts.dim, experts.out_dim
         self.num_local_experts = experts.num_experts // size

@@ -4,20 +4,14 @@ autocast, and what watches the dispatcher; and the autograd Function that runs a
 from __future__ import annotations
 
 import torch
-from torch.autograd import forward_ad
+
+from softmoe.compat import dispatcher_watched as _dispatcher_watched
+from softmoe.compat import transforms_active
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd would record an operation on ``tensors`` (grad mode on and one of them requires grad)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def transforms_active() -> bool:
-    """Whether a torch.func transform (vmap, grad, jacrev, jvp, ...) is tracing the current call, or a forward-mode
-    AD level is open (``torch.autograd.forward_ad``'s dual tensors, which require no grad): both need torch's own
-    ops, since softmoe's custom ops and autograd Functions have no batching or forward-mode rules (a custom op drops
-    a dual's tangent without a word)."""
-    return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
 
 
 def host_reads_are_free(x: torch.Tensor) -> bool:
@@ -95,10 +89,4 @@ def _eager_inference(device_type: str, tensors: tuple) -> bool:
 
 
 def _watched(tensors: tuple) -> bool:
-    return (
-        torch._C._has_torch_function(tensors)
-        or bool(torch._C._len_torch_dispatch_stack())
-        or torch._C._is_torch_function_mode_enabled()
-        or torch._C._autograd._profiler_enabled()
-        or torch._C._get_tracing_state() is not None
-    )
+    return _dispatcher_watched(tensors)

@@ -6,23 +6,22 @@ On the reference machine (AMD EPYC, 2 cores) MKL reaches about 40% of its matmul
 faster. It has no backward, so it is only taken when no gradient is needed.
 
 Batched products (:func:`batched_matmul`, one oneDNN product per batch entry) are taken where oneDNN outruns MKL
-for large products too (:func:`onednn_outruns_mkl`, timed once per process; on CPUs other than Intel's that torch
-runs with AVX-512, where MKL keeps to its AVX2 code, oneDNN is 2x faster). Inside an autograd.Function (the slot
-backend) no gradient is recorded, so its forward and backward products take them in training as well.
-``SOFTMOE_ONEDNN=0`` keeps every product in MKL (e.g. for its numerics), ``SOFTMOE_ONEDNN=1`` takes oneDNN wherever
-it may run, without timing.
+for large products too (:func:`onednn_outruns_mkl`: by the CPU's vendor, from softmoe.tuning.TABLE; with
+autotuning on, timed once per process). Inside an autograd.Function (the slot backend) no gradient is recorded, so
+its forward and backward products take them in training as well.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import time
-import warnings
 
 import torch
 
+from softmoe.compat import onednn_linear_pointwise
+from softmoe.runtime import cpu_vendor
+from softmoe.tuning import autotune_enabled, value
 from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
 
 # The activations oneDNN can fuse, as (attribute, algorithm) of _linear_pointwise.
@@ -51,31 +50,23 @@ PROBE_SHAPE = (128, 768, 3072)
 ONEDNN_MARGIN = 0.8
 
 
-# Overrides the timed choice: "1" oneDNN wherever it may run, "0" never.
-ONEDNN_ENVIRONMENT = "SOFTMOE_ONEDNN"
 _probe_lock = threading.Lock()
 
 
-@functools.cache
 def onednn_outruns_mkl() -> bool:
-    """Whether oneDNN's float32 products are clearly faster than MKL's (torch's matmul) on this CPU, with torch's
-    thread count: timed once per process on a ``PROBE_SHAPE`` product (fastest of 3 each, ``ONEDNN_MARGIN``), unless
-    ``SOFTMOE_ONEDNN`` is "0" or "1".
-
-    Neither library wins everywhere, and no rule by vendor or instruction set says which one does: MKL takes its
-    AVX-512 code on Intel CPUs only (on an AMD EPYC Zen 5, 2 cores: MKL's 2048^3 product 215 GFLOP/s, oneDNN's
-    442-454; 64-100 rows through 768 x 6144 oneDNN 2.2-2.6x faster), but with AVX2 only the same CPU ran oneDNN's
-    64-100-row products at 0.7-1.0x MKL's speed, while an AMD EPYC Zen 3 (AVX2) ran them 1.5-2x faster in oneDNN,
-    and on an Intel Xeon MKL ran 1.2-1.7x faster.
-    """
+    """Whether oneDNN's float32 products are clearly faster than MKL's (torch's matmul) on this CPU: where the CPU's
+    vendor is one of softmoe.tuning.TABLE's "onednn_vendors" (MKL runs its AVX-512 code on Intel's CPUs only). With
+    autotuning on (:func:`softmoe.tuning.set_autotune`) the two are timed instead, once per process, on a
+    ``PROBE_SHAPE`` product with torch's thread count (fastest of 3 each, ``ONEDNN_MARGIN``)."""
     if not torch.backends.mkldnn.is_available():
         return False
-    choice = os.environ.get(ONEDNN_ENVIRONMENT, "")
-    if choice in ("0", "1"):
-        return choice == "1"
-    if choice:
-        warnings.warn(f"{ONEDNN_ENVIRONMENT} must be '0' or '1', got {choice!r}; timing oneDNN against MKL instead",
-                      stacklevel=2)
+    if autotune_enabled():
+        return _timed_choice()
+    return cpu_vendor() in value("onednn_vendors")
+
+
+@functools.cache
+def _timed_choice() -> bool:
     with _probe_lock:
         return _time_probe()
 
@@ -117,7 +108,7 @@ ONEDNN_MIN_BATCH_FLOPS = 1 << 28
 def onednn_pays(flops: int) -> bool:
     """Whether a float32 CPU product of ``flops`` FLOPs that oneDNN may run (the caller checks
     :func:`onednn_applies` or its equivalent) should: at least ``ONEDNN_MIN_PRODUCT_FLOPS``, and oneDNN faster than
-    MKL on this CPU (:func:`onednn_outruns_mkl`, timed once per process, asked only after the FLOPs)."""
+    MKL on this CPU (:func:`onednn_outruns_mkl`, asked only after the FLOPs)."""
     return flops >= ONEDNN_MIN_PRODUCT_FLOPS and onednn_outruns_mkl()
 
 
@@ -158,4 +149,4 @@ def onednn_linear(
     """
     attr, algorithm = ONEDNN_ACTIVATIONS[activation]
     bias = None if bias is None else bias.contiguous()  # oneDNN reads the bias as a dense vector
-    return torch.ops.mkldnn._linear_pointwise(x, weight.t(), bias, attr, [], algorithm)
+    return onednn_linear_pointwise(x, weight.t(), bias, attr, algorithm)

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from softmoe.experts import MLPExperts
-from softmoe.layer import SoftMoE, check_tokens
+from softmoe.checks import check_tokens
+from softmoe.layer import SoftMoE
 from softmoe.routing.formulation import (
     DenseRouting,
     Router,

@@ -1,0 +1,128 @@
+"""The "cpu" backend: softmoe's native CPU ops for float32 tensors and MLP experts (see :mod:`softmoe.kernels`).
+
+    route         ``softmoe::soft_moe_routing``: logits, dispatch and combine in one pass (torch ops with a mask or
+                  logit noise)
+    mix           ``softmoe::soft_moe_mixing``, the whole mixing of small relu experts in one pass, where it serves;
+                  else the token formulation where its cost model finds it cheaper; else the slot formulation with
+                  ``softmoe::expert_matmul`` for few rows through large weights, or with torch's batched matmuls
+    select        Algorithm 1's choice in the routing's own pass in inference, or ``softmoe::top_k_combine`` after it
+    mix_selected  in inference with the fused mixing, the dense plan: the kernel skips the unkept experts itself
+"""
+
+from __future__ import annotations
+
+import torch
+
+from softmoe.backends.base import algorithm1_k
+from softmoe.backends.generic import SlotsBackend, TokensBackend, expert_rows, slot_rows
+from softmoe.backends.generic import token_space_is_cheaper
+from softmoe.kernels import native_available, native_status
+from softmoe.kernels.expert_matmul import NATIVE_FORWARD_MAX_ROWS, NATIVE_MAX_ROWS, expert_matmul, native_applies
+from softmoe.kernels.modes import direct_call_ok, needs_grad
+from softmoe.kernels.onednn import batched_matmul
+from softmoe.kernels.soft_moe_mixing import native_mixing_applies, soft_moe_mixing
+from softmoe.kernels.soft_moe_routing import soft_moe_routing, soft_moe_routing_top_k
+from softmoe.kernels.top_k_combine import top_k_combine
+from softmoe.layer import renormalized
+
+_SLOTS, _TOKENS = SlotsBackend(), TokensBackend()
+
+
+def fused_mixing_serves(layer, x: torch.Tensor) -> bool:
+    """Whether ``softmoe::soft_moe_mixing`` runs the layer's mixing of x: relu experts that keep the dimension,
+    few tokens, weights small enough (:func:`~softmoe.kernels.soft_moe_mixing.native_mixing_applies`)."""
+    experts = layer.weights()[2]
+    return experts.out_dim == experts.dim and native_mixing_applies(x, experts.hidden, experts.activation)
+
+
+def skips_unkept(layer, x: torch.Tensor, *routing: torch.Tensor) -> bool:
+    """Whether the mixing of x with a kept combine runs only the kept experts' work: the fused mixing in inference
+    (its code called directly, which lays the kept slots out)."""
+    return fused_mixing_serves(layer, x) and direct_call_ok("cpu", x, *routing, *layer.weights()[2].weights())
+
+
+class CpuBackend(SlotsBackend):
+    name = "cpu"
+
+    def unsupported(self, layer, x):
+        why = super().unsupported(layer, x)
+        if why is not None:
+            return why
+        if not (x.is_cpu and x.dtype == layer.weights()[2].weights()[0].dtype == torch.float32):
+            return f"the native ops take float32 CPU tensors, got {x.dtype} on {x.device}"
+        if not native_available():
+            return native_status()
+        return None
+
+    def route(self, layer, x, mask):
+        if mask is not None or (layer.training and layer.noise_std > 0):
+            return super().route(layer, x, mask)
+        phi, scale, _ = layer.weights()
+        _, dispatch, combine = soft_moe_routing(x, phi, scale, layer.normalize)
+        return dispatch, combine
+
+    def mixing(self, layer, x: torch.Tensor) -> str:
+        """The mixing that runs for x: "fused", "tokens", "native" (the slot formulation with the native expert
+        matmul) or "slots" (by capability, then the token formulation's cost model, then the rows per expert)."""
+        if fused_mixing_serves(layer, x):
+            return "fused"
+        experts, (batch, tokens, _) = layer.weights()[2], x.shape
+        if token_space_is_cheaper(experts, tokens, layer.slots_per_expert):
+            return "tokens"
+        # without grad mode only the forward products run: the native kernel serves more rows there
+        most = NATIVE_MAX_ROWS if torch.is_grad_enabled() else NATIVE_FORWARD_MAX_ROWS
+        if native_applies(x, experts.weight1, batch * layer.slots_per_expert, max_rows=most):
+            return "native"
+        return "slots"
+
+    def mix(self, layer, x, dispatch, combine, kept=False):
+        mixing = self.mixing(layer, x)
+        if mixing == "tokens":
+            return _TOKENS.mix(layer, x, dispatch, combine)
+        if mixing == "slots":
+            return _SLOTS.mix(layer, x, dispatch, combine)
+        experts, p = layer.weights()[2], layer.slots_per_expert
+        weight1, bias1, weight2, bias2 = experts.weights()
+        if mixing == "fused":
+            return soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, kept_combine=kept)
+        rows = expert_rows(torch.bmm(dispatch.transpose(1, 2), x), layer.num_experts, p)
+        if needs_grad(rows, weight1, bias1):
+            h = experts.act(expert_matmul(rows, weight1, bias1))
+        else:  # inference: the activation applied inside the kernel
+            h = expert_matmul(rows, weight1, bias1, experts.activation)
+        y = slot_rows(expert_matmul(h, weight2, bias2), x.shape[0], p)
+        return batched_matmul(combine, y)
+
+    def select(self, layer, x, mask, selector):
+        k = algorithm1_k(layer, mask, selector)
+        if k is None:
+            return super().select(layer, x, mask, selector)
+        phi, scale, experts = layer.weights()
+        p, renormalize, plan = layer.slots_per_expert, selector.renormalize, selector.plan
+        # inference: Algorithm 1's choice in the routing's pass; where the fused mixing skips the unkept experts
+        # itself it takes the kept slots as bits, and the kept experts are not listed
+        direct = plan != "selected" and skips_unkept(layer, x)
+        routed = soft_moe_routing_top_k(x, phi, scale, layer.normalize, p, k, with_selected=not direct)
+        if routed is not None:
+            dispatch, combine, slots, selected = routed
+            if direct:
+                combine = renormalized(combine) if renormalize else combine
+                return soft_moe_mixing(x, dispatch, combine, *experts.weights(), kept_combine=True, kept_slots=slots)
+            return self.mix_selected(layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept=True)
+        # with gradients recorded or the dispatcher watched: the routing, then the choice in one native call
+        dispatch, combine = self.route(layer, x, mask)
+        combine, selected = top_k_combine(combine, p, k)
+        return self.mix_selected(layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept=True)
+
+    def mix_selected(self, layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept=False):
+        if plan == "auto" and skips_unkept(layer, x, dispatch, combine):
+            plan = "dense"  # the fused mixing runs only the kept experts' work
+        return super().mix_selected(layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept)
+
+    def steps(self, layer, x):
+        mixing = {"fused": "softmoe::soft_moe_mixing, every step of the small experts in one pass",
+                  "tokens": "the token-space rewrite (its cost model)",
+                  "native": "the slot formulation with softmoe::expert_matmul",
+                  "slots": "the slot formulation in batched matmuls"}[self.mixing(layer, x)]
+        return {"route": "softmoe::soft_moe_routing", "mix": mixing,
+                "select": "Algorithm 1 in the routing's pass (inference) or softmoe::top_k_combine"}

@@ -1,0 +1,100 @@
+"""The "cuda" backend: MLP experts on CUDA, where an eager call is bound by the host's kernel launches.
+
+    route         the "router" logits as two fused RMS norms and a product (7 kernels where the formula takes 14);
+                  in eager bfloat16 or float16 inference the softmaxes in ``softmoe::routing_softmaxes``' Triton
+                  kernel, which also normalizes the tokens and writes the weights in the layer's dtype
+    mix           the slot formulation (the "slots" backend)
+    select        Algorithm 1's choice in the same Triton kernel as the softmaxes (eager inference)
+    mix_selected  the selected experts in torch's grouped GEMM (``softmoe::grouped_mm``, bfloat16)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from softmoe.backends.base import algorithm1_k
+from softmoe.backends.generic import SlotsBackend
+from softmoe.kernels.routing_softmaxes import fused_routing_applies, fused_routing_softmaxes
+from softmoe.layer import NORM_EPS, routing_dtype, routing_from_logits, soft_moe_logits
+
+
+def rms_norm_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The "router" logits ``(x / |x|) (scale * phi / |phi|)`` with both normalizations as RMS norms: x (..., dim),
+    phi (dim, slots), scale () -> (..., slots).
+
+    With v / |v| = v * rsqrt(sum v^2 + 1e-6), ``rms_norm(v, eps=1e-6 / dim) = sqrt(dim) * v / |v|`` exactly, so the
+    logits are ``rms_norm(x) @ rms_norm(phi^T, weight=scale / dim)^T``; on CUDA each RMS norm is one fused kernel,
+    forward and backward."""
+    dim = x.shape[-1]
+    return F.linear(F.rms_norm(x, (dim,), eps=NORM_EPS / dim), rms_norm_columns(phi, scale / dim))
+
+
+def rms_norm_columns(phi: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """phi (dim, slots)'s columns as one fused RMS norm times ``weight`` (), transposed: (slots, dim), each row
+    ``sqrt(dim) * weight * v * rsqrt(sum(v^2) + 1e-6)``."""
+    dim = phi.shape[0]
+    return F.rms_norm(phi.t(), (dim,), weight.expand(dim), NORM_EPS / dim)
+
+
+class CudaBackend(SlotsBackend):
+    name = "cuda"
+
+    def unsupported(self, layer, x):
+        why = super().unsupported(layer, x)
+        if why is None and not x.is_cuda:
+            return f"it runs CUDA tensors, got a tensor on {x.device}"
+        return why
+
+    def logits(self, layer, x: torch.Tensor) -> torch.Tensor:
+        phi, scale, _ = layer.weights()
+        if layer.normalize != "router":
+            return soft_moe_logits(x, phi, scale, layer.normalize)
+        dtype = routing_dtype(x, phi)
+        with torch.autocast("cuda", enabled=False):
+            return rms_norm_logits(x.to(dtype), phi.to(dtype), scale.to(dtype))
+
+    def route(self, layer, x, mask):
+        plain = mask is None and not (layer.training and layer.noise_std > 0)
+        # bfloat16 / float16 eager inference of the default experts, which cast the weights to x's dtype anyway:
+        # the routing op's kernel writes them in that dtype
+        phi, scale, _ = layer.weights()
+        if plain and x.dtype in (torch.bfloat16, torch.float16) and fused_routing_applies(x, phi, scale):
+            dispatch, combine, _ = self.fused_routing(layer, x, 0, x.dtype)
+            return dispatch, combine
+        noise = layer.noise_std if layer.training else 0.0
+        _, dispatch, combine = routing_from_logits(self.logits(layer, x), noise, mask)
+        return dispatch, combine
+
+    def fused_routing(
+        self, layer, x: torch.Tensor, k: int, out_dtype: torch.dtype | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dispatch and combine (batch, tokens, n*p) and Algorithm 1's k experts (batch, k) from the routing op, with
+        combine zero outside the kept experts' slots. With the "router" normalization the op normalizes the tokens
+        itself (one kernel fewer)."""
+        phi, scale, _ = layer.weights()
+        if layer.normalize == "router":
+            dtype = routing_dtype(x, phi)
+            weight = rms_norm_columns(phi.to(dtype), scale.to(dtype) / math.sqrt(x.shape[-1]))
+            logits, tokens = F.linear(x.to(dtype), weight), x
+        else:
+            logits, tokens = soft_moe_logits(x, phi, scale, layer.normalize), None
+        return fused_routing_softmaxes(logits, layer.slots_per_expert, k, out_dtype, tokens)
+
+    def select(self, layer, x, mask, selector):
+        k = algorithm1_k(layer, mask, selector)
+        phi, scale, _ = layer.weights()
+        if k is None or not fused_routing_applies(x, phi, scale, layer.slots_per_expert, k):
+            return super().select(layer, x, mask, selector)
+        renormalize = selector.renormalize
+        narrow = x.dtype in (torch.bfloat16, torch.float16) and not renormalize
+        dispatch, combine, selected = self.fused_routing(layer, x, k, x.dtype if narrow else None)
+        return self.mix_selected(layer, x, dispatch, combine, selected, renormalize, selector.plan,
+                                 combine_is_kept=True)
+
+    def steps(self, layer, x):
+        return {"route": "fused RMS norms; the Triton softmaxes in eager bfloat16 inference",
+                "mix": "the slot formulation in batched matmuls",
+                "select": "Algorithm 1 in the Triton routing kernel (eager inference)"}

@@ -1,0 +1,42 @@
+"""Every private torch internal softmoe uses, each behind one function here.
+
+torch does not promise to keep these. Each function has a test (tests/test_compat.py) that fails loudly when a
+torch release changes or removes what it relies on, instead of softmoe silently taking another path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import forward_ad
+
+__all__ = ["dispatcher_watched", "onednn_linear_pointwise", "transforms_active"]
+
+
+def transforms_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, jacrev, jvp, ...) is tracing the current call, or a forward-mode
+    AD level is open (``torch.autograd.forward_ad``'s dual tensors, which require no grad): both need torch's own
+    ops, since softmoe's custom ops and autograd Functions have no batching or forward-mode rules (a custom op drops
+    a dual's tangent without a word)."""
+    return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
+
+
+def dispatcher_watched(tensors: tuple) -> bool:
+    """Whether something watches torch's dispatcher and would miss a kernel called without it: a tensor subclass
+    with its own ``__torch_function__`` among ``tensors``, a TorchDispatchMode or TorchFunctionMode (e.g.
+    ``FlopCounterMode``), the profiler, or ``torch.jit.trace``."""
+    return (
+        torch._C._has_torch_function(tensors)
+        or bool(torch._C._len_torch_dispatch_stack())
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._autograd._profiler_enabled()
+        or torch._C._get_tracing_state() is not None
+    )
+
+
+def onednn_linear_pointwise(
+    x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, attr: str, algorithm: str
+) -> torch.Tensor:
+    """oneDNN's fused linear, ``attr(x @ weight_t.T + bias)`` (torch's private ``mkldnn._linear_pointwise``, the
+    kernel torch.compile's CPU inference uses): x (..., K), weight_t (N, K), bias (N,) -> (..., N); ``attr`` is
+    "none", "relu" or "gelu" and ``algorithm`` gelu's approximation ("none" or "tanh", else "")."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight_t, bias, attr, [], algorithm)

@@ -1,0 +1,58 @@
+"""softmoe.compat: each private torch internal softmoe relies on still behaves as softmoe expects. A failure here
+means a torch release changed one of them: fix softmoe.compat, not the callers."""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import forward_ad
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from softmoe.compat import dispatcher_watched, onednn_linear_pointwise, transforms_active
+
+
+def test_transforms_active_sees_vmap_grad_and_forward_mode_ad():
+    assert not transforms_active()
+    seen = []
+    torch.func.vmap(lambda t: seen.append(transforms_active()) or t)(torch.ones(2, 3))
+    torch.func.grad(lambda t: seen.append(transforms_active()) or t.sum())(torch.ones(2))
+    with forward_ad.dual_level():
+        seen.append(transforms_active())
+    assert seen == [True, True, True]
+    assert not transforms_active()
+
+
+class _Quiet(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_dispatcher_watched_sees_modes_the_profiler_and_subclasses():
+    x = torch.ones(2)
+    assert not dispatcher_watched((x,))
+    with _Quiet():
+        assert dispatcher_watched((x,))
+    with FlopCounterMode(display=False):
+        assert dispatcher_watched((x,))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert dispatcher_watched((x,))
+
+    class Watching(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    assert dispatcher_watched((x.as_subclass(Watching),))
+    assert not dispatcher_watched((x,))
+
+
+def test_onednn_linear_pointwise_is_a_fused_linear():
+    if not torch.backends.mkldnn.is_available():
+        return
+    torch.manual_seed(0)
+    x, w, b = torch.randn(5, 12), torch.randn(7, 12), torch.randn(7)
+    for attr, algorithm, act in (("none", "", lambda t: t), ("relu", "", torch.relu),
+                                 ("gelu", "none", torch.nn.functional.gelu),
+                                 ("gelu", "tanh", lambda t: torch.nn.functional.gelu(t, approximate="tanh"))):
+        got = onednn_linear_pointwise(x, w, b, attr, algorithm)
+        torch.testing.assert_close(got, act(x @ w.t() + b), rtol=1e-5, atol=1e-5)
