@@ -8,7 +8,8 @@ from torch.autograd import forward_ad
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from softmoe.compat import dispatcher_watched, onednn_linear_pointwise, transforms_active
+from softmoe.compat import dispatcher_watched, grouped_gemm, has_grouped_gemm, onednn_linear_pointwise
+from softmoe.compat import transforms_active
 
 
 def test_transforms_active_sees_vmap_grad_and_forward_mode_ad():
@@ -56,3 +57,17 @@ def test_onednn_linear_pointwise_is_a_fused_linear():
                                  ("gelu", "tanh", lambda t: torch.nn.functional.gelu(t, approximate="tanh"))):
         got = onednn_linear_pointwise(x, w, b, attr, algorithm)
         torch.testing.assert_close(got, act(x @ w.t() + b), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_gemm_is_one_product_per_row_group():
+    if not has_grouped_gemm():  # torch before 2.8: softmoe runs one product per expert instead
+        return
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 8), torch.randn(3, 8, 16)  # (rows of 16-byte multiples, as the kernel needs)
+    ends = torch.tensor([4, 4, 8], dtype=torch.int32)
+    want = torch.cat([x[:4] @ w[0], x[4:8] @ w[2]])
+    torch.testing.assert_close(grouped_gemm(x, w, ends), want, rtol=1e-5, atol=1e-5)
+    g = torch.randn(8, 16)
+    grads = grouped_gemm(x.t().contiguous(), g, ends)
+    torch.testing.assert_close(grads[0], x[:4].t() @ g[:4], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[1], torch.zeros(8, 16), rtol=0, atol=0)

@@ -90,6 +90,29 @@ def test_opcheck_expert_matmul_backward_ops(isa, shape):
     torch.library.opcheck(OPS.expert_matmul_tn.default, (x, g, isa))
 
 
+@pytest.mark.parametrize("shape", MIXING_SHAPES, ids=lambda s: "B{}xM{}xD{}xn{}xp{}xH{}".format(*s))
+def test_opcheck_the_inference_ops(isa, shape):
+    """The ops inference runs (no backward, no records): the fused mixing with every slot and with a kept combine,
+    and the routing with Algorithm 1's choice; each equal to what the training ops give."""
+    x, dispatch, combine, w1, b1, w2, b2 = detached(mixing_inputs(*shape, bias=True))
+    torch.library.opcheck(OPS.soft_moe_mixing_inference.default, (x, dispatch, combine, w1, b1, w2, b2, False, None,
+                                                                   isa))
+    want, _ = OPS.soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2, False, isa)
+    got = OPS.soft_moe_mixing_inference(x, dispatch, combine, w1, b1, w2, b2, False, None, isa)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    experts, p = w1.shape[0], dispatch.shape[2] // w1.shape[0]
+    phi, scale = torch.randn(x.shape[2], experts * p), torch.tensor(2.0)
+    args = (x, phi, scale, "router", p, 1, True, isa)
+    torch.library.opcheck(OPS.soft_moe_routing_top_k.default, args)
+    dispatch, kept, slots, selected = OPS.soft_moe_routing_top_k(*args)
+    assert selected.shape == (x.shape[0], 1) and slots.dtype == torch.int64
+    torch.library.opcheck(OPS.soft_moe_mixing_inference.default, (x, dispatch, kept, w1, b1, w2, b2, True, slots,
+                                                                   isa))
+    masked = OPS.soft_moe_mixing(x, dispatch, kept, w1, b1, w2, b2, False, isa)[0]
+    got = OPS.soft_moe_mixing_inference(x, dispatch, kept, w1, b1, w2, b2, True, slots, isa)
+    torch.testing.assert_close(got, masked, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("keep", [True, False], ids=["outputs kept", "outputs recomputed"])
 @pytest.mark.parametrize("bias", [True, False])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["dispatcher_watched", "onednn_linear_pointwise", "transforms_active"]
+__all__ = ["dispatcher_watched", "grouped_gemm", "has_grouped_gemm", "onednn_linear_pointwise", "transforms_active"]
 
 
 def transforms_active() -> bool:
@@ -40,3 +40,14 @@ def onednn_linear_pointwise(
     kernel torch.compile's CPU inference uses): x (..., K), weight_t (N, K), bias (N,) -> (..., N); ``attr`` is
     "none", "relu" or "gelu" and ``algorithm`` gelu's approximation ("none" or "tanh", else "")."""
     return torch.ops.mkldnn._linear_pointwise(x, weight_t, bias, attr, [], algorithm)
+
+
+def has_grouped_gemm() -> bool:
+    """Whether this torch has its grouped GEMM (``torch._grouped_mm``, private, since torch 2.8)."""
+    return hasattr(torch, "_grouped_mm")
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch's grouped GEMM (``torch._grouped_mm``): a (rows, K) @ b (E, K, N) with the row groups ending at
+    ``offs`` (E,) int32 -> (rows, N); or a (K, rows) @ b (rows, N) -> (E, K, N), one product per group."""
+    return torch._grouped_mm(a, b, offs=offs)

@@ -11,7 +11,7 @@ product while it is still in registers; it has no backward (a ValueError where a
 An expert with no rows costs nothing. It is a registered custom op, so torch.compile keeps it as one node whatever
 the (data-dependent) group sizes, and it never recompiles for a new pattern of sizes. Where it runs:
 
-- CUDA, bfloat16, K and N multiples of 8: torch's grouped GEMM (``torch._grouped_mm``), no host synchronization,
+- CUDA, bfloat16, K and N multiples of 8, torch 2.8 or later: torch's grouped GEMM (``softmoe.compat.grouped_gemm``), no host synchronization,
   for the weight's gradient too;
 - elsewhere one product per non-empty expert (the group sizes are read on the host: free on CPU, one
   synchronization on a GPU). On CPU a large weight (K * N >= LARGE_WEIGHT) read by 1-3 rows takes one contiguous
@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from softmoe.activations import ACTIVATIONS
+from softmoe.compat import grouped_gemm, has_grouped_gemm
 from softmoe.kernels.build import cpu_isa
 from softmoe.kernels.expert_matmul import NATIVE_FORWARD_MAX_ROWS, native_applies
 from softmoe.kernels.onednn import onednn_applies, onednn_linear, onednn_pays
@@ -98,7 +99,7 @@ def _finish(out: torch.Tensor, bias: torch.Tensor | None, activation: str) -> to
 def uses_grouped_gemm(a: torch.Tensor, b: torch.Tensor, k: int, n: int) -> bool:
     """Whether torch's grouped GEMM serves products of ``a`` and ``b`` blocks with inner size ``k`` into ``n``
     columns: CUDA bfloat16 with k and n multiples of 8 (every block's start then aligned to 16 bytes)."""
-    return a.is_cuda and a.dtype == b.dtype == torch.bfloat16 and k % 8 == 0 and n % 8 == 0
+    return a.is_cuda and a.dtype == b.dtype == torch.bfloat16 and k % 8 == 0 and n % 8 == 0 and has_grouped_gemm()
 
 
 def check_grouped(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, bias: torch.Tensor | None = None,
@@ -130,7 +131,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, bias: 
     doc. ``activation`` (inference only) is applied to each owned row."""
     check_grouped(x, weight, ends, bias, activation)
     if uses_grouped_gemm(x, weight, weight.shape[1], weight.shape[2]):
-        out = torch._grouped_mm(x.contiguous(), weight, offs=ends)
+        out = grouped_gemm(x.contiguous(), weight, ends)
         group = row_groups(ends, x.shape[0])  # no host read: rows past ends[-1] (group E) are zero
         if bias is not None:
             out = out + torch.cat([bias, bias.new_zeros(1, bias.shape[1])])[group]
@@ -160,7 +161,7 @@ def grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor, ends: torch.Tens
     """The weight's gradient of :func:`grouped_mm`: x (rows, K), grad (rows, N) -> (experts, K, N); zero for an
     expert with no rows. On CUDA in bfloat16 one grouped GEMM over the row groups (no host synchronization)."""
     if uses_grouped_gemm(x, grad, x.shape[1], grad.shape[1]):
-        return torch._grouped_mm(x.contiguous().t(), grad.contiguous(), offs=ends)
+        return grouped_gemm(x.contiguous().t(), grad.contiguous(), ends)
     out = x.new_zeros(experts, x.shape[1], grad.shape[1])
     for j, start, stop in _groups(ends):
         out[j] = x[start:stop].t() @ grad[start:stop]

@@ -143,6 +143,27 @@ def _(grad, x, dispatch, combine, weight1, weight2, bias2, saved, isa):
     )
 
 
+@torch.library.custom_op("softmoe::soft_moe_mixing_inference", mutates_args=(), device_types="cpu")
+def soft_moe_mixing_inference_op(
+    x: Tensor, dispatch: Tensor, combine: Tensor, weight1: Tensor, bias1: Tensor | None, weight2: Tensor,
+    bias2: Tensor | None, kept_combine: bool, kept_slots: Tensor | None, isa: str,
+) -> Tensor:
+    """The fused mixing without a backward pass (no records kept): with ``kept_combine`` only the kept slots run
+    (``kept_slots``: them as bits, or None to find them from combine), else every slot, each laid out per call the
+    cheapest way (see :func:`soft_moe_mixing`). No backward."""
+    return _run_inference(x, dispatch, combine, weight1, bias1, weight2, bias2, kept_combine, kept_slots, isa)
+
+
+def _run_inference(x, dispatch, combine, weight1, bias1, weight2, bias2, kept_combine, kept_slots, isa) -> Tensor:
+    return native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, False, kept_combine,
+                                           isa, kept_slots=kept_slots, every_slot=not kept_combine)[0]
+
+
+@soft_moe_mixing_inference_op.register_fake
+def _(x, dispatch, combine, weight1, bias1, weight2, bias2, kept_combine, kept_slots, isa):
+    return x.new_empty(x.shape)
+
+
 # ---- the Python entry point and where it applies ----------------------------------------------------------------
 
 
@@ -179,8 +200,9 @@ def soft_moe_mixing(
     belonging to expert s // slots_per_expert; weight1 (experts, dim, hidden), bias1 (experts, hidden), weight2
     (experts, hidden, dim), bias2 (experts, dim) -> (batch, tokens, dim). No (batch, slots, dim) tensor is written:
     each thread takes 16 (AVX-512; two groups of 8 with AVX2) inputs at a time, one per vector lane, and runs
-    dispatch, both expert layers and the combine of a slot back to back in its cache. In inference (where
-    :func:`~softmoe.kernels.modes.direct_call_ok`) the op's code is called directly and, with fewer inputs than a
+    dispatch, both expert layers and the combine of a slot back to back in its cache. In inference (no gradient to
+    record: ``softmoe::soft_moe_mixing_inference``, its code called directly where nothing watches the dispatcher)
+    it keeps no records and, with fewer inputs than a
     group of lanes per thread or with ``kept_combine``, lays the work out per call in the cheapest of three ways the
     kernel counts: groups of inputs (with ``kept_combine``, those that keep the same slots, a slot run for a group
     where one of its inputs keeps it), the rows of each expert (its inputs, 8 at a time with AVX-512 and 4 with AVX2,
@@ -194,23 +216,25 @@ def soft_moe_mixing(
     raise a ValueError. Runs ``softmoe::soft_moe_mixing`` with the variant :func:`~softmoe.kernels.cpu_isa` names.
     """
     isa = required_isa()
-    if direct_call_ok("cpu", x, dispatch, combine, weight1, bias1, weight2, bias2):
-        # inference: the op's code without the dispatcher; with kept_combine only the kept experts run (no backward
-        # reads the records of the others). The kernel checks the same as _check_mixing_inputs, whose clearer
-        # errors (4 us a call) are only needed where it refuses its inputs.
+    tensors = (x, dispatch, combine, weight1, bias1, weight2, bias2)
+    if not needs_grad(*tensors):
+        # inference: with kept_combine only the kept experts run (no backward reads the records of the others); the
+        # op's code directly where nothing watches the dispatcher, else the op: the same kernel either way. The
+        # kernel checks the same as _check_mixing_inputs, whose clearer errors are only needed where it refuses.
+        direct = direct_call_ok("cpu", *tensors)
+        mixing = _run_inference if direct else torch.ops.softmoe.soft_moe_mixing_inference
+        if not direct:
+            _check_mixing_inputs(*tensors)
         try:
-            return native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, False,
-                                                   kept_combine, isa, kept_slots=kept_slots if kept_combine else None,
-                                                   every_slot=not kept_combine)[0]
+            return mixing(*tensors, kept_combine, kept_slots if kept_combine else None, isa)
         except RuntimeError:
-            _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2)
+            _check_mixing_inputs(*tensors)
             raise
     _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2)
     # the outputs are kept only for a backward pass: none under no_grad or for inputs without gradients
     keep = weight1.shape[2] >= MIXING_KEEP_OUTPUTS_MIN_HIDDEN and needs_grad(
         x, dispatch, combine, weight1, bias1, weight2, bias2
     )
-    tensors = (x, dispatch, combine, weight1, bias1, weight2, bias2)
     # eager training: the op's code and formula without the dispatcher; torch.compile and the like see the op
     mixing = _DirectMixing.apply if direct_autograd_ok("cpu", *tensors) else torch.ops.softmoe.soft_moe_mixing
     out, _ = mixing(*tensors, keep, isa)

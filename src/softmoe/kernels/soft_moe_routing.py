@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from softmoe.kernels.build import native_available, native_module, required_isa
-from softmoe.kernels.modes import direct_autograd_ok, direct_call_ok, direct_function, transforms_active
+from softmoe.kernels.modes import direct_autograd_ok, direct_call_ok, direct_function, needs_grad, transforms_active
 from softmoe.kernels.onednn import onednn_pays
 from softmoe.kernels.top_k_combine import check_choice
 
@@ -181,16 +181,42 @@ def soft_moe_routing_top_k(
     ceil(slots / 64)) int64, bit s % 64 of word s // 64 set for each slot s of a kept expert, the kept experts (batch,
     k) int64 ascending, or None without ``with_selected``), what :func:`soft_moe_routing` then
     :func:`~softmoe.kernels.top_k_combine` give (arguments as theirs; the bits are what
-    :func:`~softmoe.kernels.soft_moe_mixing` takes as ``kept_slots``). None where the op's code may not be called
-    directly (:func:`native_routing_applies` and :func:`~softmoe.kernels.modes.direct_call_ok`: no gradient recorded,
-    nothing watching the dispatcher): the caller takes the ops then. A ValueError for a k outside [1, n] or slots
-    that are not n * slots_per_expert."""
-    if not (native_routing_applies(x, phi, scale) and direct_call_ok("cpu", x, phi, scale)):
+    :func:`~softmoe.kernels.soft_moe_mixing` takes as ``kept_slots``). Runs ``softmoe::soft_moe_routing_top_k`` (its
+    code called directly where nothing watches the dispatcher: the same kernel either way). None where it does not
+    serve: :func:`native_routing_applies` false, or a gradient to record (the op has no backward). A ValueError for
+    a k outside [1, n] or slots that are not n * slots_per_expert."""
+    if not native_routing_applies(x, phi, scale) or needs_grad(x, phi, scale):
         return None
     isa, scale = _checked(x, phi, scale, normalize)
     check_choice("phi", phi.shape[1], slots_per_expert, k)
-    return native_module().soft_moe_routing_top_k(x, phi, scale, ROUTING_MODES[normalize], isa,
-                                                  _products_in_onednn(x, phi), slots_per_expert, k, with_selected)
+    inputs = (x, phi, scale, normalize, slots_per_expert, k, with_selected, isa)
+    route = _run_routing_top_k if direct_call_ok("cpu", x, phi, scale) else torch.ops.softmoe.soft_moe_routing_top_k
+    dispatch, combine, slots, selected = route(*inputs)
+    return dispatch, combine, slots, selected if with_selected else None
+
+
+@torch.library.custom_op("softmoe::soft_moe_routing_top_k", mutates_args=(), device_types="cpu")
+def soft_moe_routing_top_k_op(
+    x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str, slots_per_expert: int, k: int, with_selected: bool,
+    isa: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Inference's routing with Algorithm 1's choice (:func:`soft_moe_routing_top_k`): (dispatch, combine, kept slots
+    as bits, selected (batch, k), or (batch, 0) without ``with_selected``). No backward."""
+    return _run_routing_top_k(x, phi, scale, normalize, slots_per_expert, k, with_selected, isa)
+
+
+def _run_routing_top_k(x, phi, scale, normalize, slots_per_expert, k, with_selected, isa):
+    dispatch, combine, slots, selected = native_module().soft_moe_routing_top_k(
+        x, phi, scale, ROUTING_MODES[normalize], isa, _products_in_onednn(x, phi), slots_per_expert, k, with_selected)
+    return dispatch, combine, slots, selected if with_selected else x.new_empty((x.shape[0], 0), dtype=torch.int64)
+
+
+@soft_moe_routing_top_k_op.register_fake
+def _(x, phi, scale, normalize, slots_per_expert, k, with_selected, isa):
+    shape = (*x.shape[:2], phi.shape[1])
+    words = (phi.shape[1] + 63) // 64
+    return (x.new_empty(shape), x.new_empty(shape), x.new_empty((x.shape[0], words), dtype=torch.int64),
+            x.new_empty((x.shape[0], k if with_selected else 0), dtype=torch.int64))
 
 
 def _checked(x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str) -> tuple[str, Tensor | None]:
