@@ -136,13 +136,15 @@ def fresh_probe(monkeypatch):
 MKLDNN = torch.backends.mkldnn.is_available()
 
 
-@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""])
-def test_onednn_outruns_mkl_by_the_cpus_vendor_without_timing(vendor, monkeypatch):
-    """By default nothing is timed: oneDNN on the vendors the tuning table names (MKL's AVX-512 code runs on
-    Intel's CPUs only)."""
-    monkeypatch.setattr(onednn_module, "cpu_vendor", lambda: vendor)
+@pytest.mark.parametrize(("cpu", "onednn"), [
+    (("AuthenticAMD", 26, True), True), (("AuthenticAMD", 25, False), True), (("AuthenticAMD", 25, True), False),
+    (("GenuineIntel", 6, True), False), (("GenuineIntel", 6, False), False), (("", 0, False), False)])
+def test_onednn_outruns_mkl_by_the_cpu_without_timing(cpu, onednn, monkeypatch):
+    """By default nothing is timed: oneDNN on the CPUs the tuning table names (Zen 5; Zen 3, without AVX-512),
+    MKL on Zen 4 and Intel's."""
+    monkeypatch.setattr(onednn_module, "cpu_signature", lambda: cpu)
     monkeypatch.setattr(onednn_module, "_time_probe", lambda: pytest.fail("timed without autotuning"))
-    assert onednn_module.onednn_outruns_mkl() is (vendor == "AuthenticAMD" and MKLDNN)
+    assert onednn_module.onednn_outruns_mkl() is (onednn and MKLDNN)
 
 
 @pytest.mark.parametrize(("mkl_seconds", "onednn_seconds", "expected"),

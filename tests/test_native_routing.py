@@ -11,7 +11,7 @@ from reference import kernels_called, output_and_gradients, relative_error
 
 import softmoe.kernels.onednn as onednn_module
 import softmoe.layer as layer_module
-from softmoe.runtime import cpu_vendor
+from softmoe.runtime import cpu_signature
 from softmoe.tuning import TABLE, Measured
 from softmoe import SoftMoE
 from softmoe.kernels import cpu_isa
@@ -87,8 +87,8 @@ def test_products_in_onednn_or_mkl_match_float64(library, onednn, normalize, sha
     """Products of at least 2^24 FLOPs (the least that oneDNN takes), in each library as the tuning table says: the
     logits, x's gradient and phi's (whose contraction runs over the rows, handed to oneDNN transposed) all in oneDNN,
     or none. The second shape's 1200 rows of dim 100 leave partial blocks in both directions of that transpose."""
-    vendors = (cpu_vendor(),) if onednn == "1" else ()
-    monkeypatch.setitem(TABLE, "onednn_vendors", Measured(vendors, "a test"))
+    cpus = ((cpu_signature()[0], 0, None),) if onednn == "1" else ()
+    monkeypatch.setitem(TABLE, "onednn_cpus", Measured(cpus, "a test"))
     assert 2 * shape[0] * shape[1] * shape[2] * shape[3] >= onednn_module.ONEDNN_MIN_PRODUCT_FLOPS
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         assert_routing_matches_float64(shape, normalize)

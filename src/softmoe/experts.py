@@ -175,7 +175,7 @@ class MLPExperts(nn.Module):
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """(weight1, bias1, weight2, bias2), the registered parameters looked up directly (``nn.Module.__getattr__``
-        costs about half a microsecond a name, and this runs on every call); others (e.g. under
+        searches the module's dicts for every name, and this runs on every call); others (e.g. under
         torch.nn.utils.parametrize) as attributes."""
         params = self._parameters
         return tuple([params[name] if name in params else getattr(self, name)

@@ -293,7 +293,7 @@ class SoftMoE(nn.Module):
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor | None, Experts]:
         """(phi as (dim, n*p), scale, experts), looked up in the module's own dicts: nn.Module's attribute lookup
-        costs about half a microsecond a name, and a call makes several (a phi or scale under
+        searches the module's dicts for every name, and a call makes several (a phi or scale under
         torch.nn.utils.parametrize, a property then, as an attribute)."""
         params = self._parameters
         phi = params["phi"] if "phi" in params else self.phi

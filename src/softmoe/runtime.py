@@ -6,9 +6,8 @@ Why: PyTorch's CPU allocator is a thin wrapper around ``posix_memalign``/``free`
 its mmap threshold (128 KiB at start, adapting up to 32 MiB) with a fresh anonymous ``mmap`` and returns it to the
 kernel with ``munmap`` on free. A tensor of hundreds of MB, such as the weight gradient of a large expert bank,
 is therefore allocated from scratch at every step, and the first write to each of its 4 KiB pages costs a page
-fault plus zeroing by the kernel. Measured on a 2-core AMD EPYC (Zen 4), fp32, one (128, 384, 1536) tensor
-(302 MB): ``w.clone()`` took 82 ms with the default allocator and 12 ms once tuned; a ``torch.bmm`` producing a
-tensor of that size took 87 ms vs 19 ms. The PyTorch CPU performance tuning guide recommends a caching allocator
+fault plus zeroing by the kernel, which can cost more than the copy or product that fills the tensor
+(docs/performance.md has the measurements). The PyTorch CPU performance tuning guide recommends a caching allocator
 such as jemalloc or tcmalloc (``LD_PRELOAD``) for the same reason; this function gets the same effect for large
 blocks without any extra library.
 
@@ -23,17 +22,18 @@ Trade-offs:
 - The process's resident memory no longer shrinks after large tensors are freed (it stays at its peak, as with
   any caching allocator).
 - The heap can fragment: a freed large block whose start is then taken by small allocations no longer fits the
-  next large block of the same size, which goes to the top of the heap instead. Measured here on the MNIST Soft MoE
-  benchmark (n=512 experts, forward+backward): peak RSS 855 MB tuned vs 461 MB default; an autograd pattern that
-  allocates one full-size zero gradient per ``t[:, j]`` slice of a 100 MB tensor grew the tuned process to 23 GB.
+  next large block of the same size, which goes to the top of the heap instead. The peak resident memory can end
+  well above the default allocator's, and an autograd pattern that allocates one full-size zero gradient per
+  ``t[:, j]`` slice of a large tensor can grow the tuned process to many times that tensor's size
+  (docs/performance.md has the measurements).
   Call it in processes whose large allocations repeat step after step (training and inference loops), not in
   long-lived services with very irregular allocation sizes.
 - Blocks still served from ``mmap`` (allocations made by threads that glibc gave their own arena, when that arena
   cannot grow) behave as before.
 
 Alternatives: ``LD_PRELOAD`` of jemalloc or tcmalloc; or PyTorch's ``THP_MEM_ALLOC_ENABLE=1`` (2 MB transparent huge
-pages for large tensors: the same clone took 40 ms instead of 152 ms without this function on a busy machine;
-do not combine the two, the combination took 650 ms).
+pages for large tensors, which also cuts the page faults; do not combine the two, the combination is slower than
+either).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import platform
 import sys
 from collections.abc import Callable
 
-__all__ = ["cpu_model", "cpu_vendor", "tune_cpu_allocator"]
+__all__ = ["cpu_model", "cpu_signature", "tune_cpu_allocator"]
 
 # glibc's <malloc.h> parameter numbers.
 M_TRIM_THRESHOLD = -1
@@ -72,8 +72,8 @@ def tune_cpu_allocator() -> bool:
     """Serve large CPU tensors from glibc's heap and keep freed memory for reuse; True if applied.
 
     Returns False, changing nothing, where the C library is not glibc (macOS, Windows, musl). Idempotent:
-    calling it again sets the same two values. See the module docstring for the measured effect and the
-    trade-off (resident memory stays at its peak).
+    calling it again sets the same two values. See the module docstring for the reason and the trade-off
+    (resident memory stays at its peak).
     """
     mallopt = _find_mallopt()
     if mallopt is None:
@@ -102,6 +102,9 @@ def cpu_model() -> str:
 
 
 @functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor (``vendor_id`` of /proc/cpuinfo: "GenuineIntel", "AuthenticAMD", ...), else ""."""
-    return _cpuinfo("vendor_id") or ""
+def cpu_signature() -> tuple[str, int, bool]:
+    """(vendor, family, AVX-512) of the CPU, from /proc/cpuinfo: ``vendor_id`` ("GenuineIntel", "AuthenticAMD", ...),
+    ``cpu family`` and whether its flags hold avx512f; ("", 0, False) where it does not say."""
+    family = _cpuinfo("cpu family")
+    flags = (_cpuinfo("flags") or "").split()
+    return _cpuinfo("vendor_id") or "", int(family) if family and family.isdigit() else 0, "avx512f" in flags

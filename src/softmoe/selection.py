@@ -80,7 +80,7 @@ def top_k_by_combine(combine: torch.Tensor, k: int) -> torch.Tensor:
 
     Ties are broken towards the lower expert index (:func:`softmoe.topk.top_k`, a stable sort). Only a tie between
     the k-th and the (k+1)-th largest can change which experts are kept, so where host reads are free (CPU, eager)
-    and there are at least TOPK_MIN_SCORES scores, ``torch.topk`` (2.5x faster than the stable sort for 256 x 128
+    and there are at least TOPK_MIN_SCORES scores, ``torch.topk`` (faster than the stable sort for that many
     scores) gives the set when no row has such a tie. With fewer scores the sort's 2 ops beat that path's 10, and up
     to HOST_TOPK_MAX_SCORES (where reads are free) a sort on the host (:func:`softmoe.topk.top_k_list`) beats both.
     A float32 CPU combine takes the native op (:func:`softmoe.kernels.top_k_combine`, its sums in float64), as the

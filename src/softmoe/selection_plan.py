@@ -54,7 +54,7 @@ HOST_COUNT_MAX_PLACES = 256
 # With autotuning: timed rounds of each plan after one untimed round (the fastest counts); on the CPU the plans are
 # timed where the selected plan's cost lies within this factor of the margin times the dense one's; a timed plan
 # replaces the default ("dense") only in at most TIMED_MARGIN of its time (timings of one plan scatter by a few
-# percent on a small host).
+# percent from run to run).
 TIMED_ROUNDS = 5
 TIMING_BAND = 1.4
 TIMED_MARGIN = 0.97

@@ -27,9 +27,12 @@ class Measured(NamedTuple):
 
 
 TABLE: dict[str, Measured] = {
-    # CPU vendors whose float32 products run faster in oneDNN than in MKL: MKL takes its AVX-512 code on Intel's
-    # CPUs only, so elsewhere oneDNN's wins; on Intel MKL's does.
-    "onednn_vendors": Measured(("AuthenticAMD",), "AMD EPYC Zen 3, Zen 4, Zen 5; Intel Xeon (AVX-512)"),
+    # The CPUs whose large float32 products run faster in oneDNN than in MKL, as (vendor, lowest CPU family, AVX-512:
+    # True, False, or None for either): MKL takes its AVX-512 code on Intel's CPUs only, so oneDNN wins on AMD's
+    # where AVX-512 runs at full width (family 26, Zen 5) or where neither has it (Zen 3); on Zen 4 (family 25 with
+    # AVX-512 at half width) and on Intel's, MKL's.
+    "onednn_cpus": Measured((("AuthenticAMD", 26, None), ("AuthenticAMD", 25, False)),
+                            "AMD EPYC Zen 3, Zen 4, Zen 5; Intel Xeon"),
     # Algorithm 1's plans (softmoe.selection_plan): rows below which an expert product costs what reading its
     # weight costs (on the CPU the native kernels' float lanes, 8 or 16), rows each product is worth beyond its own,
     # the share of the dense plan's cost the selected plan must stay under, fixed FLOPs per expert in use.

@@ -61,9 +61,8 @@ class L2NormPreset:
     """Everything that defines one run. ``steps`` = the paper's epochs (one Adam step on a fresh batch each).
 
     threads: torch intra-op threads while training (restored afterwards); None leaves torch's setting. These models
-    are tiny (20 d^2 <= 500 expert weights), so their operations are too small to gain from threading: on the
-    2-core development machine, with other processes running (load 2 to 8; we never had it idle), one thread was
-    2x to 20x faster per step than two, hence 1.
+    are tiny (20 d^2 <= 500 expert weights), so their operations are too small to gain from threading: on a
+    machine shared with other processes one thread was faster per step than two, hence 1.
     """
 
     name: str
@@ -80,10 +79,10 @@ class L2NormPreset:
 
 
 # paper:   500 epochs of a fresh batch of 10,000 (our reading of Appendix C).
-# default: 1,000 steps of a fresh batch of 1,000: a fifth of the paper's samples (about a quarter of its time) but
+# default: 1,000 steps of a fresh batch of 1,000: a fifth of the paper's samples but
 #          twice its optimizer steps. With gradients this clean, Adam's progress is set by the number of steps, not
 #          the batch size (its step size is ~lr either way): 1,000 steps of 1,000 and 1,000 steps of 10,000 ended at
-#          the same final losses within 3% for every n (3 seeds), while at 500 steps n = 5 and n = 10 are still tied
+#          about the same final losses for every n (3 seeds), while at 500 steps n = 5 and n = 10 are still tied
 #          on 2 tokens x dim 5 and before ~250 steps more experts are *worse* (they start slower).
 # smoke:   a few seconds, for tests; it shows nothing.
 PRESETS = {

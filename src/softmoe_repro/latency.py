@@ -2,7 +2,7 @@
 
 The paper's model has, in its last 6 blocks, Soft MoE layers of 8 experts with hidden size 768 * 40 (2.27B expert
 parameters); it times a forward pass of random data through those 6 layers with k in {n, 3n/4, n/2, n/4} experts
-chosen per input by Algorithm 1, at batch 1 and 100 (RTX 2080 Ti). The paper's code computed every expert and
+chosen per input by Algorithm 1, at batch 1 and 100 on a GPU. The paper's code computed every expert and
 zeroed the unselected outputs, so it could not really skip work; softmoe does not run unselected experts at all.
 
 This module holds the model, the work accounting and the report section; ``benchmarks/bench_latency.py`` times

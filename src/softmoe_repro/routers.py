@@ -68,7 +68,7 @@ class RoutersPreset:
     measure the run-to-run spread that every difference in the table has to beat. ``threads`` sets torch's thread
     count for the run (restored afterwards); None leaves it as it is. The default is 1: the tensors are tiny
     (128 images x 16 tokens x 64 features), so intra-op parallelism gains little, while on a machine shared with
-    other jobs two OpenMP threads made a training step 10 to 20 times slower than one thread in our measurements.
+    other jobs two OpenMP threads made a training step much slower than one thread.
     """
 
     name: str
@@ -89,7 +89,7 @@ class RoutersPreset:
 
 PRESETS = {
     "default": RoutersPreset("default"),
-    # Five times the training of the default (about 45 minutes of CPU time), for tighter comparisons.
+    # Five times the training of the default, for tighter comparisons.
     "paper": RoutersPreset("paper", train=TrainConfig(epochs=10, batch_size=128)),
     "smoke": RoutersPreset(
         "smoke",

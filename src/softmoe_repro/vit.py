@@ -8,7 +8,7 @@ Appendix E.2). Per variant the paper's protocol compares the models at equal val
 evaluated with only k in {n/2, n/4, n/8} experts per input in every MoE layer at once (each layer picks its own k):
 by Algorithm 1 and by random subsets over several seeds.
 
-    results = run("default")          # Fashion-MNIST subset, under 20 minutes on 2 cores; writes vit.json
+    results = run("default")          # Fashion-MNIST subset; writes vit.json
     plots = write_plots(results, out_dir)
     text = markdown(results, plots)
 """
@@ -64,7 +64,7 @@ class VitPreset:
     layer (the authors' ViT), False dropping it (what the paper did for its CIFAR hybrid, whose experts were otherwise
     ignored). ``train_limit`` keeps the first examples of the training split and ``val_limit`` / ``test_limit`` the
     first of the validation / test splits (the time budget). ``threads``: torch threads during the run (1 is fastest
-    for models this small on a shared 2-core machine).
+    for models this small on a shared machine).
     """
 
     name: str

@@ -3,8 +3,8 @@ for the launches of Algorithm 1's choice.
 
 Two kinds, each taken only where it applies (float32 CPU tensors), with torch's own ops everywhere else:
 
-- oneDNN's linear for inference (:mod:`softmoe.kernels.onednn`): bias and activation fused, 1.5-2.5x faster than
-  MKL for the few-row products of a Soft MoE layer; no backward, so only where no gradient is recorded.
+- oneDNN's linear for inference (:mod:`softmoe.kernels.onednn`): bias and activation fused, faster than MKL for
+  the few-row products of a Soft MoE layer; no backward, so only where no gradient is recorded.
   :func:`batched_matmul` runs batched products there too where oneDNN outruns MKL on this CPU (timed once per
   process, :func:`onednn_outruns_mkl`), the slot backend's forward and backward products among them.
 - softmoe's native kernels (``softmoe/csrc``), one PyTorch C++ extension built on first use

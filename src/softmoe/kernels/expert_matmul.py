@@ -1,8 +1,8 @@
 """``softmoe::expert_matmul``: batched matmuls for experts that see few rows each (``csrc/expert_matmul.h``).
 
 A ViT-S Soft MoE layer sends 8 rows through each 384 x 1536 weight, a product bound by memory bandwidth that MKL's
-batched matmul reads at about 12 GB/s; these kernels stream the weights at 25-35 GB/s, about what the reference
-machine (AMD EPYC, 2 cores) can read.
+batched matmul reads well below what the memory delivers; these kernels stream the weights close to it
+(docs/performance.md has the measurements).
 
 Three custom ops, each with a fake (meta) implementation and an autograd formula, so that torch.compile,
 ``torch.library.opcheck`` and double backward see them like torch's own ops (they run on float32 CPU tensors):
@@ -30,16 +30,14 @@ from softmoe.kernels.build import native_available, native_module, required_isa
 from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
 
 # The native expert matmul serves NATIVE_MIN_ROWS..NATIVE_MAX_ROWS rows per expert through weights of at least
-# NATIVE_MIN_WEIGHT elements per expert. Measured on the reference machine (fwd+bwd, native / MKL's baddbmm): 384 x
-# 1536 weights 0.72 at 8 and 16 rows, 0.92 at 32, 1.09 at one row; 768 x 3072: 0.71 at 8 rows, 1.06 at 16; 196 x 392
-# (and smaller): 1.4-2.8, slower, where MKL keeps the small weight in cache.
+# NATIVE_MIN_WEIGHT elements per expert: forward+backward it beats MKL's baddbmm at a few rows through large
+# weights (its lead shrinks as the rows grow, and at one row it has none), and it is slower through weights small
+# enough (196 x 392 and smaller) for MKL to keep them in cache (docs/performance.md has the measurements).
 NATIVE_MIN_ROWS = 2
 NATIVE_MAX_ROWS = 16
 # Where only the forward product runs (grad mode off; softmoe::grouped_mm's products), up to NATIVE_FORWARD_MAX_ROWS:
-# on the Intel Xeon the native kernel ran at 0.9-1.2x MKL's speed at 48 rows and 0.8-1.06x at 64-100; the AMD EPYC
-# Zen 5, with the later row passes reading a copy of each tile, ran ViT-S's experts (128 of 384 -> 1536 -> 384, gelu)
-# in 0.49-0.62x the time of the batched products the slot backend runs (oneDNN with AVX-512, MKL with AVX2) at 24-48
-# rows.
+# with the later row passes reading a copy of each tile, the forward alone keeps up with MKL and oneDNN to more rows
+# (docs/performance.md has the measurements).
 NATIVE_FORWARD_MAX_ROWS = 48
 NATIVE_MIN_WEIGHT = 1 << 18
 
@@ -201,10 +199,9 @@ def expert_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, activat
     """x (E, rows, K) @ weight (E, K, N) (+ bias (E, N)) -> (E, rows, N) with the native kernels, differentiable.
 
     For experts that see few rows (about 8 in a ViT-S Soft MoE layer) the product is bound by memory bandwidth:
-    the kernels stream each weight once at 25-35 GB/s where MKL's batched matmul reads it at about 12 GB/s (2.3x
-    faster forward on the reference machine); the backward uses the same kernels (g @ w^T, x^T @ g, the weight
-    gradient written with non-temporal stores). Only where :func:`native_applies`; runs ``softmoe::expert_matmul``
-    with the variant :func:`~softmoe.kernels.cpu_isa` names.
+    the kernels stream each weight once, where MKL's batched matmul reads it more slowly; the backward uses the
+    same kernels (g @ w^T, x^T @ g, the weight gradient written with non-temporal stores). Only where
+    :func:`native_applies`; runs ``softmoe::expert_matmul`` with the variant :func:`~softmoe.kernels.cpu_isa` names.
 
     ``activation`` ("gelu", "gelu_tanh" or "relu") is applied to the product inside the kernel while its output is
     still in cache (gelu's erf to about 2e-7); that output has no backward, so it is for inference only: a

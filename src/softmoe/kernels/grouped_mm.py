@@ -15,15 +15,11 @@ the (data-dependent) group sizes, and it never recompiles for a new pattern of s
   for the weight's gradient too;
 - elsewhere one product per non-empty expert (the group sizes are read on the host: free on CPU, one
   synchronization on a GPU). On CPU a large weight (K * N >= LARGE_WEIGHT) read by 1-3 rows takes one contiguous
-  block of the weight per thread (1.2-1.5x MKL's rate); 2 to NATIVE_FORWARD_MAX_ROWS rows through a contiguous
-  weight take softmoe's native expert matmul (float32); more rows take oneDNN where it pays on this CPU (float32
-  inference; :func:`softmoe.kernels.onednn.onednn_pays`: enough FLOPs, oneDNN timed faster than MKL once), else MKL.
-  ``benchmarks/bench_products.py --isa avx512,avx2`` on an Intel Xeon (2 threads), 768 x 30720, 30720 x 768,
-  768 x 6144 and 6144 x 768 weights, native / MKL: 1.2-1.5x at 8-16 rows, 1.15-1.4x at 25, 1.05-1.3x at 32,
-  0.9-1.2x at 48, 0.8-1.06x at 64-100 (AVX2 only: 1.3-2.2x at 8-16 rows, 1.2-1.4x at 25-32, 1.03-1.2x at 48,
-  0.8-1.1x beyond); at 8-100 rows on an AMD EPYC Zen 3 oneDNN ran 1.5-2x MKL's rate, on the Intel Xeon MKL
-  1.2-1.7x oneDNN's (more with AVX2 only); on an AMD EPYC Zen 5 at 64-100 rows oneDNN 2.2-2.6x MKL's rate with
-  AVX-512, 0.7-1.0x with AVX2 only.
+  block of the weight per thread (faster than MKL's one product); 2 to NATIVE_FORWARD_MAX_ROWS rows through a
+  contiguous weight take softmoe's native expert matmul (float32); more rows take oneDNN where it pays on this CPU
+  (float32 inference; :func:`softmoe.kernels.onednn.onednn_pays`: enough FLOPs, oneDNN timed faster than MKL
+  once), else MKL. ``benchmarks/bench_products.py --isa avx512,avx2`` compares them (docs/performance.md has the
+  measurements).
 
 Differentiable in x, weight and bias (``softmoe::grouped_mm_weight_grad`` gives the weight's gradient).
 """
@@ -81,8 +77,7 @@ def native_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     """act(x (rows, K) @ w (K, N) + bias (N,)) in the native expert matmul (float32 CPU, w contiguous).
 
     The kernel splits the columns over the threads; a weight taller than wide is split by rows (K) instead, so that
-    each thread streams one contiguous part of it (30720 x 768 at 25 rows: 1.27x), bias and activation then applied
-    to the summed product."""
+    each thread streams one contiguous part of it, bias and activation then applied to the summed product."""
     if w.shape[0] <= w.shape[1]:
         b = None if bias is None else bias[None]
         return torch.ops.softmoe.expert_matmul(x[None], w[None], b, activation, cpu_isa())[0]

@@ -45,8 +45,8 @@ def dispatcher_watched(*tensors: torch.Tensor | None) -> bool:
 
 
 def direct_call_ok(device_type: str, *tensors: torch.Tensor | None) -> bool:
-    """Whether an op's code may be called directly, without the dispatcher's host time (13-40 us per call on the CPU
-    machines of docs/performance.md): :func:`eager_inference` and nothing watches the dispatcher
+    """Whether an op's code may be called directly, without the dispatcher's host time (paid on every call;
+    docs/performance.md has the measurements): :func:`eager_inference` and nothing watches the dispatcher
     (:func:`dispatcher_watched`). In an op's backward formula (no gradient recorded unless ``create_graph``) this
     is what lets it call its backward op's code directly."""
     return _eager_inference(device_type, tensors) and not _watched(tensors)
@@ -56,9 +56,9 @@ def direct_autograd_ok(device_type: str, *tensors: torch.Tensor | None) -> bool:
     """Whether an op may run as :func:`direct_function`'s autograd.Function, gradients recorded or not: plain eager
     mode (:func:`plain_eager_mode`), no forward-mode AD level open and nothing watching the dispatcher; torch.compile,
     torch.func, autocast, the profiler and dispatch modes see the op itself. A custom op's own autograd (the
-    dispatcher, then torch.library's Python wrappers binding and checking the arguments) took 40-70 us per op, forward
-    and backward each, on an AMD EPYC Zen 4: the paper's MNIST layer's forward+backward at batch 16 (a routing and a
-    mixing op) 734 us through the ops, 511 us through their code."""
+    dispatcher, then torch.library's Python wrappers binding and checking the arguments) costs host time per op,
+    forward and backward each, which a small layer such as the paper's MNIST layer feels in every call
+    (docs/performance.md has the measurements)."""
     return plain_eager_mode(device_type) and not _watched(tensors)
 
 
@@ -70,7 +70,7 @@ def direct_function(name: str, run, setup_context, backward) -> type[torch.autog
     ``Function.apply(*inputs)`` takes the op's arguments in order."""
 
     # forward(ctx, ...) rather than a separate setup_context: apply then skips binding the arguments to forward's
-    # signature (inspect.signature, 5-10 us a call), which only torch.func transforms need.
+    # signature (inspect.signature, on every call), which only torch.func transforms need.
     def forward(ctx, *inputs):
         output = run(*inputs)
         setup_context(ctx, inputs, output)
@@ -81,7 +81,7 @@ def direct_function(name: str, run, setup_context, backward) -> type[torch.autog
 
 
 # The checks on a tuple of tensors, the calls written out: they run a few times in every layer call, where each
-# Python call and repacking of the tensors costs 0.1 us.
+# Python call and repacking of the tensors adds host time.
 def _eager_inference(device_type: str, tensors: tuple) -> bool:
     return plain_eager_mode(device_type) and not (
         torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

@@ -1,12 +1,12 @@
 """oneDNN's linear for CPU inference (``torch.ops.mkldnn._linear_pointwise``, the kernel torch.compile's CPU
 inference uses), bias and activation fused.
 
-On the reference machine (AMD EPYC, 2 cores) MKL reaches about 40% of its matmul peak for 25 rows through a 768 x
-30720 weight and about 35% of the bandwidth for logits against 8 slots; oneDNN runs the same products 1.5-2.5x
-faster. It has no backward, so it is only taken when no gradient is needed.
+For a few rows through a large weight, and for logits against a few slots, MKL stays well below the CPU's matmul
+peak and memory bandwidth; oneDNN runs the same products faster (docs/performance.md has the measurements). It has
+no backward, so it is only taken when no gradient is needed.
 
 Batched products (:func:`batched_matmul`, one oneDNN product per batch entry) are taken where oneDNN outruns MKL
-for large products too (:func:`onednn_outruns_mkl`: by the CPU's vendor, from softmoe.tuning.TABLE; with
+for large products too (:func:`onednn_outruns_mkl`: by the CPU, from softmoe.tuning.TABLE; with
 autotuning on, timed once per process). Inside an autograd.Function (the slot backend) no gradient is recorded, so
 its forward and backward products take them in training as well.
 """
@@ -20,7 +20,7 @@ import time
 import torch
 
 from softmoe.compat import onednn_linear_pointwise
-from softmoe.runtime import cpu_vendor
+from softmoe.runtime import cpu_signature
 from softmoe.tuning import autotune_enabled, value
 from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
 
@@ -41,10 +41,9 @@ def onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-# The product timed once per process to decide between oneDNN and MKL: (rows, K) @ (K, N), 0.6 GFLOP (about 3 ms),
-# in the regime of the products that take it (tens to hundreds of rows through a weight of megabytes). With AVX2
-# only, the AMD EPYC Zen 5 ran 64 x 768 @ 768 x 2048 (a 6 MB weight) in oneDNN at 0.68x MKL's time, but every
-# larger shape at 1.2-1.5x; with AVX-512 all at 0.43-0.49x.
+# The product timed once per process to decide between oneDNN and MKL: (rows, K) @ (K, N), 0.6 GFLOP, in the
+# regime of the products that take it (tens to hundreds of rows through a weight of megabytes). With AVX2 only, a
+# smaller product can rank the two the other way round from the larger ones.
 PROBE_SHAPE = (128, 768, 3072)
 # oneDNN is taken where it takes at most this fraction of MKL's time on the probe: a clear win, not noise.
 ONEDNN_MARGIN = 0.8
@@ -54,15 +53,16 @@ _probe_lock = threading.Lock()
 
 
 def onednn_outruns_mkl() -> bool:
-    """Whether oneDNN's float32 products are clearly faster than MKL's (torch's matmul) on this CPU: where the CPU's
-    vendor is one of softmoe.tuning.TABLE's "onednn_vendors" (MKL runs its AVX-512 code on Intel's CPUs only). With
+    """Whether oneDNN's float32 products are clearly faster than MKL's (torch's matmul) on this CPU: where the CPU
+    (:func:`softmoe.runtime.cpu_signature`) matches an entry of softmoe.tuning.TABLE's "onednn_cpus". With
     autotuning on (:func:`softmoe.tuning.set_autotune`) the two are timed instead, once per process, on a
     ``PROBE_SHAPE`` product with torch's thread count (fastest of 3 each, ``ONEDNN_MARGIN``)."""
     if not torch.backends.mkldnn.is_available():
         return False
     if autotune_enabled():
         return _timed_choice()
-    return cpu_vendor() in value("onednn_vendors")
+    vendor, family, avx512 = cpu_signature()
+    return any(vendor == v and family >= f and (a is None or avx512 == a) for v, f, a in value("onednn_cpus"))
 
 
 @functools.cache
@@ -93,15 +93,11 @@ def _fastest(fn, repeats: int = 3) -> float:
     return min(times)
 
 
-# A product of fewer FLOPs pays more for oneDNN's call (about 13 us) than it gains over MKL. On the AMD EPYC Zen 5,
-# time of torch.bmm / time of one oneDNN product per entry (stacked): 0.94-1.16 at 8-9.4 MFLOP per product,
-# 1.10-1.62 at 16-19 MFLOP, 1.46-1.77 from 38 MFLOP up (256-1600 rows through 196 x 392 to 768 x 6144 weights).
+# A product of fewer FLOPs pays more for oneDNN's call than it gains over MKL (docs/performance.md has the
+# measurements).
 ONEDNN_MIN_PRODUCT_FLOPS = 1 << 24
 # And a batch of less work in all gains nothing inside a layer in a default process: each entry's output and their
-# stack are fresh memory that glibc may have returned to the system (page faults). The slot backend of the MNIST
-# layer (256 x 4 tokens, n = 2 or 4, 78 MFLOP per product batch) ran 0.6-1.1x as fast with oneDNN as with MKL;
-# ViT-S/16's (32 x 196 tokens, 4.8 GFLOP) 1.37x forward and 1.12x forward+backward, one layer of Table 3's small
-# preset at batch 100 1.52x (same process, interleaved).
+# stack are fresh memory that glibc may have returned to the system (page faults).
 ONEDNN_MIN_BATCH_FLOPS = 1 << 28
 
 
@@ -120,8 +116,8 @@ def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None =
     ``ONEDNN_MIN_BATCH_FLOPS`` in all) and oneDNN outruns MKL (:func:`onednn_outruns_mkl`), one oneDNN product per
     entry, stacked; else torch's. oneDNN is taken only for rows of ``a`` in unit stride, entries of ``b`` that are
     dense matrices, row-major or transposed (``w.transpose(1, 2)``), and a bias of shape (E, N) (others broadcast in
-    ``baddbmm``): other strides made oneDNN reorder the matrix on every call (a combine product through slots in
-    expert order, 196 x 128 @ 128 x 384 per input: 0.11 s per input against 0.1 ms).
+    ``baddbmm``): other strides made oneDNN reorder the matrix on every call (e.g. a combine product through slots
+    in expert order).
     """
     experts, rows, inner = a.shape
     cols = b.shape[2]

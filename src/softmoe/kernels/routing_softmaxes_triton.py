@@ -82,9 +82,9 @@ TRITON_VERSION = tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2
 DIRECT_LAUNCH = TRITON_VERSION >= (3, 6)
 # Per device, shape, output dtype and alignment of the pointers (what Triton specializes the kernel on), once
 # launched: the kernel compiled for it, the kernel's arguments after the pointers and, where its launcher allows, the
-# launcher's C function with what it takes besides the kernel's arguments. On an H200 machine the op took 16-25 us of
-# host time a call with the C function called bare, 25-45 through the compiled kernel's call (launch metadata built
-# and empty hook chains called at every launch), torch's two softmaxes 15-25 (docs/performance.md).
+# launcher's C function with what it takes besides the kernel's arguments. Calling the C function bare spares the
+# host time the compiled kernel's call spends at every launch building launch metadata and calling empty hook
+# chains (docs/performance.md).
 _COMPILED: dict[tuple, tuple] = {}
 
 

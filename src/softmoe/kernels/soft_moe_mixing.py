@@ -2,8 +2,8 @@
 (``csrc/soft_moe_small.h``).
 
 The paper's MNIST layer (4 tokens, n = 8..512 experts of 98..2 hidden units) is, in torch's ops, a chain of thin
-matmuls that write (batch, slots, dim) tensors; the fused kernel keeps every slot in cache (1.1-2x faster, whole
-layer fwd+bwd, on the reference machine).
+matmuls that write (batch, slots, dim) tensors; the fused kernel keeps every slot in cache (docs/performance.md
+has the measurements).
 
 Two custom ops, each with a fake (meta) implementation; the forward's autograd formula calls the backward op:
 
@@ -41,22 +41,15 @@ from softmoe.kernels.modes import (
 # experts whose two weight matrices (2 dim hidden floats) take at most MIXING_MAX_WEIGHT_BYTES_PER_LANE per vector
 # lane of the kernel variant (1.75 MiB with AVX-512's 16 lanes, 896 KiB with AVX2's 8): each group of `lanes`
 # inputs streams every expert's weights (and, backward, their gradients) through a core's cache, so their traffic
-# per input is the weights' size over the lanes. Measured (AMD EPYC Zen 5, 1 MB L2 per core, 256 inputs of 4
-# tokens, relu experts; time of the slot backend / time fused, forward+backward, same process; with the weight
-# gradients as outer products and the outputs kept), AVX-512: dim 1024 hidden 128 and dim 512 hidden 256 (1 MiB)
-# 1.19-1.28x, dim 384 hidden 512 (1.5 MiB) 1.31x, dim 512 hidden 512 (2 MiB) 1.13x, 3 MiB 0.84-0.94x; forced AVX2:
-# dim 196 hidden 392 (the paper's n = 2; 600 KiB) 1.04-1.09x, dim 768 hidden 128 (768 KiB) 1.01x, 800 and 960 KiB
-# 1.01x, 1 MiB 0.80-1.00x (the forward alone 1.07-1.20x up to 1 MiB). docs/performance.md has every figure.
+# per input is the weights' size over the lanes. Beyond that the fused kernel no longer beats the slot backend's
+# batched products (docs/performance.md has the measurements).
 MIXING_MAX_TOKENS = 8
 MIXING_MAX_WEIGHT_BYTES_PER_LANE = 112 << 10
 # From this many hidden units up the forward pass keeps the slots' outputs (batch * slots * dim floats) for the
 # backward pass, which otherwise runs each slot's second layer again (hidden * dim multiply-adds per input and slot,
-# a fifth of the backward's). The op alone, forward+backward time with the outputs kept / without, 256 inputs of 4
-# tokens of dim 196, same process (AMD EPYC Zen 5): AVX-512 0.91-0.92 at hidden 98-392, 0.95 at 49, 0.97-1.00 at
-# 24, 1.11 at 12; AVX2 0.92-0.93 at hidden 24-392. The whole MNIST layer in a default process, where the larger saved
-# record (4 MB at n = 16, 7 MB at n = 32) is fresh memory every step: 0.91-0.97 at hidden 98-392 (both ISAs), but
-# 0.96-1.16 at 49 and 0.99-1.06 at 24. Below it writing, holding (100 MB at the layer's n = 512) and reading the
-# outputs costs more than computing them again.
+# a fifth of the backward's). Below it writing, holding (100 MB at the layer's n = 512) and reading the outputs
+# costs more than computing them again: the larger saved record is fresh memory every step in a default process
+# (docs/performance.md has the measurements).
 MIXING_KEEP_OUTPUTS_MIN_HIDDEN = 64
 
 
@@ -242,7 +235,7 @@ def soft_moe_mixing(
 
 
 def _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2) -> None:
-    # (tuples, and torch.Size compared as it is: this runs on every eager call; 4 us, was 6)
+    # (tuples, and torch.Size compared as it is: this runs on every eager call)
     tensors = (("x", x), ("dispatch", dispatch), ("combine", combine), ("weight1", weight1), ("bias1", bias1),
                ("weight2", weight2), ("bias2", bias2))
     for name, t in tensors:

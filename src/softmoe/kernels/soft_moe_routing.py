@@ -6,11 +6,9 @@ product, two softmaxes) and twice as many, with as many autograd nodes, backward
 the expert products, each op's code and data come back from memory, and with small layers (the paper's MNIST layer:
 256 x 4 tokens of dim 196, 2-512 slots) those fixed costs are most of the routing's time. Here, up to 32 slots,
 the product x phi_n and, backward, the products giving the gradients of x and phi run in the kernel's own passes
-over each input (MKL took 35-80 us for the MNIST layer's logits at 2-16 slots; on an AMD EPYC Zen 5 the routing's
-backward takes 0.44-0.64x its time with those products outside at 2-16 slots, 0.60-0.82x at 17-32, its forward
-0.60-0.67x at 17-32 with AVX-512); with more slots they are torch's matmuls (MKL), or oneDNN's where
-:func:`softmoe.kernels.onednn.onednn_pays` (on that CPU with AVX-512, 128-256 slots: 0.5x MKL's time); everything
-else is one pass over each input's logits.
+over each input (for so few slots MKL's separate products cost more than the passes they join); with more slots
+they are torch's matmuls (MKL), or oneDNN's where :func:`softmoe.kernels.onednn.onednn_pays`; everything else is
+one pass over each input's logits (docs/performance.md has the measurements).
 
     softmoe::soft_moe_routing(Tensor x, Tensor phi, Tensor? scale, str normalize, str isa)
             -> (Tensor logits, Tensor dispatch, Tensor combine, Tensor r)

@@ -10,10 +10,9 @@
 ``softmoe.selection.top_k_by_combine`` takes this op for float32 CPU tensors, so a selector and the layer choose
 alike; elsewhere it sums in the tensor's precision with torch's ops, where two experts whose sums differ only by
 rounding may rank the other way. In torch's ops the choice and the dense plan's mask were a sum, a sort or a host
-read, a mask built from the choice and a ``torch.where``: 0.2 ms per layer call in Table 3's layer at batch 16
-(197 tokens, 8 slots; AMD EPYC Zen 5), where every expert then runs in 8.5 ms. The op has a fake and an autograd
-registration (``kept``'s gradient is the upstream gradient on the kept slots; ``selected`` is not differentiable),
-so it composes with torch.compile and autograd.
+read, a mask built from the choice and a ``torch.where``, several ops where this is one (docs/performance.md has
+the measurements). The op has a fake and an autograd registration (``kept``'s gradient is the upstream gradient on
+the kept slots; ``selected`` is not differentiable), so it composes with torch.compile and autograd.
 """
 
 from __future__ import annotations
