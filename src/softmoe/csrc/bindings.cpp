@@ -32,8 +32,8 @@
 
 /* The kernels' scratch memory (declared in variant.h). A block malloc'ed and freed on every call comes back, once
  * glibc returns it to the system, as fresh pages: a page fault and the kernel's zeroing for every 4 KB the kernel
- * touches (the fused small-expert op's backward touches 2.4 MB per thread at the MNIST layer's n = 2, and a default
- * process then took 1.08x the time per step of one with the allocator tuned). So each thread keeps its blocks, up
+ * touches (the fused small-expert op's backward touches 2.4 MB per thread at the MNIST layer's n = 2, enough for the
+ * faults to show in the time per step; docs/performance.md has the measurements). So each thread keeps its blocks, up
  * to SCRATCH_KEEP_BYTES each (glibc's largest mmap threshold; a larger block is freed on release, its faults
  * small next to the work that fills it). OpenMP's threads live as long as the process, and their blocks with them. */
 namespace {
@@ -232,8 +232,8 @@ at::Tensor expert_matmul_nt(const at::Tensor &grad_in, const at::Tensor &weight_
 }
 
 /* Weight gradients of large expert banks are hundreds of MB, a fresh block every step. glibc serves such blocks
- * with new mmap pages, and the first write to each page costs a page fault and the kernel's zeroing (a ViT-S
- * layer's forward+backward 3.3x slower than with the allocator tuned, measured on an Intel Xeon host). So these
+ * with new mmap pages, and the first write to each page costs a page fault and the kernel's zeroing (they dominated a
+ * ViT-S layer's forward+backward; docs/performance.md has the measurements). So these
  * gradients come from a small pool of blocks kept alive here: a block is handed out again once nothing but the pool
  * holds its storage (the gradient it backed was set to None, or added into an existing .grad and dropped). The
  * tensor handed out is a new tensor on the block's storage, which autograd takes as the parameter's .grad as it
@@ -372,9 +372,9 @@ enum { LANES_AUTO, LANES_BY_INPUTS, LANES_BY_ROWS, LANES_BY_PAIRS };
  * x products (the expert's weights streamed once for the block) and `row` x products x max(r, 4) (a block of fewer
  * than 4 rows takes as long as one of 4: its few chains of multiply-adds wait on each other), and each row `row_token`
  * per vector of its tokens' rows (M ceil(Dm / lanes): its dispatch, its combine and their moves). Fitted by least
- * squares (relative) to the op's times on an AMD EPYC Zen 5, 2 threads: the MNIST layer at 8, 64 and 256 experts,
- * batch 2-64, k = n/8, n/4 and n/2, each layout forced, in units of the groups' times in the same process (median
- * error 4-8%, the worst cells 30-50%; docs/performance.md). The AVX2 constants serve the portable variant too. */
+ * squares (relative) to the op's times with 2 threads: the MNIST layer at 8, 64 and 256 experts, batch 2-64,
+ * k = n/8, n/4 and n/2, each layout forced, in units of the groups' times in the same process (docs/performance.md
+ * has the measurements and the fit's errors). The AVX2 constants serve the portable variant too. */
 constexpr double INPUT_GROUP_MOVES = 10.0;
 struct LayoutCosts {
     double pair_token, pair_weight, row_block, row_block_products, row, row_token;
@@ -384,9 +384,9 @@ constexpr LayoutCosts LAYOUT_COSTS_AVX512 = {1.26, 0.42, 430.0, 2.4, 0.69, 12.8}
 constexpr int64_t ROW_LATENCY_ROWS = 4;
 
 /* What a slot run costs more in groups of the inputs sorted by the slots they keep than in groups of the inputs as
- * they come, whose rows lie side by side: the op with a kept combine on inputs sorted beforehand (the order then the
- * identity) against the same inputs unsorted, 1.6-6% (the MNIST layer at 64 and 256 experts, batch 64 and 256,
- * AVX-512, AMD EPYC Zen 5). The inputs are sorted only where that saves more slot runs. */
+ * they come, whose rows lie side by side: set from the op with a kept combine on inputs sorted beforehand (the order
+ * then the identity) against the same inputs unsorted (docs/performance.md has the measurements). The inputs are
+ * sorted only where that saves more slot runs. */
 constexpr double SORTED_GROUP_COST = 0.05;
 
 /* The layout of the lanes for kept combine (B, M, S) with P slots per expert of Hd hidden units and dim Dm, `lanes`
@@ -533,9 +533,8 @@ KeptLanes kept_lanes(const float *combine, const uint64_t *kept_slots, int64_t B
  * combine weights are zero for every input of a group of lanes is not run for that group. every_slot, for inference
  * without Algorithm 1 (saved as with kept_combine): every slot runs and none is skipped, laid out by kept_lanes as
  * if every slot were kept where some thread would have no full group of lanes (fewer inputs than lanes x threads;
- * beyond, the groups won every case measured): at batch 1 the layout chosen took 0.15-0.25x the time of a group of
- * lanes mostly empty, at batch 2-8 0.25-1.0x, at 16 0.7-1.02x (AMD EPYC Zen 5, AVX-512, the MNIST layer at 2-256
- * experts). */
+ * beyond, the groups won every case measured): a group of lanes mostly empty spends most of its work on lanes
+ * without an input (docs/performance.md has the measurements). */
 std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const at::Tensor &dispatch_in,
                                                    const at::Tensor &combine_in, const at::Tensor &w1_in,
                                                    const c10::optional<at::Tensor> &b1_in, const at::Tensor &w2_in,
@@ -683,9 +682,9 @@ inline void transpose_4x4(const float *in, int64_t ldi, float *out, int64_t ldo)
 
 /* The transpose (C, R) of a contiguous float32 (R, C), in blocks of 64 x 64 over torch's threads, 4 x 4 at a time
  * in vector registers, an output column of blocks after the other (a copy of the transposed view runs on one
- * thread: 81 us for the 1024 x 196 tokens of the MNIST layer on an AMD EPYC Zen 5). Against the same blocks copied
- * one float at a time through a tile, the routing's backward pass of that layer (which transposes its tokens) took
- * 0.91x the time at 64 slots and 0.96x at 256 (AVX-512); rows of 4 x 4 blocks (4 KB apart in the output) 1.16-1.49x. */
+ * thread). In the routing's backward pass of the MNIST layer (which transposes its tokens) this beat the same blocks
+ * copied one float at a time through a tile, and rows of 4 x 4 blocks (4 KB apart in the output; docs/performance.md
+ * has the measurements). */
 at::Tensor transposed(const at::Tensor &a)
 {
     constexpr int64_t BLOCK = 64;
@@ -730,9 +729,8 @@ constexpr double ROUTING_NORM_EPS = 1e-6;
  * phi_n[d, s] = scale phi[d, s] q[s] with q (S,): "router" q = rsqrt(|phi_s|^2 + 1e-6), "inputs" q = 1 / (|phi_s| +
  * 1e-6), "none" q = 1 and no scale; and the columns' norms |phi_s| (S,). Both passes run along phi's rows, and the
  * products take phi_n as it is (torch's CPU matmul ran x phi_n as fast as x phi_t^T): no transposition, which cost
- * more than its size suggests at 16-512 slots and few inputs (the MNIST layer at batch 16, AMD EPYC Zen 4: the
- * routing op 0.64-0.94x its time without it, the same outputs bit for bit; the whole layer 0.78-0.96x at 256 experts
- * and batch 1-16). The routing kernel computes a small routing's logits from phi_n padded to
+ * more than its size suggests at 16-512 slots and few inputs (without it the same outputs bit for bit;
+ * docs/performance.md has the measurements). The routing kernel computes a small routing's logits from phi_n padded to
  * SOFTMOE_ROUTING_SMALL_SLOTS. */
 struct NormalizedPhi {
     at::Tensor phi_n;
@@ -784,9 +782,9 @@ void check_routing(const at::Tensor &x, const at::Tensor &phi, int64_t mode)
 
 /* x (B, M, D), phi (D, S), scale () -> logits, dispatch, combine (B, M, S) and r (B, M), the tokens' inverse norms
  * ("router"; else ones), which the backward reads. mode: ROUTING_*; onednn: the products in oneDNN. Up to
- * SOFTMOE_ROUTING_SMALL_SLOTS slots the kernel computes the products itself, in its passes over each input: MKL took
- * 35-80 us for the MNIST layer's logits (1024 x 196 by 196 x 2-16; AMD EPYC Zen 5, 2 threads), oneDNN 33-50; at
- * 17-32 slots the op took 0.60-0.67x its time with MKL's product (AVX-512), 0.74-0.98x (AVX2). With k >= 1 also
+ * SOFTMOE_ROUTING_SMALL_SLOTS slots the kernel computes the products itself, in its passes over each input, faster
+ * than MKL or oneDNN for logits this thin (the MNIST layer's: 1024 x 196 by 196 x 2-32; docs/performance.md has the
+ * measurements). With k >= 1 also
  * Algorithm 1's choice of k experts of p slots, made in the same pass (combine then zero outside their slots) ->
  * selected (B, k) where `with_selected` (else undefined), and the kept slots as bits, (B, ceil(S / 64)) int64 (empty
  * for k = 0). */
@@ -893,7 +891,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
     }
     const at::Tensor x_flat = x.view({B * M, D}), gp_flat = gp.view({B * M, S});
     /* the logits are proportional to scale: its gradient is sum(g logits) / scale, summed here in double (through
-       grad_phi_n below, a sum with much cancellation, it came out 10x less accurate than torch's) */
+       grad_phi_n below, a sum with much cancellation, it came out far less accurate than torch's) */
     const float *dots = dot.data_ptr<float>(), *rs = r.data_ptr<float>();
     double dot_sum = 0.0;
     for (int64_t i = 0; i < B * M; i++) dot_sum += dots[i];
@@ -905,8 +903,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
         grad_x.addcmul_(x_flat, coef, -1.0);
     }
     /* (D, S), a contraction over the B M rows: the kernel's up to SOFTMOE_ROUTING_SMALL_SLOTS slots; beyond, oneDNN,
-       where it outruns MKL, takes x^T as its rows: given them transposed (its own copy of the view took 80-240 us,
-       one thread) it took 0.47-0.51x MKL's time at 64-256 slots. */
+       where it outruns MKL, takes x^T as its rows: given them transposed (its own copy of the view runs on one
+       thread) it outran MKL at 64-256 slots (docs/performance.md has the measurements). */
     const at::Tensor grad_phi_n = small    ? grad_phi_t.t()
                                 : onednn ? linear_product(transposed(x_flat), gp_flat.t(), true)
                                          : at::mm(x_flat.t(), gp_flat);

@@ -10,7 +10,7 @@
  *
  * All tensors are contiguous, row-major. With few rows (M around 8) these products read every weight once and do
  * only 2*M FLOPs per weight: they are bound by memory bandwidth, which BLAS libraries tuned for large products do
- * not reach here (MKL reads the weights at about 12 GB/s on the reference 2-core machine, which can copy at 32).
+ * not reach here (MKL reads the weights well below the rate of a plain copy; docs/performance.md has the measurements).
  * The kernels below keep the whole (rows x 48 columns) output tile in registers, walk the weight in panels of
  * PANEL rows and prefetch the next panel linearly while computing on the current one, so the memory system streams
  * while the FMA units work. The weight gradient is written with non-temporal stores where rows are 64-byte aligned
@@ -47,12 +47,10 @@ namespace SOFTMOE_NS {
 static_assert(WIDE_AHEAD_COLS % TILE_COLS == 0 && WIDE_AHEAD_COLS * PANEL * 4 < NEAR_PANEL_BYTES,
               "WIDE_AHEAD_COLS: whole tiles, and less than a wide block");
 /* With AVX-512 a block of columns is at most as wide as a panel that prefetches one panel ahead (the wide prefetch
-   below is then never needed). On an AMD EPYC Zen 4 (2026-11-27; rate of the weights' read against a plain read of
-   them in the same process), 8 rows through 384 x 1536 weights ran at 0.92-0.97x against 0.86-0.88x with one wide
-   block, through 768 x 3072 at 0.96-0.97x against 0.91-0.92x, through 768 x 30720 at 0.81-0.88x against 0.73-0.83x;
-   2-12 rows gained likewise, 16-48 rows (bound by the FMA units there) neither gained nor lost. With AVX2 (two
-   passes of 4 rows, the later one reading a copy of the tile) the narrow blocks were slower through 768 x 3072 and
-   768 x 30720 (0.64-0.76x against 0.70-0.80x), so AVX2 and the portable code keep one block. */
+   below is then never needed): at 2-12 rows the weights are read closer to the rate of a plain read than through one
+   wide block; 16-48 rows (bound by the FMA units there) neither gain nor lose. With AVX2 (two passes of 4 rows, the
+   later one reading a copy of the tile) the narrow blocks were slower through 768 x 3072 and 768 x 30720, so AVX2
+   and the portable code keep one block (docs/performance.md has the measurements). */
 #if LANES == 16
 #define BLOCK_MAX_COLS (NEAR_PANEL_BYTES / (4 * PANEL) / TILE_COLS * TILE_COLS)
 #else
@@ -272,18 +270,17 @@ static void nn_item(const job_t *j, long e, long begin, long end)
                    wide one that tile would come megabytes later, evicted before use: there the columns
                    WIDE_AHEAD_COLS further on in the order the tiles run (this panel, else the next panel's first
                    columns, else the next block's first panel), so that each weight row is streamed in order. One
-                   tile ahead (48 columns with AVX-512, 24 with AVX2) left the loads too little time on an AMD EPYC
-                   Zen 5: 8 rows through 128 weights of 384 x 1536 ran at 32 GB/s (AVX2: 23), 96 columns ahead at
-                   48 (34), as fast as the narrow 1536 x 384 weights. */
+                   tile ahead (48 columns with AVX-512, 24 with AVX2) left the loads too little time; WIDE_AHEAD_COLS
+                   ahead, wide weights stream as fast as narrow ones (docs/performance.md has the measurements). */
                 const long next = c + V * LANES, far = c + WIDE_AHEAD_COLS;
                 const float *ahead = near ? w + (k0 + kn) * N + c
                                    : far < b1 ? w + k0 * N + far
                                    : k0 + kn < K ? w + (k0 + kn) * N + b0 + (far - b1) : w + far;
                 /* More rows than registers hold (MAX_ROWS) run in passes over the tile. Where w's rows lie at least
                    PACK_MIN_ROW_BYTES apart the first pass copies the tile into `packed` and the later ones read that:
-                   in w the tile's rows had left L1 by the next pass. On an AMD EPYC Zen 5, 8 experts of 768 x 30720
-                   took 0.63-0.90x the time with AVX2 at 6-48 rows, 0.85-0.98x with AVX-512 at 12-48; through
-                   weights of shorter rows (30720 x 768, 1536 x 384) it made no difference or took up to 1.05x. */
+                   in w the tile's rows had left L1 by the next pass. Through weights of shorter rows (30720 x 768,
+                   1536 x 384) the copy made no difference or cost a little (docs/performance.md has the
+                   measurements). */
                 float packed[PANEL * TILE_COLS] __attribute__((aligned(64)));
                 const int R0 = M < MAX_ROWS ? (int)M : MAX_ROWS, pack = M > MAX_ROWS && N * 4 >= PACK_MIN_ROW_BYTES;
                 nn_tile_any(x + k0, K, w + k0 * N + c, N, out + c, N, kn, R0, V, (const char *)ahead,
@@ -396,11 +393,7 @@ static void nt_tile_any(const float *g, long ldg, const float *w, long N, float 
    both, but read w in two interleaved streams, which the memory system serves more slowly than one read in memory
    order. Where all of g is one pass of rows (M <= MAX_ROWS) small enough to stay in L1 (NT_ONE_ROW_BYTES) and w's
    rows are long enough for their lane sums to be a small part (NT_ONE_ROW_MIN_COLS), w is read one row at a time.
-   On an AMD EPYC Zen 5, time one row / two rows at a time (same floats): AVX-512, 8 rows of g through 1536 x 384 and
-   784 x 256 weights 0.84-0.87 and 0.87-0.90, 4 rows through 1536 x 512 and 1536 x 768 0.66-0.69, 2 rows through
-   384 x 1536 0.77; AVX2, 4 rows through 1536 x 384, 784 x 256, 1536 x 768 0.75-0.82, 2 rows through 384 x 1536
-   0.78. Outside that: g in two passes 0.91-0.93 with AVX-512 (16 rows) but 1.19-1.24 with AVX2 (8-16 rows), g of
-   16-48 KB 1.07-1.93, rows of 196 columns 1.13-1.18. */
+   Outside those bounds one row at a time was mostly slower (docs/performance.md has the measurements). */
 static void nt_item(const job_t *j, long e, long begin, long end)
 {
     const long M = j->M, K = j->K, N = j->N;
@@ -429,8 +422,8 @@ void expert_matmul_nt(const float *g, const float *w, float *out, long E, long M
 /* The weight gradient's column tiles are 4 vectors, whole cache lines at every width (256 bytes with AVX-512, 128
    with AVX2, 64 portable), so that each streamed row segment fills its lines: a non-temporal store of part of a
    line leaves the write-combining buffer half full, and the memory system then writes the line in pieces (AVX2
-   tiles of 3 vectors, 96 bytes, made the ViT-S weight gradient 3.9x slower, 36.5 ms against 9.3, on an Intel
-   Xeon). */
+   tiles of 3 vectors, 96 bytes, made the ViT-S weight gradient much slower; docs/performance.md has the
+   measurements). */
 #define TN_VECS 4
 #define TN_COLS (TN_VECS * LANES)
 

@@ -147,7 +147,7 @@ ALWAYS_INLINE void block_logits(float *lb, const float *xb, const float *rows, l
 
 /* Tokens per block with NV vectors per row of phi: as many as leave their sums, the row and a token's element in
    the vector registers (32 with AVX-512, 16 with AVX2 and SSE), at most TOKEN_BLOCK. Four tokens of four AVX2
-   vectors (25-32 slots) spilled their sums: the op forward took 1.12x its time with MKL's product (two: 0.98x). */
+   vectors (25-32 slots) spilled their sums, and the op forward then lost to MKL's product (two tokens did not). */
 ALWAYS_INLINE int token_block(const int NV)
 {
     const int fit = ((LANES == 16 ? 32 : 16) - 1 - NV) / NV;
@@ -190,10 +190,8 @@ static void input_logits(float *lb, const float *xb, const float *rows, long M, 
 
 /* Up to DOT_SLOTS slots the logits are dot products along dim instead: (S + 1) / LANES of a multiply-add per token
    and element of dim against the rows' 1 + 1 / LANES (a vector of phi's row per element, mostly padding), and S
-   sums across lanes per token. The paper's MNIST layer's x (256 inputs of 4 tokens of dim 196), the op's native
-   forward, new and old modules in one process, AMD EPYC Zen 4: with AVX-512 (one 512-bit multiply-add a cycle)
-   0.59x / 0.64x / 0.70x / 0.76x / 0.80x the time at 1 / 2 / 4 / 5 / 6 slots, 0.98x at 7, 1.03x at 8 (the lane sums
-   take over); with AVX2 0.67x / 0.72x / 0.86x at 1 / 2 / 4. */
+   sums across lanes per token. The fewer the slots, the more this saves; past DOT_SLOTS the gain fades and the lane
+   sums take over (docs/performance.md has the measurements). */
 #define DOT_SLOTS SOFTMOE_ROUTING_DOT_SLOTS(LANES)
 
 /* lb[t * S + s] = sum_d xb[t * D + d] phi_t[s * D + d] for the TB tokens from t0, phi_t (S, D): TB * S sums, one

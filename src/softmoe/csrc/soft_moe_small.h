@@ -50,18 +50,17 @@ namespace SOFTMOE_NS {
 #define IOTA {0, 1, 2, 3}
 #endif
 /* Hidden units per register block. The forward pass takes 8. The backward, with AVX-512's 32 vector registers, 16:
- * measured against 8 on an AMD EPYC Zen 5 (the MNIST layer's mixing op, time 16 / 8) the backward took 0.90-0.92x
- * the time at 12 hidden units (one block instead of two), 0.97-1.00x at 24-392; the forward 0.92-0.93x at 12,
- * 0.96-0.97x at 24-33, but 1.01-1.05x at 2-6 units, whose loops are the same: with the larger function the compiler
- * kept fewer pointers in registers. With AVX2's 16 registers 16 or 12 spilled (backward 1.03-1.15x at 12). */
+ * at 12 hidden units one block instead of two, and no loss at more. The forward would gain from 16 at 12 and more
+ * units too, but lost at 2-6 units, whose loops are the same: with the larger function the compiler kept fewer
+ * pointers in registers. With AVX2's 16 registers 16 or 12 spilled (docs/performance.md has the measurements). */
 #define FORWARD_KBLOCK 8
 /* Groups of lanes that run a slot side by side, each weight broadcast once for all of them (SIDE_GROUPS: the
  * forward pass; the backward's from BACKWARD_GROUPS_MIN_HIDDEN units), and hidden units per register block then
  * (SIDE_KBLOCK). With AVX2 two, 6 units per block (12 accumulators and two slot vectors in its 16 registers): one
  * group's 8 lanes per broadcast weight (its load and broadcast, which AVX-512 folds into the multiply-add, and the
- * weights streamed once per 8 inputs) held layer 1's loop to 0.70-0.77x the speed of two groups' (1.2-2.6 MB of
- * weights, AMD EPYC Zen 4, one thread); the MNIST layer's mixing op forward took 0.72-0.83x the time at n = 2-64
- * (hidden 392-12), 0.98x at 256 (3 units). AVX-512: one group, 0.99-1.02x. */
+ * weights streamed once per 8 inputs) held layer 1's loop well below the speed of two groups' (1.2-2.6 MB of
+ * weights), and two groups sped up the MNIST layer's mixing op forward most at n = 2-64 (hidden 392-12). AVX-512:
+ * one group, two gaining nothing there (docs/performance.md has the measurements). */
 #if LANES == 8
 #define SIDE_GROUPS 2
 #else
@@ -86,11 +85,10 @@ namespace SOFTMOE_NS {
 #endif
 #define BLOCK_CASES_NONE(CALL, k, first, last)
 /* Experts of at most this many hidden units run two slots of a group side by side (pair = 1 below): one pass over
- * dim for both, each token vector (and output gradient) loaded once for the two. Measured against one slot at a time
- * (the op alone, 256 inputs of 4 tokens of dim 196, AMD EPYC Zen 5, AVX-512): forward 0.89-0.97x the time at hidden
- * 2-6, backward 0.85-0.94x at 2-5 and 1.00x at 6, but 1.02x at 7 and 1.10x at 12 (registers run out); with AVX2's 16
- * registers 1.02-1.30x at 2-6, so never. The code of the other sizes, one slot at a time, came out 0.99-1.03x its
- * time before (backward, both instruction sets). */
+ * dim for both, each token vector (and output gradient) loaded once for the two. Against one slot at a time, with
+ * AVX-512 this gains up to 6 hidden units and loses beyond, where the registers run out; with AVX2's 16 registers it
+ * lost at every size, so never. The code of the other sizes, one slot at a time, kept its speed (docs/performance.md
+ * has the measurements). */
 #if LANES == 16
 #define PAIR_MAX_HIDDEN 6
 #else
@@ -98,10 +96,9 @@ namespace SOFTMOE_NS {
 #endif
 #define GROUP_BLOCK 4  /* groups whose slot vectors and gradients a thread keeps while it runs through its experts */
 /* The backward pass runs a slot for SIDE_GROUPS groups of a block side by side from BACKWARD_GROUPS_MIN_HIDDEN
- * hidden units, SIDE_KBLOCK units per register block (with AVX2: two, 6). Measured against one group at a time (the
- * MNIST layer's mixing op backward, AMD EPYC Zen 4, AVX2, one process): 0.84-0.90x the time at hidden 98-392
- * (outputs kept), 0.92-0.98x at 20-49, but 1.02-1.09x at 12-16 and 1.29x at 3, where the second layer's products, a
- * and the output sums of two groups, spill. */
+ * hidden units, SIDE_KBLOCK units per register block (with AVX2: two, 6). Against one group at a time this gains from
+ * that many units up, the more the wider the experts, and loses below, where the second layer's products, a and the
+ * output sums of two groups, spill (docs/performance.md has the measurements). */
 #define BACKWARD_GROUPS_MIN_HIDDEN 20
 #define BACKWARD_KBLOCK_OF(two) ((two) ? SIDE_KBLOCK : KBLOCK)
 #define INLINE static inline __attribute__((always_inline))
@@ -190,9 +187,8 @@ INLINE void layer1_block(vec *RESTRICT h0, vec *RESTRICT h1, const vec *RESTRICT
 
 /* y_i[d] (+)= sum_kk a_i[k + kk] w2[kk * Dm + d] for the ng (1 or 2) groups i of one slot, each weight broadcast once
  * for all, starting from b2[d] (or 0) on the first block. Two sums per d: the even and odd kk of one group, or one
- * per group: one chain of kb dependent multiply-adds per d left AVX2's two FMA units waiting (the MNIST layer's
- * mixing op forward, AMD EPYC Zen 4, one process: 0.93-0.97x the time at n = 2-64 with AVX2, 0.98-1.02x with
- * AVX-512). */
+ * per group: one chain of kb dependent multiply-adds per d left AVX2's two FMA units waiting (with AVX-512 the two
+ * sums neither gained nor lost; docs/performance.md has the measurements). */
 INLINE void layer2_block(vec *RESTRICT y0, vec *RESTRICT y1, const vec *RESTRICT a0, const vec *RESTRICT a1, long k,
                          const float *RESTRICT w2, const float *RESTRICT b2, long Dm, const int kb, const int first,
                          const int ng)
@@ -459,7 +455,7 @@ INLINE void forward_runs(const run_t *r, const int nr, const int share, long M, 
  * pre-activations, then with keep its Dm slot outputs) to L[i].sg; each slot runs for the groups side by side.
  * Without keep the outputs of up to SPREAD_SLOTS slots wait in ys until they are combined. pairs (one group): slots
  * two at a time (Hd <= PAIR_MAX_HIDDEN); a constant, so that the code of the others has no trace of it (with the
- * choice made per slot, one slot at a time took 1.02-1.05x the time at hidden 3-24). skip_idle (for a call without
+ * choice made per slot, one slot at a time ran slower at hidden 3-24). skip_idle (for a call without
  * a backward pass, and so without keep): a slot idle in a group (slot_idle; of a pair, one alone) is neither run nor
  * combined there, its records left unwritten: Algorithm 1's unselected experts cost nothing where no input of the
  * group keeps them. */
@@ -1053,8 +1049,8 @@ INLINE void lane_sums_chunk(float *RESTRICT row, const vec *RESTRICT c, const ve
 }
 
 /* row[d] += sum over groups g < ng and lanes of coef[g * cs] * rows[g * Dm + d] (coef NULL: 1), for d < Dm. Full
- * blocks of groups take a chunk compiled for them (measured, the backward of the MNIST layer's op at n = 256, hidden 3:
- * 0.95x the time with AVX-512 and with AVX2, the partial sums no longer spilled to the stack). */
+ * blocks of groups take a chunk compiled for them, whose partial sums do not spill to the stack (docs/performance.md
+ * has the measurements). */
 static void add_lane_sums(float *RESTRICT row, const vec *RESTRICT coef, long cs, const vec *RESTRICT rows, long ng,
                           long Dm)
 {
@@ -1081,9 +1077,9 @@ INLINE void add_products_chunk(float *RESTRICT grad, long ld, const vec *RESTRIC
 }
 
 /* grad (Hd rows of ld floats, Dm used) += the lane sums of coef (ng * Hd vectors) times rows (ng * Dm vectors).
- * With 4 or more hidden units the chunks of dim go outermost, so rows are read from L1 (measured, whole backward:
- * 14-20% faster at hidden 24-49, 7-14% at 12, than reading all of rows, from L2, for every unit); with fewer, one
- * unit after the other (chunks first was 5-10% slower at hidden 2). Full blocks of groups take a chunk compiled for
+ * With 4 or more hidden units the chunks of dim go outermost, so rows are read from L1 (rather than all of rows, from
+ * L2, for every unit); with fewer, one unit after the other (there chunks first were slower; docs/performance.md has
+ * the measurements). Full blocks of groups take a chunk compiled for
  * them (unrolled). */
 static void add_products(float *RESTRICT grad, long ld, const vec *RESTRICT coef, const vec *RESTRICT rows, long ng,
                          long Hd, long Dm)
@@ -1106,11 +1102,9 @@ static void add_products(float *RESTRICT grad, long ld, const vec *RESTRICT coef
  * element of dim) are transposed into one row of floats per input (16 x 16 blocks in registers), and a register
  * tile of OUTER_R hidden units by OUTER_C vectors of dim runs over the inputs, coef_i[k] read as a scalar from the
  * vector that holds it. The lane sums (two shuffles and an add per vector and level) disappear; the transposes cost
- * Dm / LANES blocks per input group, against Hd * Dm / LANES lane sums. Measured, the op's backward at dim 196 and
- * 256 inputs, time new/old (AMD EPYC Zen 5): AVX-512 0.92-0.95 at hidden 98-392, 0.98-0.99 at 24-49, 1.02 at 12
- * (hence the threshold), 1.12 at 6; AVX2 0.91-0.96 at 24-392, 0.98 at 12, 1.05 at 6. On an AMD EPYC Zen 4, AVX2,
- * outer products against lane sums in one process: 0.93-0.95 at 12 (hence AVX2's threshold), 0.97-1.00 at 7-10,
- * 1.04 at 6. */
+ * Dm / LANES blocks per input group, against Hd * Dm / LANES lane sums: the fewer the hidden units, the larger the
+ * transposes' share, and below OUTER_MIN_HIDDEN the outer products gained little or lost against the lane sums in
+ * the op's backward (docs/performance.md has the measurements). */
 #define OUTER_MIN_HIDDEN (LANES == 8 ? 12 : 16)
 #define OUTER_R 4
 #if LANES == 16

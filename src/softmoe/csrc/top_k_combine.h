@@ -11,7 +11,7 @@
  * found without a sort or a data-dependent branch per expert: up to RANK_MAX_EXPERTS experts by counting each one's
  * rank; beyond, by the k-th largest key, on the keys' high halves first (as 32-bit integers in the same order), by
  * bisection on counts, each count one vectorized pass over the experts, then on the low halves of the keys that share
- * the k-th high half. std::nth_element on the keys took 2.9 us for 256 experts (its comparisons mispredicted).
+ * the k-th high half. std::nth_element on the keys was slower: its comparisons mispredicted.
  * C++ compatible C: no system header is included here.
  */
 #if !defined(SOFTMOE_LANES) || !defined(SOFTMOE_NS)
@@ -116,9 +116,8 @@ static void select_kept(const uint64_t *key, int32_t *high, int32_t *low, int32_
     }
 }
 
-/* Up to this many experts each expert's rank is counted instead (n^2 comparisons in vectors): per input, at 8
- * experts 0.63-0.71x the time of the selection above, at 16 0.74-0.98x, at 24-32 1.1-2.3x (AMD EPYC Zen 5, AVX-512
- * and AVX2). */
+/* Up to this many experts each expert's rank is counted instead (n^2 comparisons in vectors): faster than the
+ * selection above for few experts, slower beyond as n^2 grows (docs/performance.md has the measurements). */
 #define RANK_MAX_EXPERTS 16
 
 /* The experts kept as words of bits, 64 to a word: keep (n, all ones or zero) -> bits (ceil(n / 64)). */
@@ -147,7 +146,7 @@ static inline long write_run(int64_t *out, long count, long first, long end)
 
 /* The kept experts in ascending order from their words of bits: in a word keeping at most half its experts the set
  * bits one at a time (count trailing zeros), in one keeping more the runs between the clear bits (at k = n - 1 one
- * bit at a time took a third of the choice's time: each step waits on the last). */
+ * bit at a time took much of the choice's time: each step waits on the last). */
 static void kept_in_order(const uint64_t *bits, long n, int64_t *out)
 {
     long count = 0;
