@@ -211,19 +211,29 @@ def record_timings(monkeypatch, plan: str | None = None) -> list:
     return keys
 
 
-def test_nothing_is_timed_by_default(monkeypatch):
-    """Autotuning is off unless turned on: plan "auto" is the cost model's, untimed, even for a close call, and
-    the same in every process."""
-    assert not autotune_enabled()
-    assert not plans.plans_are_timed(CPU) and not plans.plans_are_timed(torch.device("cuda"))
-    keys = record_timings(monkeypatch, "dense")
-    monkeypatch.setattr(plans, "plan_costs", lambda *args: (value("plan_margin")["cpu"], 1.0))  # a close call
-    layer = make_layer().eval()
-    x, selected = torch.randn(3, 5, 12, dtype=F64), torch.tensor([[0, 3], [2, 7], [7, 1]])
-    with torch.no_grad():
-        torch.testing.assert_close(layer.forward_selected(x, selected), masked_reference_forward(layer, x, selected),
-                                   atol=1e-12, rtol=1e-12)
-    assert keys == [] and layer.selected_plan_is_cheaper(x, selected)
+@pytest.mark.parametrize("case", ["default", "training"])
+def test_a_close_call_is_not_timed_by_default_nor_in_training(monkeypatch, case):
+    """Autotuning is off unless turned on: plan "auto" is the cost model's, untimed, even for a close call, and the
+    same in every process. With it on, a training layer is not timed either: timing runs the experts again, which in
+    training would draw their dropout anew."""
+    if case == "default":
+        assert not autotune_enabled()
+        assert not plans.plans_are_timed(CPU) and not plans.plans_are_timed(torch.device("cuda"))
+    else:
+        previous = set_autotune(True)
+        monkeypatch.setattr(plans, "worth_timing", lambda costs: True)
+    try:
+        keys = record_timings(monkeypatch, "dense")
+        monkeypatch.setattr(plans, "plan_costs", lambda *args: (value("plan_margin")["cpu"], 1.0))  # a close call
+        layer = make_layer().train(case == "training")
+        x, selected = torch.randn(3, 5, 12, dtype=F64), torch.tensor([[0, 3], [2, 7], [7, 1]])
+        with torch.no_grad():
+            torch.testing.assert_close(layer.forward_selected(x, selected),
+                                       masked_reference_forward(layer, x, selected), atol=1e-12, rtol=1e-12)
+        assert keys == [] and layer.selected_plan_is_cheaper(x, selected)
+    finally:
+        if case == "training":
+            set_autotune(previous)
 
 
 @pytest.mark.parametrize("faster", ["dense", "selected"])
@@ -319,19 +329,6 @@ def test_a_timed_shape_does_not_overrule_the_cost_model_for_a_clear_call(monkeyp
         torch.testing.assert_close(layer.forward_selected(x, few), masked_reference_forward(layer, x, few),
                                    rtol=1e-5, atol=1e-5)
     assert runs == [1] and len(keys) == 2 and layer.selected_plan_is_cheaper(x, few)  # (the second: "most" above)
-
-
-def test_nothing_is_timed_in_training_mode(monkeypatch, autotune):
-    """Timing runs the experts again, which in training would draw their dropout anew: a training layer takes the
-    cost model's plan, untimed, even for a close call."""
-    monkeypatch.setattr(plans, "timed_plan", lambda *args: pytest.fail("timed in training mode"))
-    monkeypatch.setattr(plans, "plan_costs", lambda *args: (value("plan_margin")["cpu"], 1.0))  # a close call
-    layer = make_layer().train()
-    x, selected = torch.randn(3, 5, 12, dtype=F64), torch.tensor([[0, 3], [2, 7], [7, 1]])
-    with torch.no_grad():
-        torch.testing.assert_close(layer.forward_selected(x, selected), masked_reference_forward(layer, x, selected),
-                                   atol=1e-12, rtol=1e-12)
-    assert layer.selected_plan_is_cheaper(x, selected)
 
 
 def test_the_cpu_plan_key_tells_threads_and_instruction_sets_apart(monkeypatch, autotune):

@@ -1,10 +1,9 @@
 """The "cuda" backend: MLP experts on CUDA, where an eager call is bound by the host's kernel launches.
 
-    route         the "router" logits as two fused RMS norms and a product (7 kernels where the formula takes 14);
-                  in eager bfloat16 or float16 inference the softmaxes in ``softmoe::routing_softmaxes``' Triton
-                  kernel, which also normalizes the tokens and writes the weights in the layer's dtype
+    route         the "router" logits as two fused RMS norms and a product (7 kernels where the formula takes 14)
     mix           the slot formulation (the "slots" backend)
-    select        Algorithm 1's choice in the same Triton kernel as the softmaxes (eager inference)
+    select        Algorithm 1's choice and both softmaxes in ``softmoe::routing_softmaxes``' Triton kernel (eager
+                  inference), which also normalizes the tokens and writes a bfloat16 layer's weights in its dtype
     mix_selected  the selected experts in torch's grouped GEMM (``softmoe::grouped_mm``, bfloat16)
 """
 
@@ -57,13 +56,6 @@ class CudaBackend(SlotsBackend):
             return rms_norm_logits(x.to(dtype), phi.to(dtype), scale.to(dtype))
 
     def route(self, layer, x, mask):
-        plain = mask is None and not (layer.training and layer.noise_std > 0)
-        # bfloat16 / float16 eager inference of the default experts, which cast the weights to x's dtype anyway:
-        # the routing op's kernel writes them in that dtype
-        phi, scale, _ = layer.weights()
-        if plain and x.dtype in (torch.bfloat16, torch.float16) and fused_routing_applies(x, phi, scale):
-            dispatch, combine, _ = self.fused_routing(layer, x, 0, x.dtype)
-            return dispatch, combine
         noise = layer.noise_std if layer.training else 0.0
         _, dispatch, combine = routing_from_logits(self.logits(layer, x), noise, mask)
         return dispatch, combine
@@ -95,6 +87,6 @@ class CudaBackend(SlotsBackend):
                                  combine_is_kept=True)
 
     def steps(self, layer, x):
-        return {"route": "fused RMS norms; the Triton softmaxes in eager bfloat16 inference",
+        return {"route": "fused RMS norms",
                 "mix": "the slot formulation in batched matmuls",
                 "select": "Algorithm 1 in the Triton routing kernel (eager inference)"}

@@ -19,9 +19,9 @@ On a GPU an eager Soft MoE call is bound by the host's launches (docs/performanc
 choice takes about sixteen kernels after the two softmaxes (a sum, two sorts, a mask from the indices, the masked
 combine weights); on CUDA this op is one Triton kernel for all of it (:mod:`softmoe.kernels.routing_softmaxes_triton`),
 which also divides each token's logits by the token's norm (the router's normalization: one RMS norm fewer) and
-writes the weights in a bfloat16 layer's dtype (two casts fewer). The layer takes it for Algorithm 1 in eager CUDA
-inference, and for its plain forward in bfloat16 or float16 (where it beats torch's two softmaxes and casts; in
-float32 torch's softmaxes ran as fast where the host bounds the call). It calls the op's code directly there
+writes the weights in a bfloat16 layer's dtype (two casts fewer). The "cuda" backend takes it for Algorithm 1 in
+eager inference (the plain forward keeps torch's softmaxes: the op gained less than 1.2x there). It calls the op's
+code directly there
 (:func:`fused_routing_softmaxes`: no autograd to record, and the dispatcher's Python wrapper costs host time on every
 call), through the dispatcher where something watches it.
 Elsewhere, and on CUDA without Triton or with ``SOFTMOE_TRITON=0``, the op is torch's ops. Differentiable in the
