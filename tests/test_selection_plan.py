@@ -457,3 +457,40 @@ def test_counts_decide_only_between_the_bands_edges():
     assert not plans.counts_decide(costs(0.1), costs(0.9 / band))  # selected either way
     assert plans.counts_decide(costs(0.5), costs(2.0))  # selected at the fewest, dense at the most
     assert plans.counts_decide(costs(1.0), costs(1.0))  # a close call: timed on the counts' word
+
+
+_TWO_PROCESSES = """
+import sys, torch, softmoe
+torch.manual_seed(0)
+layer = softmoe.SoftMoE(64, 8, expert_hidden=4096).eval()
+x = torch.randn(4, 3, 64)
+with torch.no_grad(), softmoe.select_experts(layer, k=3):
+    out = layer(x)
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_algorithm1_gives_the_same_bits_in_another_process(tmp_path):
+    """Nothing is timed by default, so a call whose plans are close gives the same bits in every process."""
+    import subprocess
+    import sys
+
+    outputs = []
+    for i in range(2):
+        path = tmp_path / f"out{i}.pt"
+        subprocess.run([sys.executable, "-c", _TWO_PROCESSES, str(path)], check=True)
+        outputs.append(torch.load(path))
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_every_backend_names_what_runs_each_step():
+    from softmoe.backends import REGISTRY
+
+    layer = make_layer()
+    x = torch.randn(2, 5, 12, dtype=F64)
+    for name in ("reference", "slots", "tokens"):
+        steps = REGISTRY[name].steps(layer, x)
+        assert set(steps) == {"route", "mix", "select"} and all(steps.values()), name
+    float32 = SoftMoE(12, 8, expert_hidden=16)
+    choice = float32.backend_for(x.float())
+    assert set(choice.backend.steps(float32, x.float())) == {"route", "mix", "select"}
