@@ -87,5 +87,8 @@ def buffer_capacity(
         )
     capacity += -capacity % multiple_of
     if maximum is not None:
-        capacity = torch.sym_min(capacity, maximum)  # min of ints; a symbolic min (no guard) for SymInts
+        # a symbolic min (no guard) for SymInts; Python's for ints (torch 2.9's dynamo cannot trace torch.sym_min of
+        # two ints)
+        plain = isinstance(capacity, int) and isinstance(maximum, int)
+        capacity = min(capacity, maximum) if plain else torch.sym_min(capacity, maximum)
     return capacity
