@@ -41,7 +41,7 @@ def dispatcher_watched(*tensors: torch.Tensor | None) -> bool:
     """Whether something watches the dispatcher and would miss an op's code called directly: a tensor subclass
     with its own ``__torch_function__`` among ``tensors``, a TorchDispatchMode or TorchFunctionMode (e.g.
     ``FlopCounterMode``), the profiler, or ``torch.jit.trace``."""
-    return _watched(tensors)
+    return _dispatcher_watched(tensors)
 
 
 def direct_call_ok(device_type: str, *tensors: torch.Tensor | None) -> bool:
@@ -49,7 +49,7 @@ def direct_call_ok(device_type: str, *tensors: torch.Tensor | None) -> bool:
     docs/performance.md has the measurements): :func:`eager_inference` and nothing watches the dispatcher
     (:func:`dispatcher_watched`). In an op's backward formula (no gradient recorded unless ``create_graph``) this
     is what lets it call its backward op's code directly."""
-    return _eager_inference(device_type, tensors) and not _watched(tensors)
+    return _eager_inference(device_type, tensors) and not _dispatcher_watched(tensors)
 
 
 def direct_autograd_ok(device_type: str, *tensors: torch.Tensor | None) -> bool:
@@ -59,7 +59,7 @@ def direct_autograd_ok(device_type: str, *tensors: torch.Tensor | None) -> bool:
     dispatcher, then torch.library's Python wrappers binding and checking the arguments) costs host time per op,
     forward and backward each, which a small layer such as the paper's MNIST layer feels in every call
     (docs/performance.md has the measurements)."""
-    return plain_eager_mode(device_type) and not _watched(tensors)
+    return plain_eager_mode(device_type) and not _dispatcher_watched(tensors)
 
 
 def direct_function(name: str, run, setup_context, backward) -> type[torch.autograd.Function]:
@@ -86,7 +86,3 @@ def _eager_inference(device_type: str, tensors: tuple) -> bool:
     return plain_eager_mode(device_type) and not (
         torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     )
-
-
-def _watched(tensors: tuple) -> bool:
-    return _dispatcher_watched(tensors)
