@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import torch
 from torch.autograd import forward_ad
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
 
-from softmoe.compat import dispatcher_watched, grouped_gemm, has_grouped_gemm, onednn_linear_pointwise
+from softmoe.compat import grouped_gemm, has_grouped_gemm, onednn_linear_pointwise
 from softmoe.compat import transforms_active
 
 
@@ -21,30 +19,6 @@ def test_transforms_active_sees_vmap_grad_and_forward_mode_ad():
         seen.append(transforms_active())
     assert seen == [True, True, True]
     assert not transforms_active()
-
-
-class _Quiet(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
-def test_dispatcher_watched_sees_modes_the_profiler_and_subclasses():
-    x = torch.ones(2)
-    assert not dispatcher_watched((x,))
-    with _Quiet():
-        assert dispatcher_watched((x,))
-    with FlopCounterMode(display=False):
-        assert dispatcher_watched((x,))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-        assert dispatcher_watched((x,))
-
-    class Watching(torch.Tensor):
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):
-            return super().__torch_function__(func, types, args, kwargs or {})
-
-    assert dispatcher_watched((x.as_subclass(Watching),))
-    assert not dispatcher_watched((x,))
 
 
 def test_onednn_linear_pointwise_is_a_fused_linear():

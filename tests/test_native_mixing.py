@@ -23,7 +23,8 @@ from softmoe.kernels import (
     native_mixing_applies,
     soft_moe_mixing,
 )
-from softmoe.kernels.build import LANES, native_module
+from softmoe.kernels.build import LANES
+from softmoe.kernels.soft_moe_mixing import LAYOUTS
 
 mixing_module = sys.modules["softmoe.kernels.soft_moe_mixing"]  # the package exports the function of that name
 
@@ -135,15 +136,15 @@ def kept_combine_inputs(shape, seed):
     return x, dispatch, combine, w1, b1, w2, b2
 
 
-# The native op's layouts of the lanes for a kept combine (kept_lanes_by in csrc/bindings.cpp)
-LAYOUTS = {"auto": 0, "by inputs": 1, "by rows": 2, "by pairs": 3}
+def inference_mixing(inputs, layout, kept_combine, kept_slots=None):
+    """softmoe::soft_moe_mixing_inference with the work laid out as ``layout`` says (a key of LAYOUTS): with
+    ``kept_combine`` the kept slots found from the nonzero combine weights or given as bits, else every slot."""
+    return torch.ops.softmoe.soft_moe_mixing_inference(*inputs, kept_combine, kept_slots, LAYOUTS[layout],
+                                                       kernels.cpu_isa())
 
 
 def kept_mixing(inputs, layout, kept_slots=None):
-    """The native op's inference on a kept combine with the lanes laid out as ``layout`` says, the kept slots found
-    from the nonzero combine weights or given as bits."""
-    return native_module().soft_moe_mixing(*inputs, False, True, kernels.cpu_isa(), LAYOUTS[layout],
-                                           kept_slots=kept_slots)[0]
+    return inference_mixing(inputs, layout, True, kept_slots)
 
 
 def slot_words(kept: torch.Tensor) -> torch.Tensor:
@@ -158,7 +159,7 @@ def slot_words(kept: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("layout", ["as they come", *LAYOUTS])
 @pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
 def test_inference_skips_idle_slots_and_matches_float64(isa, shape, layout, threads):
-    """Without gradients the op's code runs directly; with a kept combine the work is laid out as groups of inputs
+    """In inference, with a kept combine the work is laid out as groups of inputs
     that keep the same slots (the slots whose combine weights are zero for a whole group skipped), as the rows of
     each expert (its inputs up to 8 at a time, vectors along hidden and dim: partial blocks of rows and of vectors,
     hidden and dim below, at and above one vector) or as each input's kept experts one at a time, as the op finds
@@ -184,16 +185,8 @@ def test_inference_lays_out_every_slot_and_matches_float64(isa, shape, layout, t
     lanes, as the op finds cheaper or as forced, and skips nothing: exact in every layout."""
     inputs = tuple(t.detach() for t in random_inputs(*shape, bias=True, seed=sum(shape)))
     with torch.no_grad():
-        out = native_module().soft_moe_mixing(*inputs, False, False, kernels.cpu_isa(), LAYOUTS[layout],
-                                              every_slot=True)[0]
+        out = inference_mixing(inputs, layout, False)
     assert relative_error(out, mixing_reference(*(t.double() for t in inputs))) < 1e-5
-
-
-def test_every_slot_and_a_kept_combine_are_for_inference_and_exclusive():
-    inputs = tuple(t.detach() for t in random_inputs(4, 4, 8, 2, 1, 3, bias=True))
-    for keep_outputs, kept_combine in ((True, False), (False, True)):
-        with pytest.raises(RuntimeError, match="every_slot"):
-            native_module().soft_moe_mixing(*inputs, keep_outputs, kept_combine, kernels.cpu_isa(), every_slot=True)
 
 
 def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):
@@ -220,8 +213,7 @@ def test_inference_runs_no_expert_that_a_group_of_inputs_does_not_keep(isa):
     assert as_they_come[others].isnan().all()
     few = tuple(t[:3] for t in inputs[:3]) + inputs[3:]  # every slot laid out below a group of lanes per thread
     for layout in LAYOUTS:  # and run in every layout: NaN times a zero weight reaches every input, as in torch
-        every = native_module().soft_moe_mixing(*few, False, False, kernels.cpu_isa(), LAYOUTS[layout],
-                                                every_slot=True)[0]
+        every = inference_mixing(few, layout, False)
         assert every.isnan().all(), layout
     assert soft_moe_mixing(x.requires_grad_(), *inputs[1:], kept_combine=True).isnan().all()
 
@@ -250,31 +242,9 @@ def test_groups_run_side_by_side_only_where_both_keep_the_slot(isa, threads):
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore:`torch.jit:DeprecationWarning")
-def test_nothing_that_watches_the_ops_is_bypassed(library):
-    """The direct call, and the direct autograd Functions, are refused under torch.jit.trace, forward-mode AD and
-    for tensor subclasses with their own __torch_function__ (the Functions under autocast too): a trace made under
-    no_grad computes on the inputs it is given, not on the traced ones."""
-    import torch.autograd.forward_ad as fwAD
-
-    from softmoe.kernels.modes import direct_autograd_ok, direct_call_ok
-
+def test_a_trace_computes_on_the_inputs_it_is_given(library):
+    """torch.jit.trace records the ops: a layer traced under no_grad computes on new inputs, not on the traced ones."""
     x = torch.randn(3, 4, 24)
-    assert direct_call_ok("cpu", x) and direct_autograd_ok("cpu", x)
-    assert direct_autograd_ok("cpu", x.requires_grad_()) and not direct_call_ok("cpu", x)
-    with fwAD.dual_level():
-        dual = fwAD.make_dual(x.detach(), torch.ones_like(x))
-        assert not direct_call_ok("cpu", dual) and not direct_autograd_ok("cpu", dual)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not direct_autograd_ok("cpu", x)
-
-    class Watched(torch.Tensor):
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):
-            return super().__torch_function__(func, types, args, kwargs or {})
-
-    watched = x.detach().as_subclass(Watched)
-    assert not direct_call_ok("cpu", watched) and not direct_autograd_ok("cpu", watched)
-    x = x.detach()
     layer = SoftMoE(24, 8, expert_hidden=5, activation="relu").eval()
     with torch.no_grad():
         traced = torch.jit.trace(layer, x, check_trace=False)
@@ -294,20 +264,8 @@ class OpRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def graph_nodes(out: torch.Tensor) -> set[str]:
-    """The class names of the autograd nodes behind ``out``."""
-    seen, stack = set(), [out.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is not None and node not in seen:
-            seen.add(node)
-            stack += [parent for parent, _ in node.next_functions]
-    return {type(node).__name__ for node in seen}
-
-
 def test_the_profiler_and_dispatch_modes_see_the_ops_in_inference(library):
-    """The direct call skips the dispatcher only where nothing watches it: under the profiler or a
-    TorchDispatchMode the layer's inference calls go through torch.ops as in training."""
+    """The layer's inference calls are the ops, which the profiler and a TorchDispatchMode see."""
     layer = SoftMoE(24, 8, expert_hidden=5, activation="relu").eval()
     x = torch.randn(3, 4, 24)
     with torch.no_grad():
@@ -318,31 +276,27 @@ def test_the_profiler_and_dispatch_modes_see_the_ops_in_inference(library):
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-def test_eager_training_runs_the_ops_code_under_their_formulas(library, threads):
-    """In eager training the routing and the mixing run as autograd Functions around the ops' code (no dispatcher,
-    no torch.library wrapper) with the ops' own formulas: the output and every gradient equal, bit for bit, those
-    through the ops, which a dispatch mode watching them gets (forward and backward ops alike); a profiler started
-    after the forward still sees the backward ops."""
+def test_eager_training_runs_the_ops_forward_and_backward(library, threads):
+    """In eager training the routing and the mixing are the ops, differentiated by their C++ autograd with their
+    backward ops: a dispatch mode sees all four, its outputs and gradients equal, bit for bit, those of a plain
+    call, and a profiler started after the forward still sees the backward ops."""
     torch.manual_seed(8)
     layer = SoftMoE(24, 8, expert_hidden=70, activation="relu")  # 70 hidden units: the outputs are kept too
     x, grad = torch.randn(21, 4, 24), torch.randn(21, 4, 24)
-    nodes = {"DirectSoftMoERoutingBackward", "DirectSoftMoEMixingBackward"}
-    direct = output_and_gradients(layer, x, grad)
+    plain = output_and_gradients(layer, x, grad)
     with OpRecorder() as recorder:
-        through_ops = output_and_gradients(layer, x, grad)
-        assert not graph_nodes(layer(x.requires_grad_())) & nodes
+        watched = output_and_gradients(layer, x, grad)
     ops = {f"softmoe.soft_moe_{op}{part}" for op in ("routing", "mixing") for part in ("", "_backward")}
     assert ops <= recorder.ops
-    for got, want in zip(direct, through_ops, strict=True):
+    for got, want in zip(plain, watched, strict=True):
         assert torch.equal(got, want)
     out = layer(x)
-    assert nodes <= graph_nodes(out)
     assert {"softmoe::soft_moe_routing_backward", "softmoe::soft_moe_mixing_backward"} <= kernels_called(
         lambda: out.backward(grad))
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_activation_checkpointing_and_retained_graphs_through_the_direct_functions(library, reentrant):
+def test_activation_checkpointing_and_retained_graphs_through_the_ops(library, reentrant):
     """torch.utils.checkpoint (both implementations: saved-tensor hooks, and a re-run forward under enable_grad)
     and a graph backpropagated twice with retain_graph give the gradients of one plain backward pass, bit for bit."""
     from torch.utils.checkpoint import checkpoint

@@ -181,17 +181,18 @@ def test_double_backward_differentiates_torch_ops(library):
         assert relative_error(got, want) < 1e-4
 
 
-@pytest.mark.parametrize("normalize", NORMALIZATIONS)
-def test_opcheck(library, normalize):
+@pytest.mark.parametrize(("normalize", "onednn"), [("router", False), ("inputs", True), ("none", False)])
+def test_opcheck(library, normalize, onednn):
     x, phi, scale = routing_inputs((2, 3, 10, 7), normalize, seed=4)
     x, phi = x.requires_grad_(), phi.requires_grad_()
-    torch.library.opcheck(torch.ops.softmoe.soft_moe_routing.default, (x, phi, scale, normalize, cpu_isa()))
-    logits, dispatch, combine, r = torch.ops.softmoe.soft_moe_routing(x, phi, scale, normalize, cpu_isa())
+    args = (x, phi, scale, normalize, cpu_isa(), onednn)
+    torch.library.opcheck(torch.ops.softmoe.soft_moe_routing.default, args)
+    logits, dispatch, combine, r = torch.ops.softmoe.soft_moe_routing(*args)
     grads = [torch.randn_like(logits), None, torch.randn_like(combine)]
     torch.library.opcheck(
         torch.ops.softmoe.soft_moe_routing_backward.default,
         (*grads, x.detach(), phi.detach(), scale, logits.detach(), dispatch.detach(), combine.detach(), r,
-         normalize, cpu_isa()),
+         normalize, cpu_isa(), onednn),
     )
 
 

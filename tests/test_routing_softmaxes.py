@@ -204,8 +204,7 @@ def cuda_backend_on_the_cpu(monkeypatch, layer: SoftMoE) -> None:
 
 
 def kernel_stand_in(logits, slots_per_expert, k, kernel, out_dtype, x, eps):
-    """The op's torch implementation where the layer asks for the kernel (whose applying it has checked)."""
-    assert kernel is True
+    """The op's torch implementation in place of its computation (whose kernel needs CUDA)."""
     return fused.reference_routing_softmaxes(logits, slots_per_expert, k, out_dtype, x, eps)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["dispatcher_watched", "grouped_gemm", "has_grouped_gemm", "onednn_linear_pointwise", "transforms_active"]
+__all__ = ["grouped_gemm", "has_grouped_gemm", "onednn_linear_pointwise", "transforms_active"]
 
 
 def transforms_active() -> bool:
@@ -18,19 +18,6 @@ def transforms_active() -> bool:
     ops, since softmoe's custom ops and autograd Functions have no batching or forward-mode rules (a custom op drops
     a dual's tangent without a word)."""
     return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
-
-
-def dispatcher_watched(tensors: tuple) -> bool:
-    """Whether something watches torch's dispatcher and would miss a kernel called without it: a tensor subclass
-    with its own ``__torch_function__`` among ``tensors``, a TorchDispatchMode or TorchFunctionMode (e.g.
-    ``FlopCounterMode``), the profiler, or ``torch.jit.trace``."""
-    return (
-        torch._C._has_torch_function(tensors)
-        or bool(torch._C._len_torch_dispatch_stack())
-        or torch._C._is_torch_function_mode_enabled()
-        or torch._C._autograd._profiler_enabled()
-        or torch._C._get_tracing_state() is not None
-    )
 
 
 def onednn_linear_pointwise(

@@ -18,7 +18,7 @@ from softmoe.backends.generic import SlotsBackend, TokensBackend, expert_rows, s
 from softmoe.backends.generic import token_space_is_cheaper
 from softmoe.kernels import native_available, native_status
 from softmoe.kernels.expert_matmul import NATIVE_FORWARD_MAX_ROWS, NATIVE_MAX_ROWS, expert_matmul, native_applies
-from softmoe.kernels.modes import direct_call_ok, needs_grad
+from softmoe.kernels.modes import needs_grad
 from softmoe.kernels.onednn import batched_matmul
 from softmoe.kernels.soft_moe_mixing import native_mixing_applies, soft_moe_mixing
 from softmoe.kernels.soft_moe_routing import soft_moe_routing, soft_moe_routing_top_k
@@ -37,8 +37,8 @@ def fused_mixing_serves(layer, x: torch.Tensor) -> bool:
 
 def skips_unkept(layer, x: torch.Tensor, *routing: torch.Tensor) -> bool:
     """Whether the mixing of x with a kept combine runs only the kept experts' work: the fused mixing in inference
-    (its code called directly, which lays the kept slots out)."""
-    return fused_mixing_serves(layer, x) and direct_call_ok("cpu", x, *routing, *layer.weights()[2].weights())
+    (``softmoe::soft_moe_mixing_inference`` lays the kept slots out)."""
+    return fused_mixing_serves(layer, x) and not needs_grad(x, *routing, *layer.weights()[2].weights())
 
 
 class CpuBackend(SlotsBackend):
@@ -109,7 +109,7 @@ class CpuBackend(SlotsBackend):
                 combine = renormalized(combine) if renormalize else combine
                 return soft_moe_mixing(x, dispatch, combine, *experts.weights(), kept_combine=True, kept_slots=slots)
             return self.mix_selected(layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept=True)
-        # with gradients recorded or the dispatcher watched: the routing, then the choice in one native call
+        # with gradients recorded: the routing, then the choice in one native call
         dispatch, combine = self.route(layer, x, mask)
         combine, selected = top_k_combine(combine, p, k)
         return self.mix_selected(layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept=True)

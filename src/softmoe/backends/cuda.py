@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from softmoe.backends.base import algorithm1_k
 from softmoe.backends.generic import SlotsBackend
-from softmoe.kernels.routing_softmaxes import fused_routing_applies, fused_routing_softmaxes
+from softmoe.kernels.routing_softmaxes import fused_routing_applies, routing_softmaxes
 from softmoe.layer import NORM_EPS, routing_dtype, routing_from_logits, soft_moe_logits
 
 
@@ -73,7 +73,7 @@ class CudaBackend(SlotsBackend):
             logits, tokens = F.linear(x.to(dtype), weight), x
         else:
             logits, tokens = soft_moe_logits(x, phi, scale, layer.normalize), None
-        return fused_routing_softmaxes(logits, layer.slots_per_expert, k, out_dtype, tokens)
+        return routing_softmaxes(logits, layer.slots_per_expert, k, out_dtype, tokens)
 
     def select(self, layer, x, mask, selector):
         k = algorithm1_k(layer, mask, selector)

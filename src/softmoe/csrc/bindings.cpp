@@ -1,8 +1,10 @@
-/* The Python binding of softmoe's native kernels (one extension, built by softmoe/kernels/build.py): functions on
- * at::Tensor that check their arguments, allocate the outputs and call the kernel variant (see variant.h) named by
- * their `isa` argument, after checking with __builtin_cpu_supports that this CPU runs it. softmoe's custom ops
- * (softmoe/kernels/expert_matmul.py, soft_moe_mixing.py) call them. The kernels run with the GIL released, on as
- * many OpenMP threads as torch uses (at::get_num_threads()).
+/* softmoe's native kernels behind the ops (one extension, built by softmoe/kernels/build.py): functions on at::Tensor
+ * that check their arguments, allocate the outputs and call the kernel variant (see variant.h) named by their `isa`
+ * argument, after checking with __builtin_cpu_supports that this CPU runs it. The routing, mixing and top-k ops'
+ * kernels are registered with the dispatcher here (TORCH_LIBRARY_IMPL at the end; their schemas and fakes are
+ * defined in Python, their autograd in autograd.cpp); the expert matmul's are Python functions that
+ * softmoe/kernels/expert_matmul.py's ops call (with the GIL released). The kernels run on as many OpenMP threads as
+ * torch uses (at::get_num_threads()).
  */
 /* Only the headers needed (torch/extension.h would triple the build time). */
 #include <ATen/Parallel.h>
@@ -14,6 +16,7 @@
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -535,14 +538,14 @@ KeptLanes kept_lanes(const float *combine, const uint64_t *kept_slots, int64_t B
  * if every slot were kept where some thread would have no full group of lanes (fewer inputs than lanes x threads;
  * beyond, the groups won every case measured): a group of lanes mostly empty spends most of its work on lanes
  * without an input (docs/performance.md has the measurements). */
-std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const at::Tensor &dispatch_in,
-                                                   const at::Tensor &combine_in, const at::Tensor &w1_in,
-                                                   const c10::optional<at::Tensor> &b1_in, const at::Tensor &w2_in,
-                                                   const c10::optional<at::Tensor> &b2_in, bool keep_outputs,
-                                                   bool kept_combine, const std::string &isa, int64_t kept_lanes_by,
-                                                   const c10::optional<at::Tensor> &kept_slots, bool every_slot)
+std::tuple<at::Tensor, at::Tensor> mixing_forward(const at::Tensor &x_in, const at::Tensor &dispatch_in,
+                                                  const at::Tensor &combine_in, const at::Tensor &w1_in,
+                                                  const c10::optional<at::Tensor> &b1_in, const at::Tensor &w2_in,
+                                                  const c10::optional<at::Tensor> &b2_in, bool keep_outputs,
+                                                  bool kept_combine, c10::string_view isa, int64_t kept_lanes_by,
+                                                  const c10::optional<at::Tensor> &kept_slots, bool every_slot)
 {
-    const Variant &v = variant(isa);
+    const Variant &v = variant(std::string(isa));
     const MixingShapes s = check_mixing(x_in, dispatch_in, combine_in, w1_in, w2_in, b2_in);
     if (b1_in) {
         check_float_cpu(*b1_in, "bias1", 2);
@@ -552,14 +555,11 @@ std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const
     const at::Tensor w1 = w1_in.contiguous(), w2 = w2_in.contiguous();
     const c10::optional<at::Tensor> b1 = contiguous(b1_in), b2 = contiguous(b2_in);
     const int64_t lanes = v.lanes;
-    TORCH_CHECK(!(keep_outputs && (kept_combine || every_slot)), "softmoe: kept_combine and every_slot are for calls "
-                "without a backward pass: they take keep_outputs false");
-    TORCH_CHECK(!(kept_combine && every_slot), "softmoe: kept_combine skips slots, every_slot skips none: not both");
     TORCH_CHECK(kept_lanes_by >= LANES_AUTO && kept_lanes_by <= LANES_BY_PAIRS, "softmoe: kept_lanes_by must be ",
                 LANES_AUTO, " (auto), ", LANES_BY_INPUTS, " (by inputs), ", LANES_BY_ROWS, " (by rows) or ",
                 LANES_BY_PAIRS, " (by pairs), got ", kept_lanes_by);
     const int64_t P = s.S / s.n, width = s.Hd + (keep_outputs ? s.Dm : 0);
-    TORCH_CHECK(!kept_slots || kept_combine, "softmoe: kept_slots are for a kept combine: it takes kept_combine");
+    TORCH_CHECK(!kept_slots || kept_combine, "softmoe: kept_slots are for a kept combine (kept_combine true)");
     const int64_t words = (s.S + 63) / 64;
     if (kept_slots) {
         TORCH_CHECK(kept_slots->scalar_type() == at::kLong && kept_slots->device().is_cpu() &&
@@ -578,14 +578,12 @@ std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const
                                       : nullptr;
     KeptLanes layout;
     if (kept_combine || every_slot) {
-        pybind11::gil_scoped_release no_gil;
         layout = kept_lanes(combine.data_ptr<float>(), bits, s.B, s.M, s.S, P, s.Hd, s.Dm, lanes, threads(),
                             int(kept_lanes_by));
     }
     at::Tensor out = at::empty({s.B, s.M, s.Dm}, x.options());
     const auto no_records = [&] { return at::empty({0, s.S, width, lanes}, x.options()); };
     if (!layout.first.empty()) { /* pairs one at a time: no groups, no records */
-        pybind11::gil_scoped_release no_gil;
         v.mixing_forward_pairs(x.data_ptr<float>(), dispatch.data_ptr<float>(), combine.data_ptr<float>(),
                                w1.data_ptr<float>(), pointer(b1), w2.data_ptr<float>(), pointer(b2),
                                out.data_ptr<float>(), s.B, s.M, s.S, P, s.Hd, s.Dm, layout.first.data(),
@@ -594,7 +592,6 @@ std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const
     }
     if (!layout.parts.empty()) { /* the rows of each expert: outputs added to zeros (an input keeping nothing: 0) */
         out.zero_();
-        pybind11::gil_scoped_release no_gil;
         v.mixing_forward_rows(x.data_ptr<float>(), dispatch.data_ptr<float>(), combine.data_ptr<float>(),
                               w1.data_ptr<float>(), pointer(b1), w2.data_ptr<float>(), pointer(b2),
                               out.data_ptr<float>(), s.M, s.S, P, s.Hd, s.Dm, layout.order.data(),
@@ -605,7 +602,6 @@ std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const
     at::Tensor saved = at::empty({(s.B + lanes - 1) / lanes, s.S, width, lanes}, x.options());
     int status;
     {
-        pybind11::gil_scoped_release no_gil;
         status = v.mixing_forward(x.data_ptr<float>(), dispatch.data_ptr<float>(), combine.data_ptr<float>(),
                                   w1.data_ptr<float>(), pointer(b1), w2.data_ptr<float>(), pointer(b2),
                                   out.data_ptr<float>(), saved.data_ptr<float>(), s.B, s.M, s.S, P, s.Hd, s.Dm,
@@ -616,16 +612,40 @@ std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x_in, const
     return {out, saved};
 }
 
+/* softmoe::soft_moe_mixing: the mixing with the records its backward reads */
+std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x, const at::Tensor &dispatch,
+                                                   const at::Tensor &combine, const at::Tensor &w1,
+                                                   const c10::optional<at::Tensor> &b1, const at::Tensor &w2,
+                                                   const c10::optional<at::Tensor> &b2, bool keep_outputs,
+                                                   c10::string_view isa)
+{
+    return mixing_forward(x, dispatch, combine, w1, b1, w2, b2, keep_outputs, false, isa, LANES_AUTO, c10::nullopt,
+                          false);
+}
+
+/* softmoe::soft_moe_mixing_inference: no records; with kept_combine only the kept slots run (kept_slots: them as
+ * bits, or None to find them from combine), else every slot; layout: LANES_AUTO or one layout forced */
+at::Tensor soft_moe_mixing_inference(const at::Tensor &x, const at::Tensor &dispatch, const at::Tensor &combine,
+                                     const at::Tensor &w1, const c10::optional<at::Tensor> &b1, const at::Tensor &w2,
+                                     const c10::optional<at::Tensor> &b2, bool kept_combine,
+                                     const c10::optional<at::Tensor> &kept_slots, int64_t layout,
+                                     c10::string_view isa)
+{
+    return std::get<0>(mixing_forward(x, dispatch, combine, w1, b1, w2, b2, false, kept_combine, isa, layout,
+                                      kept_slots, !kept_combine));
+}
+
 /* The gradients of soft_moe_mixing from grad (B, M, Dm) and its saved (with or without the slots' outputs, as its
  * shape says): (x, dispatch, combine, weight1, bias1, weight2, bias2), the bias gradients always computed, (n, Hd)
  * and (n, Dm). */
-std::vector<at::Tensor> soft_moe_mixing_backward(const at::Tensor &grad_in, const at::Tensor &x_in,
-                                                 const at::Tensor &dispatch_in, const at::Tensor &combine_in,
-                                                 const at::Tensor &w1_in, const at::Tensor &w2_in,
-                                                 const c10::optional<at::Tensor> &b2_in, const at::Tensor &saved_in,
-                                                 const std::string &isa)
+using Grads7 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+Grads7 soft_moe_mixing_backward(const at::Tensor &grad_in, const at::Tensor &x_in, const at::Tensor &dispatch_in,
+                                const at::Tensor &combine_in, const at::Tensor &w1_in, const at::Tensor &w2_in,
+                                const c10::optional<at::Tensor> &b2_in, const at::Tensor &saved_in,
+                                c10::string_view isa)
 {
-    const Variant &v = variant(isa);
+    const Variant &v = variant(std::string(isa));
     const MixingShapes s = check_mixing(x_in, dispatch_in, combine_in, w1_in, w2_in, b2_in);
     check_float_cpu(grad_in, "grad", 3);
     check_shape(grad_in, "grad", {s.B, s.M, s.Dm});
@@ -647,7 +667,6 @@ std::vector<at::Tensor> soft_moe_mixing_backward(const at::Tensor &grad_in, cons
     at::Tensor grad_b1 = at::empty({s.n, s.Hd}, x.options()), grad_b2 = at::empty({s.n, s.Dm}, x.options());
     int status;
     {
-        pybind11::gil_scoped_release no_gil;
         status = v.mixing_backward(grad.data_ptr<float>(), x.data_ptr<float>(), dispatch.data_ptr<float>(),
                                    combine.data_ptr<float>(), w1.data_ptr<float>(), w2.data_ptr<float>(), pointer(b2),
                                    saved.data_ptr<float>(), grad_x.data_ptr<float>(), grad_dispatch.data_ptr<float>(),
@@ -810,7 +829,6 @@ routing_forward(const at::Tensor &x_in, const at::Tensor &phi_in, const c10::opt
     const at::Tensor selected = with_selected ? at::empty({B, k}, x.options().dtype(at::kLong)) : at::Tensor();
     const at::Tensor slots = at::empty({B, k ? (S + 63) / 64 : 0}, x.options().dtype(at::kLong));
     {
-        pybind11::gil_scoped_release no_gil;
         v.routing_forward(logits.data_ptr<float>(), x.data_ptr<float>(), dots ? phi_t.data_ptr<float>() : nullptr,
                           rows ? phi_n.data_ptr<float>() : nullptr, dispatch.data_ptr<float>(),
                           combine.data_ptr<float>(), r.data_ptr<float>(), B, M, S, D, mode == ROUTING_ROUTER, p, k,
@@ -820,28 +838,41 @@ routing_forward(const at::Tensor &x_in, const at::Tensor &phi_in, const c10::opt
     return {logits, dispatch, combine, r, selected, slots};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> soft_moe_routing(const at::Tensor &x_in,
-                                                                            const at::Tensor &phi_in,
+/* normalize ("none", "router", "inputs") -> ROUTING_* */
+int64_t routing_mode(c10::string_view normalize)
+{
+    if (normalize == "none") return ROUTING_NONE;
+    if (normalize == "router") return ROUTING_ROUTER;
+    TORCH_CHECK(normalize == "inputs", "softmoe: normalize must be \"none\", \"router\" or \"inputs\", got ",
+                normalize);
+    return ROUTING_INPUTS;
+}
+
+/* softmoe::soft_moe_routing */
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> soft_moe_routing(const at::Tensor &x,
+                                                                            const at::Tensor &phi,
                                                                             const c10::optional<at::Tensor> &scale,
-                                                                            int64_t mode, const std::string &isa,
-                                                                            bool onednn)
+                                                                            c10::string_view normalize,
+                                                                            c10::string_view isa, bool onednn)
 {
     const auto [logits, dispatch, combine, r, selected, slots] =
-        routing_forward(x_in, phi_in, scale, mode, isa, onednn, 1, 0, false);
+        routing_forward(x, phi, scale, routing_mode(normalize), std::string(isa), onednn, 1, 0, false);
     return {logits, dispatch, combine, r};
 }
 
-/* Inference's routing with Algorithm 1's choice in the same pass: (dispatch, combine zero outside the kept experts'
- * slots, the kept slots as bits (B, ceil(S / 64)) int64 (bit s % 64 of word s / 64 for slot s), selected (B, k)
- * ascending where `with_selected`, else None), as soft_moe_routing and top_k_combine would give them. */
-std::tuple<at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>>
-soft_moe_routing_top_k(const at::Tensor &x, const at::Tensor &phi, const c10::optional<at::Tensor> &scale, int64_t mode,
-                       const std::string &isa, bool onednn, int64_t p, int64_t k, bool with_selected)
+/* softmoe::soft_moe_routing_top_k: inference's routing with Algorithm 1's choice in the same pass: (dispatch,
+ * combine zero outside the kept experts' slots, the kept slots as bits (B, ceil(S / 64)) int64 (bit s % 64 of word
+ * s / 64 for slot s), selected (B, k) ascending where `with_selected`, else (B, 0)), as soft_moe_routing and
+ * top_k_combine would give them. */
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+soft_moe_routing_top_k(const at::Tensor &x, const at::Tensor &phi, const c10::optional<at::Tensor> &scale,
+                       c10::string_view normalize, int64_t p, int64_t k, bool with_selected, c10::string_view isa,
+                       bool onednn)
 {
     TORCH_CHECK(k >= 1, "softmoe: k must be at least 1, got ", k);
     const auto [logits, dispatch, combine, r, selected, slots] =
-        routing_forward(x, phi, scale, mode, isa, onednn, p, k, with_selected);
-    return {dispatch, combine, slots, with_selected ? c10::optional<at::Tensor>(selected) : c10::nullopt};
+        routing_forward(x, phi, scale, routing_mode(normalize), std::string(isa), onednn, p, k, with_selected);
+    return {dispatch, combine, slots, with_selected ? selected : at::empty({x.size(0), 0}, slots.options())};
 }
 
 /* The gradients of soft_moe_routing's x, phi and scale (0 without normalization) from those of logits, dispatch and
@@ -850,9 +881,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
     const c10::optional<at::Tensor> &grad_logits, const c10::optional<at::Tensor> &grad_dispatch,
     const c10::optional<at::Tensor> &grad_combine, const at::Tensor &x_in, const at::Tensor &phi_in,
     const c10::optional<at::Tensor> &scale, const at::Tensor &logits_in, const at::Tensor &dispatch_in,
-    const at::Tensor &combine_in, const at::Tensor &r_in, int64_t mode, const std::string &isa, bool onednn)
+    const at::Tensor &combine_in, const at::Tensor &r_in, c10::string_view normalize, c10::string_view isa,
+    bool onednn)
 {
-    const Variant &v = variant(isa);
+    const Variant &v = variant(std::string(isa));
+    const int64_t mode = routing_mode(normalize);
     check_routing(x_in, phi_in, mode);
     const at::Tensor x = x_in.contiguous(), phi = phi_in.contiguous();
     const int64_t B = x.size(0), M = x.size(1), D = x.size(2), S = phi.size(1);
@@ -881,7 +914,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
     at::Tensor grad_x = small ? at::empty({B * M, D}, x.options()) : at::Tensor();
     const at::Tensor grad_phi_t = small ? at::empty({S, D}, x.options()) : at::Tensor();
     {
-        pybind11::gil_scoped_release no_gil;
         v.routing_backward(pointer(grads[0]), pointer(grads[1]), pointer(grads[2]), logits.data_ptr<float>(),
                            dispatch.data_ptr<float>(), combine.data_ptr<float>(), r.data_ptr<float>(),
                            gp.data_ptr<float>(), dot.data_ptr<float>(), small ? x.data_ptr<float>() : nullptr,
@@ -943,9 +975,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
 /* combine (B, M, S) with S = n * p slots -> (kept, selected): Algorithm 1's choice with the `isa` variant of
  * top_k_combine.h (which says what they hold), on as many threads as the work is worth (2^15 floats each). */
 std::tuple<at::Tensor, at::Tensor> top_k_combine(const at::Tensor &combine_in, int64_t p, int64_t k,
-                                                 const std::string &isa)
+                                                 c10::string_view isa)
 {
-    const Variant &v = variant(isa);
+    const Variant &v = variant(std::string(isa));
     check_float_cpu(combine_in, "combine", 3);
     const at::Tensor combine = combine_in.contiguous();
     const int64_t B = combine.size(0), M = combine.size(1), S = combine.size(2);
@@ -955,7 +987,6 @@ std::tuple<at::Tensor, at::Tensor> top_k_combine(const at::Tensor &combine_in, i
     at::Tensor kept = at::empty_like(combine), selected = at::empty({B, k}, combine.options().dtype(at::kLong));
     const int count = int(std::min<int64_t>(threads(), std::max<int64_t>(1, (B * M * S) >> 15)));
     {
-        pybind11::gil_scoped_release no_gil;
         v.top_k_combine(combine.data_ptr<float>(), kept.data_ptr<float>(), selected.data_ptr<int64_t>(), B, M, S, p,
                         k, count);
     }
@@ -963,6 +994,19 @@ std::tuple<at::Tensor, at::Tensor> top_k_combine(const at::Tensor &combine_in, i
 }
 
 } // namespace
+
+/* The CPU kernels of the ops the Python modules define (softmoe/kernels/soft_moe_routing.py, soft_moe_mixing.py,
+ * top_k_combine.py: their schemas and fakes); their autograd is in autograd.cpp. */
+TORCH_LIBRARY_IMPL(softmoe, CPU, m)
+{
+    m.impl("soft_moe_routing", &soft_moe_routing);
+    m.impl("soft_moe_routing_backward", &soft_moe_routing_backward);
+    m.impl("soft_moe_routing_top_k", &soft_moe_routing_top_k);
+    m.impl("soft_moe_mixing", &soft_moe_mixing);
+    m.impl("soft_moe_mixing_backward", &soft_moe_mixing_backward);
+    m.impl("soft_moe_mixing_inference", &soft_moe_mixing_inference);
+    m.impl("top_k_combine", &top_k_combine);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
@@ -976,17 +1020,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("expert_matmul_tn", &expert_matmul_tn, pybind11::arg("x"), pybind11::arg("grad"), pybind11::arg("isa"));
     m.def("reusable_empty", &reusable_float_empty, "an uninitialized float32 CPU tensor from the pool of large blocks",
           pybind11::arg("sizes"));
-    m.def("soft_moe_mixing", &soft_moe_mixing, pybind11::arg("x"), pybind11::arg("dispatch"), pybind11::arg("combine"),
-          pybind11::arg("weight1"), pybind11::arg("bias1"), pybind11::arg("weight2"), pybind11::arg("bias2"),
-          pybind11::arg("keep_outputs"), pybind11::arg("kept_combine"), pybind11::arg("isa"),
-          pybind11::arg("kept_lanes_by") = int64_t(LANES_AUTO), pybind11::arg("kept_slots") = pybind11::none(),
-          pybind11::arg("every_slot") = false);
-    m.def("soft_moe_mixing_backward", &soft_moe_mixing_backward);
-    m.def("soft_moe_routing", &soft_moe_routing);
-    m.def("soft_moe_routing_top_k", &soft_moe_routing_top_k, pybind11::arg("x"), pybind11::arg("phi"),
-          pybind11::arg("scale"), pybind11::arg("mode"), pybind11::arg("isa"), pybind11::arg("onednn"),
-          pybind11::arg("slots_per_expert"), pybind11::arg("k"), pybind11::arg("with_selected") = true);
-    m.def("soft_moe_routing_backward", &soft_moe_routing_backward);
-    m.def("top_k_combine", &top_k_combine, pybind11::arg("combine"), pybind11::arg("slots_per_expert"),
-          pybind11::arg("k"), pybind11::arg("isa"));
 }

@@ -48,7 +48,7 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 ISAS = ("avx512", "avx2", "portable")
 LANES = {"avx512": 16, "avx2": 8, "portable": 4}
 KERNELS = ("expert_matmul", "soft_moe_small", "soft_moe_routing", "top_k_combine")
-SOURCES = ("bindings.cpp", *(f"{kernel}_{isa}.cpp" for kernel in KERNELS for isa in ISAS))
+SOURCES = ("bindings.cpp", "autograd.cpp", *(f"{kernel}_{isa}.cpp" for kernel in KERNELS for isa in ISAS))
 HEADERS = ("kernels.h", "variant.h", "vector_math.h", *(f"{kernel}.h" for kernel in KERNELS))
 # -ffp-contract=fast: multiply-adds become FMAs where the variant has them (ISO C++ mode, which cpp_extension uses,
 # would otherwise leave them apart). No -march: the variants raise the instruction set themselves (variant.h).

@@ -20,10 +20,8 @@ choice takes about sixteen kernels after the two softmaxes (a sum, two sorts, a 
 combine weights); on CUDA this op is one Triton kernel for all of it (:mod:`softmoe.kernels.routing_softmaxes_triton`),
 which also divides each token's logits by the token's norm (the router's normalization: one RMS norm fewer) and
 writes the weights in a bfloat16 layer's dtype (two casts fewer). The "cuda" backend takes it for Algorithm 1 in
-eager inference (the plain forward keeps torch's softmaxes: the op gained less than 1.2x there). It calls the op's
-code directly there
-(:func:`fused_routing_softmaxes`: no autograd to record, and the dispatcher's Python wrapper costs host time on every
-call), through the dispatcher where something watches it.
+eager inference (the plain forward keeps torch's softmaxes: the op gained less than 1.2x there), always through the
+op.
 Elsewhere, and on CUDA without Triton or with ``SOFTMOE_TRITON=0``, the op is torch's ops. Differentiable in the
 logits and the tokens (the choice is a constant of the backward, as in the unfused path).
 """
@@ -38,7 +36,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from softmoe.kernels.modes import dispatcher_watched, eager_inference
+from softmoe.kernels.modes import eager_inference
 from softmoe.selection_plan import kept_slots
 from softmoe.topk import top_k
 
@@ -70,25 +68,12 @@ def fused_routing_applies(
     tokens: Tensor, phi: Tensor, scale: Tensor | None, slots_per_expert: int = 1, k: int = 0
 ) -> bool:
     """Whether a layer routing ``tokens`` (batch, tokens, dim) with ``phi`` (dim, slots) and ``scale`` takes this
-    op for its softmaxes (and, with k > 0, Algorithm 1's choice) rather than torch's ops
-    (:func:`fused_routing_softmaxes`): eager inference on CUDA (:func:`~softmoe.kernels.modes.eager_inference`)
+    op for its softmaxes (and, with k > 0, Algorithm 1's choice) rather than torch's ops: eager inference on CUDA (:func:`~softmoe.kernels.modes.eager_inference`)
     where the op runs its kernel on the logits (:func:`kernel_applies`)."""
     if not (tokens.is_cuda and eager_inference("cuda", tokens, phi, scale)):
         return False
     dtype = torch.promote_types(torch.promote_types(tokens.dtype, phi.dtype), torch.float32)
     return kernel_applies((*tokens.shape[:2], phi.shape[1]), dtype, tokens.device, slots_per_expert, k)
-
-
-def fused_routing_softmaxes(
-    logits: Tensor, slots_per_expert: int, k: int, out_dtype: torch.dtype | None = None, x: Tensor | None = None,
-    eps: float = NORM_EPS,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The op for a layer that :func:`fused_routing_applies` to, whose arguments it has checked: its kernel called
-    directly (no dispatcher's host time, no second check of the arguments), or through the dispatcher where
-    something watches it (the profiler, a dispatch mode: they then see the op and the kernel that runs unwatched)."""
-    if dispatcher_watched(logits, x):
-        return routing_softmaxes(logits, slots_per_expert, k, out_dtype, x, eps)
-    return _compute(logits, slots_per_expert, k, True, out_dtype, x, eps)
 
 
 def kernel_applies(

@@ -5,7 +5,8 @@ The paper's MNIST layer (4 tokens, n = 8..512 experts of 98..2 hidden units) is,
 matmuls that write (batch, slots, dim) tensors; the fused kernel keeps every slot in cache (docs/performance.md
 has the measurements).
 
-Two custom ops, each with a fake (meta) implementation; the forward's autograd formula calls the backward op:
+Three ops, each with a fake (meta) implementation; the forward's autograd (C++, ``csrc/autograd.cpp``, like the
+CPU kernels: an eager call pays no Python beyond the op's call) calls the backward op:
 
     softmoe::soft_moe_mixing(Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, Tensor? bias1,
                              Tensor weight2, Tensor? bias2, bool keep_outputs, str isa) -> (Tensor out, Tensor saved)
@@ -18,6 +19,12 @@ Two custom ops, each with a fake (meta) implementation; the forward's autograd f
             -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)
         the gradients of x, dispatch, combine, weight1, bias1 (experts, hidden), weight2 and bias2 (experts, dim)
         (the bias gradients are computed whether or not the layer has biases)
+    softmoe::soft_moe_mixing_inference(Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, Tensor? bias1,
+                                       Tensor weight2, Tensor? bias2, bool kept_combine, Tensor? kept_slots,
+                                       int layout, str isa) -> Tensor
+        the mixing without records for a backward (no autograd): with ``kept_combine`` only the kept slots run
+        (``kept_slots`` them as bits, or None to find them from combine), else every slot; ``layout`` one of
+        :data:`LAYOUTS` (0: the kernel counts the cheapest per call; see :func:`soft_moe_mixing`)
 
 :func:`soft_moe_mixing` is the Python entry point (input checks, the variant of
 :func:`~softmoe.kernels.cpu_isa`). The backward op has no autograd formula: no double backward.
@@ -28,14 +35,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from softmoe.kernels.build import LANES, native_available, native_module, required_isa
-from softmoe.kernels.modes import (
-    direct_autograd_ok,
-    direct_call_ok,
-    direct_function,
-    needs_grad,
-    transforms_active,
-)
+from softmoe.kernels.build import LANES, native_available, required_isa
+from softmoe.kernels.modes import needs_grad, transforms_active
 
 # The fused kernel serves inputs of at most MIXING_MAX_TOKENS tokens (their routing weights stay in registers) and
 # experts whose two weight matrices (2 dim hidden floats) take at most MIXING_MAX_WEIGHT_BYTES_PER_LANE per vector
@@ -53,6 +54,22 @@ MIXING_MAX_WEIGHT_BYTES_PER_LANE = 112 << 10
 MIXING_KEEP_OUTPUTS_MIN_HIDDEN = 64
 
 
+# The work's layouts in inference (the ``layout`` argument of softmoe::soft_moe_mixing_inference; LANES_* in
+# csrc/bindings.cpp): 0 lets the kernel count the cheapest per call.
+LAYOUTS = {"auto": 0, "by inputs": 1, "by rows": 2, "by pairs": 3}
+
+# The ops' schemas; their CPU kernels (csrc/bindings.cpp) and the mixing's autograd (csrc/autograd.cpp) register when
+# the native extension loads.
+_LIBRARY = torch.library.Library("softmoe", "FRAGMENT")
+_LIBRARY.define("soft_moe_mixing(Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, Tensor? bias1, "
+                "Tensor weight2, Tensor? bias2, bool keep_outputs, str isa) -> (Tensor, Tensor)")
+_LIBRARY.define("soft_moe_mixing_backward(Tensor grad, Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, "
+                "Tensor weight2, Tensor? bias2, Tensor saved, str isa) "
+                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+_LIBRARY.define("soft_moe_mixing_inference(Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, Tensor? bias1, "
+                "Tensor weight2, Tensor? bias2, bool kept_combine, Tensor? kept_slots, int layout, str isa) -> Tensor")
+
+
 def _saved_shape(x: Tensor, dispatch: Tensor, weight1: Tensor, keep_outputs: bool, isa: str) -> tuple:
     if isa not in LANES:
         raise ValueError(f"isa must be one of {tuple(LANES)}, got {isa!r}")
@@ -61,72 +78,13 @@ def _saved_shape(x: Tensor, dispatch: Tensor, weight1: Tensor, keep_outputs: boo
     return ((x.shape[0] + lanes - 1) // lanes, dispatch.shape[2], width, lanes)
 
 
-@torch.library.custom_op("softmoe::soft_moe_mixing", mutates_args=(), device_types="cpu")
-def soft_moe_mixing_op(
-    x: Tensor, dispatch: Tensor, combine: Tensor, weight1: Tensor, bias1: Tensor | None, weight2: Tensor,
-    bias2: Tensor | None, keep_outputs: bool, isa: str,
-) -> tuple[Tensor, Tensor]:
-    """The fused mixing with the ``isa`` variant of the native kernel: (out, saved) (see the module docstring)."""
-    return _run_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa)
-
-
-def _run_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa) -> tuple[Tensor, Tensor]:
-    """The op's code, called directly where no dispatcher is needed (:data:`_DirectMixing`)."""
-    out, saved = native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs,
-                                                 False, isa)
-    return out, saved
-
-
-@soft_moe_mixing_op.register_fake
+@torch.library.register_fake("softmoe::soft_moe_mixing")
 def _(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa):
     torch._check(x.dim() == 3 and dispatch.dim() == 3 and weight1.dim() == 3, lambda: "bad soft_moe_mixing inputs")
     return x.new_empty(x.shape), x.new_empty(_saved_shape(x, dispatch, weight1, keep_outputs, isa))
 
 
-def _setup_mixing(ctx, inputs, output) -> None:
-    x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa = inputs
-    _, saved = output
-    ctx.save_for_backward(x, dispatch, combine, weight1, weight2, bias2, saved)
-    ctx.mark_non_differentiable(saved)
-    ctx.set_materialize_grads(False)  # no zeros written for saved's gradient (800 KB at the MNIST layer's n = 8)
-    ctx.isa = isa
-
-
-def _backward_mixing(ctx, grad: Tensor, _grad_saved: Tensor | None):
-    x, dispatch, combine, weight1, weight2, bias2, saved = ctx.saved_tensors
-    inputs = (grad, x, dispatch, combine, weight1, weight2, bias2, saved)
-    # the backward op's code directly, unless something watches the dispatcher or create_graph records gradients
-    # (the backward op has no formula: that raises, as through the op)
-    backward = _run_mixing_backward if direct_call_ok("cpu", *inputs) else torch.ops.softmoe.soft_moe_mixing_backward
-    grads = list(backward(*inputs, ctx.isa))
-    for i, needed in enumerate(ctx.needs_input_grad[:7]):
-        if not needed:  # e.g. an absent or frozen bias
-            grads[i] = None
-    return (*grads, None, None)
-
-
-soft_moe_mixing_op.register_autograd(_backward_mixing, setup_context=_setup_mixing)
-# The same formula around the op's code, for eager calls (softmoe.kernels.modes.direct_autograd_ok).
-_DirectMixing = direct_function("DirectSoftMoEMixing", _run_mixing, _setup_mixing, _backward_mixing)
-
-
-@torch.library.custom_op("softmoe::soft_moe_mixing_backward", mutates_args=(), device_types="cpu")
-def soft_moe_mixing_backward_op(
-    grad: Tensor, x: Tensor, dispatch: Tensor, combine: Tensor, weight1: Tensor, weight2: Tensor,
-    bias2: Tensor | None, saved: Tensor, isa: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The gradients of softmoe::soft_moe_mixing (see the module docstring)."""
-    return _run_mixing_backward(grad, x, dispatch, combine, weight1, weight2, bias2, saved, isa)
-
-
-def _run_mixing_backward(grad, x, dispatch, combine, weight1, weight2, bias2, saved, isa) -> tuple[Tensor, ...]:
-    """The backward op's code, called directly where no dispatcher is needed (:func:`_backward_mixing`)."""
-    return tuple(
-        native_module().soft_moe_mixing_backward(grad, x, dispatch, combine, weight1, weight2, bias2, saved, isa)
-    )
-
-
-@soft_moe_mixing_backward_op.register_fake
+@torch.library.register_fake("softmoe::soft_moe_mixing_backward")
 def _(grad, x, dispatch, combine, weight1, weight2, bias2, saved, isa):
     experts, _, hidden = weight1.shape
     return (
@@ -136,24 +94,8 @@ def _(grad, x, dispatch, combine, weight1, weight2, bias2, saved, isa):
     )
 
 
-@torch.library.custom_op("softmoe::soft_moe_mixing_inference", mutates_args=(), device_types="cpu")
-def soft_moe_mixing_inference_op(
-    x: Tensor, dispatch: Tensor, combine: Tensor, weight1: Tensor, bias1: Tensor | None, weight2: Tensor,
-    bias2: Tensor | None, kept_combine: bool, kept_slots: Tensor | None, isa: str,
-) -> Tensor:
-    """The fused mixing without a backward pass (no records kept): with ``kept_combine`` only the kept slots run
-    (``kept_slots``: them as bits, or None to find them from combine), else every slot, each laid out per call the
-    cheapest way (see :func:`soft_moe_mixing`). No backward."""
-    return _run_inference(x, dispatch, combine, weight1, bias1, weight2, bias2, kept_combine, kept_slots, isa)
-
-
-def _run_inference(x, dispatch, combine, weight1, bias1, weight2, bias2, kept_combine, kept_slots, isa) -> Tensor:
-    return native_module().soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, False, kept_combine,
-                                           isa, kept_slots=kept_slots, every_slot=not kept_combine)[0]
-
-
-@soft_moe_mixing_inference_op.register_fake
-def _(x, dispatch, combine, weight1, bias1, weight2, bias2, kept_combine, kept_slots, isa):
+@torch.library.register_fake("softmoe::soft_moe_mixing_inference")
+def _(x, dispatch, combine, weight1, bias1, weight2, bias2, kept_combine, kept_slots, layout, isa):
     return x.new_empty(x.shape)
 
 
@@ -194,7 +136,7 @@ def soft_moe_mixing(
     (experts, hidden, dim), bias2 (experts, dim) -> (batch, tokens, dim). No (batch, slots, dim) tensor is written:
     each thread takes 16 (AVX-512; two groups of 8 with AVX2) inputs at a time, one per vector lane, and runs
     dispatch, both expert layers and the combine of a slot back to back in its cache. In inference (no gradient to
-    record: ``softmoe::soft_moe_mixing_inference``, its code called directly where nothing watches the dispatcher)
+    record: ``softmoe::soft_moe_mixing_inference``)
     it keeps no records and, with fewer inputs than a
     group of lanes per thread or with ``kept_combine``, lays the work out per call in the cheapest of three ways the
     kernel counts: groups of inputs (with ``kept_combine``, those that keep the same slots, a slot run for a group
@@ -211,26 +153,18 @@ def soft_moe_mixing(
     isa = required_isa()
     tensors = (x, dispatch, combine, weight1, bias1, weight2, bias2)
     if not needs_grad(*tensors):
-        # inference: with kept_combine only the kept experts run (no backward reads the records of the others); the
-        # op's code directly where nothing watches the dispatcher, else the op: the same kernel either way. The
+        # inference: with kept_combine only the kept experts run (no backward reads the records of the others). The
         # kernel checks the same as _check_mixing_inputs, whose clearer errors are only needed where it refuses.
-        direct = direct_call_ok("cpu", *tensors)
-        mixing = _run_inference if direct else torch.ops.softmoe.soft_moe_mixing_inference
-        if not direct:
-            _check_mixing_inputs(*tensors)
         try:
-            return mixing(*tensors, kept_combine, kept_slots if kept_combine else None, isa)
+            return torch.ops.softmoe.soft_moe_mixing_inference.default(
+                *tensors, kept_combine, kept_slots if kept_combine else None, LAYOUTS["auto"], isa)
         except RuntimeError:
             _check_mixing_inputs(*tensors)
             raise
-    _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2)
-    # the outputs are kept only for a backward pass: none under no_grad or for inputs without gradients
-    keep = weight1.shape[2] >= MIXING_KEEP_OUTPUTS_MIN_HIDDEN and needs_grad(
-        x, dispatch, combine, weight1, bias1, weight2, bias2
-    )
-    # eager training: the op's code and formula without the dispatcher; torch.compile and the like see the op
-    mixing = _DirectMixing.apply if direct_autograd_ok("cpu", *tensors) else torch.ops.softmoe.soft_moe_mixing
-    out, _ = mixing(*tensors, keep, isa)
+    _check_mixing_inputs(*tensors)
+    # the outputs are kept only for a backward pass
+    keep = weight1.shape[2] >= MIXING_KEEP_OUTPUTS_MIN_HIDDEN
+    out, _ = torch.ops.softmoe.soft_moe_mixing.default(*tensors, keep, isa)
     return out
 
 

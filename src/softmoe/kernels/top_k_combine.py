@@ -11,8 +11,9 @@
 alike; elsewhere it sums in the tensor's precision with torch's ops, where two experts whose sums differ only by
 rounding may rank the other way. In torch's ops the choice and the dense plan's mask were a sum, a sort or a host
 read, a mask built from the choice and a ``torch.where``, several ops where this is one (docs/performance.md has
-the measurements). The op has a fake and an autograd registration (``kept``'s gradient is the upstream gradient on
-the kept slots; ``selected`` is not differentiable), so it composes with torch.compile and autograd.
+the measurements). The op has a fake and a C++ autograd registration (``csrc/autograd.cpp``: ``kept``'s gradient is
+the upstream gradient on the kept slots; ``selected`` is not differentiable), so it composes with torch.compile and
+autograd.
 """
 
 from __future__ import annotations
@@ -20,18 +21,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from softmoe.kernels.build import native_available, native_module, required_isa
-from softmoe.kernels.modes import direct_call_ok, transforms_active
-from softmoe.selection_plan import kept_slots
+from softmoe.kernels.build import native_available, required_isa
+from softmoe.kernels.modes import transforms_active
+
+# The op's schema; its CPU kernel (csrc/bindings.cpp) and autograd (csrc/autograd.cpp) register when the native
+# extension loads.
+_LIBRARY = torch.library.Library("softmoe", "FRAGMENT")
+_LIBRARY.define("top_k_combine(Tensor combine, int slots_per_expert, int k, str isa) -> (Tensor, Tensor)")
 
 
-@torch.library.custom_op("softmoe::top_k_combine", mutates_args=(), device_types="cpu")
-def top_k_combine_op(combine: Tensor, slots_per_expert: int, k: int, isa: str) -> tuple[Tensor, Tensor]:
-    """(kept combine, selected experts) with the ``isa`` variant of the native kernel (see the module docstring)."""
-    return native_module().top_k_combine(combine, slots_per_expert, k, isa)
-
-
-@top_k_combine_op.register_fake
+@torch.library.register_fake("softmoe::top_k_combine")
 def _(combine: Tensor, slots_per_expert: int, k: int, isa: str) -> tuple[Tensor, Tensor]:
     torch._check(combine.dim() == 3 and combine.dtype == torch.float32,
                  lambda: "combine must be a (batch, tokens, slots) float32 tensor")
@@ -40,22 +39,6 @@ def _(combine: Tensor, slots_per_expert: int, k: int, isa: str) -> tuple[Tensor,
     torch._check(1 <= k <= combine.shape[2] // slots_per_expert, lambda: "k must lie in [1, the experts]")
     kept = combine.new_empty(combine.shape)
     return kept, combine.new_empty((combine.shape[0], k), dtype=torch.int64)
-
-
-def _setup(ctx, inputs, output) -> None:
-    combine, slots_per_expert, _, _ = inputs
-    _, selected = output
-    ctx.mark_non_differentiable(selected)
-    ctx.save_for_backward(selected)
-    ctx.num_experts, ctx.slots_per_expert = combine.shape[2] // slots_per_expert, slots_per_expert
-
-
-def _backward(ctx, grad_kept: Tensor, _grad_selected: Tensor):
-    (selected,) = ctx.saved_tensors
-    return torch.where(kept_slots(selected, ctx.num_experts, ctx.slots_per_expert), grad_kept, 0.0), None, None, None
-
-
-top_k_combine_op.register_autograd(_backward, setup_context=_setup)
 
 
 def native_top_k_applies(combine: Tensor) -> bool:
@@ -80,11 +63,8 @@ def check_choice(name: str, slots: int, slots_per_expert: int, k: int) -> None:
 
 def top_k_combine(combine: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor]:
     """Algorithm 1 on combine (batch, tokens, n * p): (combine with the unselected experts' slots zeroed, the
-    selected experts (batch, k) int64 ascending), by ``softmoe::top_k_combine`` (its code called directly where
-    :func:`~softmoe.kernels.modes.direct_call_ok`) with the variant :func:`~softmoe.kernels.cpu_isa` names. Only
+    selected experts (batch, k) int64 ascending), by ``softmoe::top_k_combine`` with the variant
+    :func:`~softmoe.kernels.cpu_isa` names. Only
     where :func:`native_top_k_applies`; a ValueError for a k outside [1, n] or slots that are not n * p."""
     check_choice("combine", combine.shape[-1], slots_per_expert, k)
-    isa = required_isa()
-    if direct_call_ok("cpu", combine):  # the op's code without the dispatcher's host time
-        return native_module().top_k_combine(combine, slots_per_expert, k, isa)
-    return torch.ops.softmoe.top_k_combine(combine, slots_per_expert, k, isa)
+    return torch.ops.softmoe.top_k_combine.default(combine, slots_per_expert, k, required_isa())

@@ -1,0 +1,194 @@
+/* The autograd of softmoe's differentiable native ops: soft_moe_routing, soft_moe_mixing and top_k_combine (their
+ * schemas and fakes in softmoe/kernels/*.py, their CPU kernels in bindings.cpp).
+ *
+ * Each op's Autograd kernel is a torch::autograd::Function that runs the op below autograd, saves what its backward
+ * reads and differentiates it with the backward op, every step through the dispatcher: torch.compile, the profiler
+ * and dispatch modes see each op that runs, eager and compiled calls run the same kernels, and an eager call, with or
+ * without gradients, costs no Python beyond the op's call.
+ *
+ * An absent optional tensor is no input of a Function's node: needs_input_grad counts only the tensors present,
+ * while the gradients returned have one place for every argument. */
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/repeat_interleave.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptionalTensor = c10::optional<Tensor>;
+
+OptionalTensor optional(const Tensor &t) { return t.defined() ? OptionalTensor(t) : c10::nullopt; }
+
+template <class Signature> c10::TypedOperatorHandle<Signature> op(const char *name)
+{
+    return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+/* ---- softmoe::soft_moe_routing ------------------------------------------------------------------------------ */
+
+using Routing4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+using Grads3 = std::tuple<Tensor, Tensor, Tensor>;
+using RoutingOp = Routing4(const Tensor &, const Tensor &, const OptionalTensor &, c10::string_view, c10::string_view,
+                           bool);
+using RoutingBackwardOp = Grads3(const OptionalTensor &, const OptionalTensor &, const OptionalTensor &,
+                                 const Tensor &, const Tensor &, const OptionalTensor &, const Tensor &,
+                                 const Tensor &, const Tensor &, const Tensor &, c10::string_view, c10::string_view,
+                                 bool);
+using RoutingTorchGradsOp = Grads3(const OptionalTensor &, const OptionalTensor &, const OptionalTensor &,
+                                   const Tensor &, const Tensor &, const OptionalTensor &, c10::string_view);
+
+struct Routing : public torch::autograd::Function<Routing> {
+    static variable_list forward(AutogradContext *ctx, const Tensor &x, const Tensor &phi,
+                                 const OptionalTensor &scale, const std::string &normalize, const std::string &isa,
+                                 bool onednn)
+    {
+        static const auto routing = op<RoutingOp>("softmoe::soft_moe_routing");
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        const auto [logits, dispatch, combine, r] = routing.call(x, phi, scale, normalize, isa, onednn);
+        ctx->save_for_backward({x, phi, scale.value_or(Tensor()), logits, dispatch, combine, r});
+        ctx->mark_non_differentiable({r});
+        ctx->set_materialize_grads(false); /* an output left unused (the layer's logits) gets no gradient of zeros */
+        ctx->saved_data["normalize"] = normalize;
+        ctx->saved_data["isa"] = isa;
+        ctx->saved_data["onednn"] = onednn;
+        return {logits, dispatch, combine, r};
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads)
+    {
+        static const auto native = op<RoutingBackwardOp>("softmoe::soft_moe_routing_backward");
+        static const auto in_torch = op<RoutingTorchGradsOp>("softmoe::soft_moe_routing_torch_grads");
+        const variable_list saved = ctx->get_saved_variables();
+        const Tensor &x = saved[0], &phi = saved[1], &scale = saved[2];
+        const std::string normalize = ctx->saved_data["normalize"].toStringRef();
+        const OptionalTensor g_logits = optional(grads[0]), g_dispatch = optional(grads[1]);
+        const OptionalTensor g_combine = optional(grads[2]);
+        /* a double backward (create_graph) differentiates the routing recomputed in torch's ops */
+        const auto [grad_x, grad_phi, grad_scale] =
+            at::GradMode::is_enabled()
+                ? in_torch.call(g_logits, g_dispatch, g_combine, x, phi, optional(scale), normalize)
+                : native.call(g_logits, g_dispatch, g_combine, x, phi, optional(scale), saved[3], saved[4], saved[5],
+                              saved[6], normalize, ctx->saved_data["isa"].toStringRef(),
+                              ctx->saved_data["onednn"].toBool());
+        return {ctx->needs_input_grad(0) ? grad_x : Tensor(), ctx->needs_input_grad(1) ? grad_phi : Tensor(),
+                scale.defined() && ctx->needs_input_grad(2) ? grad_scale.reshape(scale.sizes()) : Tensor(),
+                Tensor(), Tensor(), Tensor()};
+    }
+};
+
+Routing4 routing_autograd(const Tensor &x, const Tensor &phi, const OptionalTensor &scale,
+                          c10::string_view normalize, c10::string_view isa, bool onednn)
+{
+    const variable_list out = Routing::apply(x, phi, scale, std::string(normalize), std::string(isa), onednn);
+    return {out[0], out[1], out[2], out[3]};
+}
+
+/* ---- softmoe::soft_moe_mixing ------------------------------------------------------------------------------- */
+
+using MixingOp = std::tuple<Tensor, Tensor>(const Tensor &, const Tensor &, const Tensor &, const Tensor &,
+                                            const OptionalTensor &, const Tensor &, const OptionalTensor &, bool,
+                                            c10::string_view);
+using MixingBackwardOp = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
+    const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
+    const OptionalTensor &, const Tensor &, c10::string_view);
+
+struct Mixing : public torch::autograd::Function<Mixing> {
+    static variable_list forward(AutogradContext *ctx, const Tensor &x, const Tensor &dispatch, const Tensor &combine,
+                                 const Tensor &weight1, const OptionalTensor &bias1, const Tensor &weight2,
+                                 const OptionalTensor &bias2, bool keep_outputs, const std::string &isa)
+    {
+        static const auto mixing = op<MixingOp>("softmoe::soft_moe_mixing");
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        const auto [out, saved] = mixing.call(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa);
+        ctx->save_for_backward({x, dispatch, combine, weight1, weight2, bias2.value_or(Tensor()), saved});
+        ctx->mark_non_differentiable({saved});
+        ctx->set_materialize_grads(false); /* no zeros written for saved's gradient */
+        ctx->saved_data["isa"] = isa;
+        ctx->saved_data["bias1"] = bias1.has_value();
+        return {out, saved};
+    }
+
+    /* The backward op has no formula of its own: a double backward through it raises (see the registration). */
+    static variable_list backward(AutogradContext *ctx, variable_list grads)
+    {
+        static const auto mixing_backward = op<MixingBackwardOp>("softmoe::soft_moe_mixing_backward");
+        variable_list result(9);
+        if (!grads[0].defined()) return result;
+        const variable_list s = ctx->get_saved_variables();
+        const auto [gx, gd, gc, gw1, gb1, gw2, gb2] = mixing_backward.call(
+            grads[0], s[0], s[1], s[2], s[3], s[4], optional(s[5]), s[6], ctx->saved_data["isa"].toStringRef());
+        const Tensor all[] = {gx, gd, gc, gw1, gb1, gw2, gb2};
+        const bool present[] = {true, true, true, true, ctx->saved_data["bias1"].toBool(), true, s[5].defined()};
+        for (int i = 0, edge = 0; i < 7; i++)
+            if (present[i] && ctx->needs_input_grad(edge++)) result[i] = all[i]; /* not for a frozen bias */
+        return result;
+    }
+};
+
+std::tuple<Tensor, Tensor> mixing_autograd(const Tensor &x, const Tensor &dispatch, const Tensor &combine,
+                                           const Tensor &weight1, const OptionalTensor &bias1, const Tensor &weight2,
+                                           const OptionalTensor &bias2, bool keep_outputs, c10::string_view isa)
+{
+    const variable_list out =
+        Mixing::apply(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, std::string(isa));
+    return {out[0], out[1]};
+}
+
+/* ---- softmoe::top_k_combine --------------------------------------------------------------------------------- */
+
+using TopKCombineOp = std::tuple<Tensor, Tensor>(const Tensor &, int64_t, int64_t, c10::string_view);
+
+struct TopKCombine : public torch::autograd::Function<TopKCombine> {
+    static variable_list forward(AutogradContext *ctx, const Tensor &combine, int64_t p, int64_t k,
+                                 const std::string &isa)
+    {
+        static const auto top_k_combine = op<TopKCombineOp>("softmoe::top_k_combine");
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        const auto [kept, selected] = top_k_combine.call(combine, p, k, isa);
+        ctx->mark_non_differentiable({selected});
+        ctx->save_for_backward({selected});
+        ctx->saved_data["experts"] = combine.size(2) / p;
+        ctx->saved_data["p"] = p;
+        return {kept, selected};
+    }
+
+    /* kept's gradient is the upstream gradient on the kept slots, zero elsewhere */
+    static variable_list backward(AutogradContext *ctx, variable_list grads)
+    {
+        if (!grads[0].defined()) return variable_list(4);
+        const Tensor selected = ctx->get_saved_variables()[0];
+        const int64_t experts = ctx->saved_data["experts"].toInt(), p = ctx->saved_data["p"].toInt();
+        const Tensor chosen = at::zeros({selected.size(0), experts}, selected.options().dtype(at::kBool))
+                                  .scatter_(1, selected, true);
+        const Tensor kept_slots = at::repeat_interleave(chosen, p, 1).unsqueeze(1);
+        return {at::where(kept_slots, grads[0], 0.0), Tensor(), Tensor(), Tensor()};
+    }
+};
+
+std::tuple<Tensor, Tensor> top_k_combine_autograd(const Tensor &combine, int64_t p, int64_t k,
+                                                  c10::string_view isa)
+{
+    const variable_list out = TopKCombine::apply(combine, p, k, std::string(isa));
+    return {out[0], out[1]};
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(softmoe, Autograd, m)
+{
+    m.impl("soft_moe_routing", &routing_autograd);
+    m.impl("soft_moe_mixing", &mixing_autograd);
+    m.impl("top_k_combine", &top_k_combine_autograd);
+    /* the backward ops, run with gradients recorded (create_graph), give outputs whose backward raises */
+    m.impl("soft_moe_mixing_backward", torch::autograd::autogradNotImplementedFallback());
+    m.impl("soft_moe_routing_backward", torch::autograd::autogradNotImplementedFallback());
+}
