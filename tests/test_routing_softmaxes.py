@@ -8,7 +8,6 @@ import importlib.util
 import math
 import os
 import sys
-import types
 
 import pytest
 import torch
@@ -267,8 +266,8 @@ def test_a_bfloat16_layer_takes_its_weights_from_the_op_in_its_dtype(monkeypatch
 
 @pytest.mark.parametrize("watcher", ["profiler", "dispatch mode"])
 def test_a_watched_layer_calls_the_op_through_the_dispatcher(monkeypatch, watcher):
-    """Under the profiler or a dispatch mode the layer's fused path goes through the op (forced on the CPU, where the
-    op is torch's ops), so they see it and the kernels it runs, as the layer runs unwatched."""
+    """The layer's fused path is the op (forced on the CPU, where the op is torch's ops): the profiler and a dispatch
+    mode see it."""
     monkeypatch.setattr(cuda_backend, "fused_routing_applies", lambda *args: True)
     monkeypatch.setattr(fused, "_compute",  # the op's torch implementation for the kernel, both ways
                         lambda logits, p, k, kernel, *args: fused.reference_routing_softmaxes(logits, p, k, *args))
@@ -363,8 +362,8 @@ def test_the_kernel_equals_torchs_ops(shape, p, k):
 
 @needs_kernel
 def test_a_compiled_kernel_called_again_equals_torchs_ops():
-    """The second launch of a shape calls the kernel compiled at the first (with Triton 3.6 on CUDA) on new logits;
-    logits one float off a 16-byte boundary take a kernel compiled without that alignment."""
+    """The second launch of a shape runs the kernel compiled at the first on new logits; logits one float off a
+    16-byte boundary take a kernel compiled without that alignment."""
     from softmoe.kernels.routing_softmaxes_triton import launch
 
     storage = torch.randn(2 * 3 * 40 * 24 + 1, device=KERNEL_DEVICE) * 3
@@ -380,183 +379,41 @@ def test_a_compiled_kernel_called_again_equals_torchs_ops():
             assert torch.equal(got[2], want[2])
 
 
-class _FakeLauncher:
-    """Stands for Triton 3.6's launcher of a compiled kernel: its C function records each call's arguments."""
-
-    launch_cooperative_grid, launch_pdl, profile_scratch_size = False, True, 0
-
-    def __init__(self, calls, scratch):
-        self.launch = lambda *args: calls.append(("bare", args))
-        self.global_scratch_size = scratch
-
-
-class _FakeCompiled:
-    """Stands for a kernel Triton compiled: records the grid and arguments of each call through Triton."""
-
-    function, packed_metadata = 1234, (4, 1, 0)
-
-    def __init__(self, calls, scratch):
-        self.calls = calls
-        self.run = _FakeLauncher(calls, scratch)
-
-    def __getitem__(self, grid):
-        return lambda *args: self.calls.append(("compiled", grid, args))
-
-
 class _FakeJit:
-    """Stands for the JIT kernel: each launch records its arguments and returns a new compiled kernel (needing
-    global scratch memory where ``scratch``)."""
+    """Stands for the JIT kernel: each launch records its grid, arguments and meta-parameters, and the current
+    device."""
 
-    def __init__(self, scratch=0):
+    def __init__(self):
         self.calls = []
-        self.scratch = scratch
 
     def __getitem__(self, grid):
-        def run(*args, **meta):
-            self.calls.append(("jit", grid, args, meta))
-            return _FakeCompiled(self.calls, self.scratch)
-        return run
+        return lambda *args, **meta: self.calls.append((grid, args, meta, torch.cuda.current_device()))
 
 
-class Chain:
-    """Stands for Triton 3.6's chain of launch hooks."""
-
-    def __init__(self, *calls):
-        self.calls = list(calls)
-
-
-def fake_triton_launches(monkeypatch, triton_module, scratch=0):
-    """The triton module's launch with a fake JIT kernel, on CPU tensors (stream 77), direct launches on."""
-    jit = _FakeJit(scratch)
-    hooks = types.SimpleNamespace(launch_enter_hook=Chain(), launch_exit_hook=Chain())  # Triton 3.6's, empty
-    knobs = types.SimpleNamespace(runtime=hooks)
-    monkeypatch.setattr(triton_module, "triton", types.SimpleNamespace(knobs=knobs))
+def test_a_launch_passes_the_shapes_and_its_constexprs_to_the_jit(monkeypatch):
+    """The launch logic without a GPU: one program per input; the tensors, then the sizes, then the constexprs
+    (blocks of the sizes rounded up to powers of two, at least 16); without a choice the kernel gets dispatch for
+    selected, without tokens the logits for x."""
+    triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
+    jit = _FakeJit()
     monkeypatch.setattr(triton_module, "routing_softmaxes_kernel", jit)
-    monkeypatch.setattr(triton_module, "DIRECT_LAUNCH", True)
-    monkeypatch.setattr(triton_module, "_bare_layout_known", lambda: True)  # (Triton 3.6 for NVIDIA GPUs)
-    monkeypatch.setattr(triton_module, "_COMPILED", {})
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
-
-    def launch(logits, p=2, k=3, choose=True):
-        outputs = torch.empty_like(logits), torch.empty_like(logits), torch.empty(2, k, dtype=torch.int64)
-        triton_module.launch(logits, *outputs, p, k, choose)
-        return outputs
-
-    return jit, knobs, launch
-
-
-def test_a_compiled_kernel_is_called_directly_per_shape_and_alignment(monkeypatch):
-    """The launch logic without a GPU: the first launch of a key goes through the JIT kernel, later ones call the C
-    function of what it compiled with the stream, the kernel's handle, flags and metadata, then every argument (the
-    pointers as integers, the constexprs in the kernel's order); another shape, k, choice or alignment of a pointer
-    is another key; with DIRECT_LAUNCH off (before Triton 3.6) every launch is the JIT's."""
-    triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
-    jit, knobs, launch = fake_triton_launches(monkeypatch, triton_module)
-    storage = torch.zeros(2 * 20 * 12 + 4)
-    logits = storage[:2 * 20 * 12].view(2, 20, 12)
-    out = launch(logits)
-    assert [c[0] for c in jit.calls] == ["jit"]
-    assert jit.calls[0][2][:5] == (logits, logits, *out) and jit.calls[0][2][5:] == (20, 12, 2, 6, 3)
-    assert jit.calls[0][3] == dict(BLOCK_T=32, BLOCK_S=16, BLOCK_E=16, BLOCK_D=64, CHOOSE=True, NORMALIZE=False,
-                                   DIM=0, EPS=1e-6, num_warps=4)
-    out = launch(logits)
-    kind, args = jit.calls[1]
-    pointers = tuple(t.data_ptr() for t in (logits, logits, *out))
-    assert kind == "bare" and args[:4] == (2, 1, 1, 77)
-    assert args[4:13] == (1234, False, True, None, None, (4, 1, 0), None, None, None)
-    assert args[13:] == (*pointers, 20, 12, 2, 6, 3, 32, 16, 16, 64, True, False, 0, 1e-6)
-    # a profiler's hooks (Triton 3.6's chains, or before it a hook): Triton's own call runs them
-    for enter, exit in (Chain(print), Chain()), (Chain(), Chain(print)), (print, None):
-        knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook = enter, exit
-        out = launch(logits)
-        kind, grid, args = jit.calls[-1]
-        assert kind == "compiled" and grid == (2, 1, 1)
-        assert args[:5] == (logits, logits, *out) and args[5:] == (20, 12, 2, 6, 3, 32, 16, 16, 64, True, False, 0,
-                                                                   1e-6)
-    knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook = None, None
-    launch(logits)
-    assert jit.calls[-1][0] == "bare"
-    launch(logits, k=4)
-    launch(logits, p=1)
-    launch(logits, k=0, choose=False)
-    launch(storage[1:1 + 2 * 20 * 12].view(2, 20, 12))  # 4 bytes off: another specialization
-    launch(storage[4:].view(2, 20, 12))  # 16 bytes off: aligned like the first
-    assert [c[0] for c in jit.calls[6:]] == ["jit", "jit", "jit", "jit", "bare"]
-    assert jit.calls[8][2][4] is jit.calls[8][2][2]  # without a choice the kernel gets dispatch for selected
-    monkeypatch.setattr(triton_module, "DIRECT_LAUNCH", False)
-    monkeypatch.setattr(triton_module, "_COMPILED", {})
-    launch(logits)
-    launch(logits)
-    assert [c[0] for c in jit.calls[11:]] == ["jit", "jit"]
-
-
-def test_the_tokens_and_the_output_dtype_are_part_of_the_launch_key(monkeypatch):
-    """A launch with tokens, with tokens of another dim or dtype, or into outputs of another dtype compiles anew; a
-    bare call with tokens passes their pointer second and the constexprs NORMALIZE, DIM and EPS."""
-    triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
-    jit, _, launch = fake_triton_launches(monkeypatch, triton_module)
-    logits = torch.zeros(2, 20, 12)
-
-    def run(x=None, out_dtype=torch.float32):
-        outputs = (torch.empty_like(logits, dtype=out_dtype), torch.empty_like(logits, dtype=out_dtype),
-                   torch.empty(2, 3, dtype=torch.int64))
-        triton_module.launch(logits, *outputs, 2, 3, True, x)
-        return outputs
-
-    x5, x6 = torch.zeros(2, 20, 5), torch.zeros(2, 20, 6)
-    launch(logits)
-    run(x5)
-    out = run(x5)
-    run(x6)
-    run(x5.to(torch.bfloat16))
-    run(x5, torch.bfloat16)
-    run(x5, torch.bfloat16)
-    assert [c[0] for c in jit.calls] == ["jit", "jit", "bare", "jit", "jit", "jit", "bare"]
-    assert jit.calls[1][3]["NORMALIZE"] and jit.calls[1][3]["DIM"] == 5 and jit.calls[1][2][1] is x5
-    args = jit.calls[2][1]
-    assert args[13:18] == tuple(t.data_ptr() for t in (logits, x5, *out))
-    assert args[18:] == (20, 12, 2, 6, 3, 32, 16, 16, 64, True, True, 5, 1e-6)
-
-
-def test_a_kernel_needing_scratch_memory_is_called_through_triton(monkeypatch):
-    """Triton allocates a kernel's global scratch memory in its own call: such a kernel is never called bare."""
-    triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
-    jit, _, launch = fake_triton_launches(monkeypatch, triton_module, scratch=64)
-    logits = torch.zeros(2, 20, 12)
-    launch(logits)
-    launch(logits)
-    assert [c[0] for c in jit.calls] == ["jit", "compiled"]
-
-
-def test_other_launcher_layouts_and_refused_arguments_take_tritons_call(monkeypatch):
-    """Launchers other than Triton 3.6's for NVIDIA GPUs take other arguments: never called bare. A bare call whose
-    arguments the C function refuses runs through Triton's call, as does every later launch of that key."""
-    triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
-    jit, _, launch = fake_triton_launches(monkeypatch, triton_module)
-    monkeypatch.setattr(triton_module, "_bare_layout_known", lambda: False)
-    logits = torch.zeros(2, 20, 12)
-    launch(logits)
-    launch(logits)
-    assert [c[0] for c in jit.calls] == ["jit", "compiled"]
-    monkeypatch.setattr(triton_module, "_bare_layout_known", lambda: True)
-    monkeypatch.setattr(triton_module, "_COMPILED", {})
-    launch(logits)
-    (key, (compiled, args, (_, head))), = triton_module._COMPILED.items()
-
-    def refuse(*arguments):
-        jit.calls.append(("refused", arguments))
-        raise TypeError("function takes exactly 14 arguments")
-
-    triton_module._COMPILED[key] = (compiled, args, (refuse, head))
-    launch(logits)
-    launch(logits)
-    assert [c[0] for c in jit.calls[2:]] == ["jit", "refused", "compiled", "compiled"]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    logits, x = torch.zeros(2, 20, 12), torch.zeros(2, 20, 5)
+    out = torch.empty_like(logits), torch.empty_like(logits), torch.empty(2, 3, dtype=torch.int64)
+    triton_module.launch(logits, *out, 2, 3, True)
+    triton_module.launch(logits, *out, 2, 0, False, x)
+    (grid, args, meta, _), (_, args2, meta2, _) = jit.calls
+    assert grid == (2,) and args[:5] == (logits, logits, *out) and args[5:] == (20, 12, 2, 6, 3)
+    assert meta == dict(BLOCK_T=32, BLOCK_S=16, BLOCK_E=16, BLOCK_D=64, CHOOSE=True, NORMALIZE=False, DIM=0,
+                        EPS=1e-6, num_warps=4)
+    assert args2[1] is x and args2[4] is out[0] and meta2["NORMALIZE"] and meta2["DIM"] == 5 and not meta2["CHOOSE"]
 
 
 def test_a_launch_on_another_device_runs_under_its_guard(monkeypatch):
     """Triton launches on the current device: logits elsewhere are launched with their device made current."""
     triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
-    _, _, launch = fake_triton_launches(monkeypatch, triton_module)
+    jit = _FakeJit()
+    monkeypatch.setattr(triton_module, "routing_softmaxes_kernel", jit)
     current = [3]
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
 
@@ -567,11 +424,10 @@ def test_a_launch_on_another_device_runs_under_its_guard(monkeypatch):
         current[0] = saved
 
     monkeypatch.setattr(torch.cuda, "device", device)
-    seen = []
-    monkeypatch.setattr(_FakeJit, "__getitem__", lambda self, grid: lambda *args, **meta: seen.append(current[0]))
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 1)))
-    launch(torch.zeros(2, 20, 12))
-    assert seen == [1] and current == [3]
+    logits = torch.zeros(2, 20, 12)
+    triton_module.launch(logits, torch.empty_like(logits), torch.empty_like(logits), None, 2, 0, False)
+    assert [call[3] for call in jit.calls] == [1] and current == [3]
 
 
 @needs_kernel
@@ -592,7 +448,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @cuda
 def test_a_second_launch_runs_on_the_current_stream():
-    """A shape's later launches (on Triton 3.6 its launcher's C function called bare) go to the current stream:
+    """A shape's later launches go to the current stream:
     logits written on a side stream after a long wait are read after them, not before (they would read zeros)."""
     from softmoe.kernels.routing_softmaxes_triton import launch
 

@@ -6,13 +6,11 @@ holds that input's (tokens x slots) logits (with ``NORMALIZE``, each token's row
 token, read from the tokens in blocks of columns) and writes both softmaxes; with ``CHOOSE`` it also sums the combine
 weights over tokens and each expert's slots, ranks the experts (NaN first, then the largest, ties to the lower
 index: :func:`softmoe.topk.top_k`'s rule), zeroes the combine weights of the slots outside the k first and writes
-their indices in ascending order. :func:`launch` compiles it through Triton's JIT at the first launch of a shape and
-calls the compiled kernel directly after that.
+their indices in ascending order. :func:`launch` runs it through Triton's JIT, which compiles it at the first
+launch of a shape.
 """
 
 from __future__ import annotations
-
-import re
 
 import torch
 
@@ -75,25 +73,13 @@ if triton is not None:
     routing_softmaxes_kernel = triton.jit(routing_softmaxes_kernel)
 
 
-# Triton's (major, minor) version; () without Triton.
-TRITON_VERSION = tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2]) if triton is not None else ()
-# Whether a compiled kernel is called directly (below): from Triton 3.6, the version tested, its call takes every
-# argument, the constexprs too (older launchers took fewer).
-DIRECT_LAUNCH = TRITON_VERSION >= (3, 6)
-# Per device, shape, output dtype and alignment of the pointers (what Triton specializes the kernel on), once
-# launched: the kernel compiled for it, the kernel's arguments after the pointers and, where its launcher allows, the
-# launcher's C function with what it takes besides the kernel's arguments. Calling the C function bare spares the
-# host time the compiled kernel's call spends at every launch building launch metadata and calling empty hook
-# chains (docs/performance.md).
-_COMPILED: dict[tuple, tuple] = {}
-
-
 def launch(logits, dispatch, combine, selected, slots_per_expert: int, k: int, choose: bool, x=None,
            eps: float = NORM_EPS) -> None:
     """Run the kernel over ``logits`` (batch, tokens, slots) float32 contiguous into the outputs (same shapes,
     dispatch and combine of one floating dtype, which the kernel rounds to; selected (batch, k) int64, not written
     unless ``choose``), one program per input, on the logits' device; with ``x`` (batch, tokens, dim) contiguous,
-    each token's logits are first multiplied by ``rsqrt(sum(x^2) + eps)`` over its dim."""
+    each token's logits are first multiplied by ``rsqrt(sum(x^2) + eps)`` over its dim. Triton's JIT compiles the
+    kernel at the first launch of a shape and caches it."""
     batch, tokens, slots = logits.shape
     device = logits.device.index
     if device is not None and device != torch.cuda.current_device():  # Triton launches on the current device
@@ -105,67 +91,12 @@ def launch(logits, dispatch, combine, selected, slots_per_expert: int, k: int, c
     normalize = x is not None
     if not normalize:
         x = logits  # (not read)
-    tensors = (logits, x, dispatch, combine, selected)
-    pointers = tuple(t.data_ptr() for t in tensors)
-    dim = x.shape[2] if normalize else 0
-    key = (device, tokens, slots, dim, slots_per_expert, k, choose, normalize, eps, x.dtype, dispatch.dtype,
-           *(pointer % 16 for pointer in pointers))
-    known = _COMPILED.get(key)
-    if known is None:
-        num_experts = slots // slots_per_expert
-        block_t = block_size(tokens)
-        meta = (block_t, block_size(slots), block_size(num_experts), max(16, min(64, 8192 // block_t)), choose,
-                normalize, dim, eps)
-        compiled = routing_softmaxes_kernel[(batch,)](
-            *tensors, tokens, slots, slots_per_expert, num_experts, k,
-            BLOCK_T=meta[0], BLOCK_S=meta[1], BLOCK_E=meta[2], BLOCK_D=meta[3], CHOOSE=choose, NORMALIZE=normalize,
-            DIM=dim, EPS=eps, num_warps=8 if meta[0] * meta[1] >= 8192 else 4,
-        )
-        if compiled is not None and DIRECT_LAUNCH:  # None from Triton's interpreter, which compiles nothing
-            _COMPILED[key] = (compiled, (tokens, slots, slots_per_expert, num_experts, k, *meta),
-                              _bare_launcher(compiled))
-        return
-    compiled, args, bare = known
-    if bare is None or _hooked(triton.knobs.runtime):  # (a profiler's launch hooks: Triton's call runs them)
-        compiled[(batch, 1, 1)](*tensors, *args)
-        return
-    c_launch, head = bare
-    try:
-        c_launch(batch, 1, 1, torch._C._cuda_getCurrentRawStream(device), *head, *pointers, *args)
-    except Exception:  # (arguments refused before any launch): Triton's call for this key from now on
-        _COMPILED[key] = (compiled, args, None)
-        compiled[(batch, 1, 1)](*tensors, *args)
-
-
-def _hooked(runtime) -> bool:
-    """Whether Triton's launch hooks (``triton.knobs.runtime``) have anything to call: a hook, or in Triton 3.6 a
-    chain of hooks that is not empty."""
-    return any(hook is not None and getattr(hook, "calls", True)
-               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
-
-
-def _bare_layout_known() -> bool:
-    """Whether Triton's C launcher takes the arguments in the layout _bare_launcher passes: Triton 3.6 for NVIDIA
-    GPUs (later versions and ROCm's launcher take others), its base arguments' format as tested."""
-    if TRITON_VERSION != (3, 6) or torch.version.hip is not None:
-        return False
-    try:
-        from triton.backends.nvidia import driver
-    except ImportError:
-        return False
-    return getattr(driver, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO"
-
-
-def _bare_launcher(compiled) -> tuple | None:
-    """The C function Triton 3.6's launcher of ``compiled`` calls, and what it takes between the stream and the
-    kernel's arguments (the kernel's handle, cooperative-grid and PDL flags, no scratch buffers, the packed
-    metadata, no launch hooks), where the launcher is that one (:func:`_bare_layout_known`) and needs no scratch
-    memory; else None (Triton's call instead). The kernel's pointers go in as integers, which the C function takes
-    without asking the driver about them."""
-    launcher = compiled.run
-    fields = ("launch", "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid", "launch_pdl")
-    if not (_bare_layout_known() and all(hasattr(launcher, name) for name in fields)) or \
-            launcher.global_scratch_size or launcher.profile_scratch_size:
-        return None
-    return launcher.launch, (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
-                             compiled.packed_metadata, None, None, None)
+    num_experts = slots // slots_per_expert
+    block_t, block_s = block_size(tokens), block_size(slots)
+    routing_softmaxes_kernel[(batch,)](
+        logits, x, dispatch, combine, selected, tokens, slots, slots_per_expert, num_experts, k,
+        BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_E=block_size(num_experts), BLOCK_D=max(16, min(64, 8192 // block_t)),
+        CHOOSE=choose, NORMALIZE=normalize, DIM=x.shape[2] if normalize else 0, EPS=eps,
+        num_warps=8 if block_t * block_s >= 8192 else 4,
+    )
+    return None
