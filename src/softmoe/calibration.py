@@ -106,8 +106,14 @@ def counted_selection(model: nn.Module, **selection) -> Iterator[list[_CountingS
 
 
 def evaluate_setting(
-    model: nn.Module, data: ImageDataset, strategy: str, value: int | float | None = None, batch_size: int = 1024,
-    k_min: int = 1, k_max: int | None = None, renormalize: bool = False,
+    model: nn.Module,
+    data: ImageDataset,
+    strategy: str,
+    value: int | float | None = None,
+    batch_size: int = 1024,
+    k_min: int = 1,
+    k_max: int | None = None,
+    renormalize: bool = False,
 ) -> Setting:
     """Accuracy of ``model`` on ``data`` under one selection ("all", or a strategy of :mod:`softmoe.selection` with
     ``value`` its k or tau), and the fraction of the expert FLOPs it ran."""
@@ -134,8 +140,10 @@ def _grid(model: nn.Module, strategy: str, grid: Sequence[int | float] | None) -
         return list(DEFAULT_TAUS)
     sizes = sorted({layer.num_experts for layer in soft_moe_layers(model)})
     if len(sizes) != 1:
-        raise ValueError(f"the model's SoftMoE layers have different numbers of experts {sizes}: pass grid= (k values "
-                         "as fractions of n, e.g. [0.125, 0.25, 0.5])")
+        raise ValueError(
+            f"the model's SoftMoE layers have different numbers of experts {sizes}: pass grid= (k values "
+            "as fractions of n, e.g. [0.125, 0.25, 0.5])"
+        )
     return list(range(1, sizes[0] + 1))
 
 
@@ -177,8 +185,10 @@ def calibrate(
             strategy, or a target that even all experts miss on the validation split.
     """
     if (max_drop is None) == (target is None):
-        raise ValueError(f"give exactly one of max_drop (points) and target (an accuracy), got max_drop={max_drop!r}, "
-                         f"target={target!r}")
+        raise ValueError(
+            f"give exactly one of max_drop (points) and target (an accuracy), got max_drop={max_drop!r}, "
+            f"target={target!r}"
+        )
     if max_drop is not None and not (math.isfinite(max_drop) and max_drop >= 0):
         raise ValueError(f"max_drop must be a finite number of accuracy points >= 0, got {max_drop!r}")
     if target is not None and not 0 <= target <= 1:
@@ -193,8 +203,10 @@ def calibrate(
     reference = evaluate_setting(model, val, "all", batch_size=batch_size)
     required = reference.accuracy - max_drop / 100 if max_drop is not None else target
     if reference.accuracy < required:
-        raise ValueError(f"the target accuracy {required:.4f} is out of reach: even all experts reach only "
-                         f"{reference.accuracy:.4f} on the validation split")
+        raise ValueError(
+            f"the target accuracy {required:.4f} is out of reach: even all experts reach only "
+            f"{reference.accuracy:.4f} on the validation split"
+        )
     with warnings.catch_warnings():  # said once below, for the whole calibration, not once per setting
         warnings.simplefilter("ignore", NoBetterThanRandomWarning)
         settings = tuple(evaluate_setting(model, val, strategy, v, batch_size, k_min, k_max) for v in values)
@@ -220,7 +232,8 @@ def calibrate(
             f"on the validation split Algorithm 1 with k = {chosen.value} reaches {100 * chosen.accuracy:.2f} %, "
             f"random subsets of the same size {100 * random_accuracy:.2f} % (mean of {RANDOM_SEEDS} seeds): its "
             "choice of experts is no better than random here",
-            NoBetterThanRandomWarning, stacklevel=2,
+            NoBetterThanRandomWarning,
+            stacklevel=2,
         )
     return Calibration(
         strategy, required, reference, chosen, settings, test_accuracy, reference_test, uniformity, random_accuracy

@@ -104,7 +104,9 @@ def run_lock(folder: str | Path) -> Iterator[None]:
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "unknown"
-            raise ValueError(f"{folder} is in use by process {holder}; wait for it to finish or use another folder") from None
+            raise ValueError(
+                f"{folder} is in use by process {holder}; wait for it to finish or use another folder"
+            ) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"{os.getpid()}\n")

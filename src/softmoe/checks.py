@@ -9,9 +9,7 @@ from softmoe.experts import autocast_device
 __all__ = ["check_selected", "check_tokens"]
 
 
-def check_tokens(
-    x: torch.Tensor, dim: int, mask: torch.Tensor | None = None, dtype: torch.dtype | None = None
-) -> None:
+def check_tokens(x: torch.Tensor, dim: int, mask: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> None:
     """Raise a ValueError unless x is a floating (batch, tokens, dim) tensor and mask a bool (batch, tokens).
 
     With ``dtype`` (the layer's), x must have that dtype too, except under autocast, which casts for itself.

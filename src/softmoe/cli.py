@@ -106,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--max-drop", type=float, help="tolerated validation-accuracy drop, in points (e.g. 1.0)")
     target.add_argument("--target", type=float, help="or an absolute validation accuracy to reach (e.g. 0.85)")
     calibrate.add_argument(
-        "--strategy", choices=("combine", "mass"), default="combine",
+        "--strategy",
+        choices=("combine", "mass"),
+        default="combine",
         help="combine: Algorithm 1 over k = 1..n; mass: the adaptive strategy over a grid of tau (default: combine)",
     )
     calibrate.add_argument("--grid", type=_k_value, nargs="+", help="the k (or tau) values to try")
@@ -157,7 +159,9 @@ def _classifier(config: dict):
     from softmoe.models import SoftMoEClassifier
 
     grid = tuple(config.get("grid", (2, 2)))
-    return SoftMoEClassifier(tuple(config["image_shape"]), config["num_experts"], config["num_classes"], grid, config["model"])
+    return SoftMoEClassifier(
+        tuple(config["image_shape"]), config["num_experts"], config["num_classes"], grid, config["model"]
+    )
 
 
 def _run_model(run_dir: Path) -> dict:
@@ -167,7 +171,9 @@ def _run_model(run_dir: Path) -> dict:
 
     path = run_dir / RUN_FILE
     if not path.is_file():
-        raise FileNotFoundError(2, f"no {RUN_FILE}: not a run folder of 'softmoe train' or of the MNIST suite", str(path))
+        raise FileNotFoundError(
+            2, f"no {RUN_FILE}: not a run folder of 'softmoe train' or of the MNIST suite", str(path)
+        )
     model = read_json(path).get("model", {})
     needed = ("dataset", "image_shape", "num_experts", "num_classes", "model")
     if not isinstance(model, dict) or any(key not in model for key in needed):
@@ -226,13 +232,23 @@ def _calibrate(args: argparse.Namespace) -> None:
 
     epoch, splits, model = _trained(args)
     if _run_model(args.run_dir).get("train_split") == "train+val":
-        _note(args, "this model was trained on the validation split too (the authors' protocol trains on the whole "
-                    "training set), so the validation accuracies are on training images; the test accuracies are not")
+        _note(
+            args,
+            "this model was trained on the validation split too (the authors' protocol trains on the whole "
+            "training set), so the validation accuracies are on training images; the test accuracies are not",
+        )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", NoBetterThanRandomWarning)
         result = calibrate(
-            model, splits.val, args.max_drop, target=args.target, strategy=args.strategy, grid=args.grid,
-            test=splits.test, k_min=args.k_min, k_max=args.k_max,
+            model,
+            splits.val,
+            args.max_drop,
+            target=args.target,
+            strategy=args.strategy,
+            grid=args.grid,
+            test=splits.test,
+            k_min=args.k_min,
+            k_max=args.k_max,
         )
     for warning in caught:
         if issubclass(warning.category, NoBetterThanRandomWarning):
@@ -261,8 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:  # a missing file, a read-only folder, a full disk, a path under a file, ...
         where = error.filename or ""
         reason = error.strerror or str(error)
-        print(f"softmoe {args.command}: error: {where}: {reason}" if where else f"softmoe {args.command}: error: {reason}",
-              file=sys.stderr)
+        print(
+            f"softmoe {args.command}: error: {where}: {reason}"
+            if where
+            else f"softmoe {args.command}: error: {reason}",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("softmoe: interrupted; run the same command again to resume", file=sys.stderr)

@@ -160,8 +160,9 @@ class MLPExperts(nn.Module):
         groups, per_group, _ = rows.shape
         if transforms_active():
             every = self(rows.reshape(1, groups * per_group, self.dim).expand(self.num_experts, -1, -1))
-            y = every.view(self.num_experts, groups, per_group, self.out_dim)[expert.clamp_min(0), torch.arange(
-                groups, device=rows.device)]
+            y = every.view(self.num_experts, groups, per_group, self.out_dim)[
+                expert.clamp_min(0), torch.arange(groups, device=rows.device)
+            ]
             return torch.where((expert >= 0).view(-1, 1, 1), y, 0.0)
         key = torch.where(expert < 0, self.num_experts, expert)  # padding sorts last
         order = torch.argsort(key, stable=True)
@@ -178,8 +179,12 @@ class MLPExperts(nn.Module):
         searches the module's dicts for every name, and this runs on every call); others (e.g. under
         torch.nn.utils.parametrize) as attributes."""
         params = self._parameters
-        return tuple([params[name] if name in params else getattr(self, name)
-                      for name in ("weight1", "bias1", "weight2", "bias2")])
+        return tuple(
+            [
+                params[name] if name in params else getattr(self, name)
+                for name in ("weight1", "bias1", "weight2", "bias2")
+            ]
+        )
 
     def extra_repr(self) -> str:
         out = "" if self.out_dim == self.dim else f", out_dim={self.out_dim}"

@@ -244,8 +244,9 @@ class SoftMoE(nn.Module):
         for name, value in (("dim", dim), ("num_experts", num_experts), ("slots_per_expert", slots_per_expert)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if expert_hidden is not None and (isinstance(expert_hidden, bool) or not isinstance(expert_hidden, int)
-                                          or expert_hidden < 1):
+        if expert_hidden is not None and (
+            isinstance(expert_hidden, bool) or not isinstance(expert_hidden, int) or expert_hidden < 1
+        ):
             raise ValueError(f"expert_hidden must be an integer >= 1, got {expert_hidden!r}")
         if not noise_std >= 0:
             raise ValueError(f"noise_std must be >= 0, got {noise_std!r}")
@@ -367,7 +368,9 @@ class SoftMoE(nn.Module):
         """
         check_plan(plan)
         check_tokens(x, self.dim, mask, self.weights()[0].dtype)
-        check_selected(selected, x.shape[0], self.num_experts, host_reads_are_free(selected) if check is None else check)
+        check_selected(
+            selected, x.shape[0], self.num_experts, host_reads_are_free(selected) if check is None else check
+        )
         backend = self.backend_for(x).backend
         x = self.slot_inputs(x)
         dispatch, combine = backend.route(self, x, mask)

@@ -130,7 +130,9 @@ def oracle_from_contributions(
     n = contributions.shape[-2]
     expected = (batch, n, classes) if token_mass is None else (batch, token_mass.shape[1], n, classes)
     if contributions.shape != expected or (token_mass is not None and token_mass.shape != expected[:3]):
-        got = tuple(contributions.shape) if token_mass is None else (tuple(contributions.shape), tuple(token_mass.shape))
+        got = (
+            tuple(contributions.shape) if token_mass is None else (tuple(contributions.shape), tuple(token_mass.shape))
+        )
         raise ValueError(f"contributions must have shape {expected} (and token_mass {expected[:3]}), got {got}")
     if bias.shape != (classes,) or labels.shape != (batch,):
         raise ValueError(

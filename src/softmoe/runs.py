@@ -137,7 +137,11 @@ def resume(
                     f"{problem}; the last checkpoint of {run_dir} (epoch {epoch}) is unusable: run again with "
                     "--resume-last-good (resume_last_good=True) to continue from the epoch before"
                 ) from None
-            for name in (f"epoch_{epoch:03d}.json", f"epoch_{epoch:03d}.safetensors", f"optimizer_{epoch:03d}.safetensors"):
+            for name in (
+                f"epoch_{epoch:03d}.json",
+                f"epoch_{epoch:03d}.safetensors",
+                f"optimizer_{epoch:03d}.safetensors",
+            ):
                 (run_dir / name).unlink(missing_ok=True)
             history = history[:-1]
     return history, None

@@ -38,9 +38,9 @@ import torch
 from torch import nn
 
 from softmoe.kernels.modes import host_reads_are_free
-from softmoe.layer import SoftMoE
 from softmoe.kernels.top_k_combine import native_top_k_applies
 from softmoe.kernels.top_k_combine import top_k_combine as native_top_k_combine
+from softmoe.layer import SoftMoE
 from softmoe.selection_plan import check_plan, mask_from_subsets
 from softmoe.topk import top_k, top_k_list
 
@@ -236,7 +236,9 @@ def subsets_from_mask(keep: torch.Tensor, num_experts: int, batch: int | None = 
     counts = keep.sum(dim=1)
     k = int(counts[0]) if counts.numel() else 0
     if k < 1 or bool((counts != k).any()):
-        raise ValueError(f"every row of the expert mask must keep the same k >= 1 experts, got counts {counts.tolist()}")
+        raise ValueError(
+            f"every row of the expert mask must keep the same k >= 1 experts, got counts {counts.tolist()}"
+        )
     return keep.nonzero()[:, 1].view(keep.shape[0], k)
 
 
@@ -344,16 +346,19 @@ def _bounds(k_min: int, k_max: int | None, n: int) -> tuple[int, int]:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{name} must be an int, got {value!r}")
     if not 1 <= k_min <= k_max <= n:
-        raise ValueError(f"the expert-count bounds must satisfy 1 <= k_min <= k_max <= {n}, got k_min={k_min}, "
-                         f"k_max={k_max}")
+        raise ValueError(
+            f"the expert-count bounds must satisfy 1 <= k_min <= k_max <= {n}, got k_min={k_min}, k_max={k_max}"
+        )
     return k_min, k_max
 
 
 def _average_k(k: int | float | None, n: int, k_min: int, k_max: int) -> float:
     """The "budget" strategy's average experts per input: an int count, or a fraction in (0, 1] of n (unrounded)."""
     if k is None or isinstance(k, bool) or not isinstance(k, (int, float)):
-        raise ValueError(f'strategy "budget" needs k, the average experts per input (an int, or a fraction in '
-                         f"(0, 1] of {n}), got {k!r}")
+        raise ValueError(
+            f'strategy "budget" needs k, the average experts per input (an int, or a fraction in '
+            f"(0, 1] of {n}), got {k!r}"
+        )
     if isinstance(k, float) and not 0.0 < k <= 1.0:
         raise ValueError(f"a fractional k must lie in (0, 1], got {k}")
     average = k * n if isinstance(k, float) else float(k)

@@ -243,8 +243,14 @@ def flops_per_row(experts: torch.nn.Module) -> float:
     return 2 * sum(t.numel() for t in experts.parameters()) / experts.num_experts
 
 
-def choose_plan(layer, x: torch.Tensor, selected: torch.Tensor, backend: str,
-                runs: Callable[[], dict[str, Callable[[], object]]], top_k: bool = False) -> str:
+def choose_plan(
+    layer,
+    x: torch.Tensor,
+    selected: torch.Tensor,
+    backend: str,
+    runs: Callable[[], dict[str, Callable[[], object]]],
+    top_k: bool = False,
+) -> str:
     """The plan ("selected" or "dense") plan "auto" runs for ``layer``'s tokens x (batch, tokens, dim) keeping the
     experts ``selected`` (batch, k) on ``backend`` (a name): the cost model's (module doc), the pairs and experts in
     use counted where host reads are free (for Algorithm 1's top k, ``top_k``, whose places are all used, only where
@@ -257,8 +263,13 @@ def choose_plan(layer, x: torch.Tensor, selected: torch.Tensor, backend: str,
     flops, device = flops_per_row(experts), x.device
     fewest, most = (batch * k, k), (batch * k, min(n, batch * k))
     kept = most
-    if host_reads_are_free(selected) and (not top_k or fewest != most and counts_decide(
-            plan_costs(batch, k, n, p, flops, device, fewest), plan_costs(batch, k, n, p, flops, device, most))):
+    if host_reads_are_free(selected) and (
+        not top_k
+        or (fewest != most
+        and counts_decide(
+            plan_costs(batch, k, n, p, flops, device, fewest), plan_costs(batch, k, n, p, flops, device, most)
+        ))
+    ):
         kept = kept_counts(selected, n)
     costs = plan_costs(batch, k, n, p, flops, device, kept)
     if not layer.training and plans_are_timed(device) and (device.type != "cpu" or worth_timing(costs)):

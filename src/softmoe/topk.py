@@ -42,6 +42,7 @@ def first_argmax(values: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Te
 def top_k_list(values: list[float], k: int) -> list[int]:
     """The indices of the k largest of ``values``, ascending, by :func:`top_k`'s rule (NaN largest, ties to the
     lowest index): the same choice on the host, for a few values already read there."""
+
     def descending(j: int) -> tuple[bool, float]:  # NaN (v != v) first, then the largest; sorted() is stable
         v = values[j]
         return (v == v, -v if v == v else 0.0)

@@ -116,8 +116,14 @@ class TrainConfig:
         epoch then cosine to 1e-6, gradient clipping at 1.0, batch 128, 10 epochs; ``overrides`` replace fields.
         The paper's CIFAR recipe (Table 7) is lr 3e-4, 5 warm-up epochs, mixup 0.8, label smoothing 0.1."""
         recipe = dict(
-            epochs=10, batch_size=128, weight_decay=0.05, schedule="cosine", warmup_epochs=1.0, warmup_lr=1e-6,
-            min_lr=1e-6, clip_norm=1.0,
+            epochs=10,
+            batch_size=128,
+            weight_decay=0.05,
+            schedule="cosine",
+            warmup_epochs=1.0,
+            warmup_lr=1e-6,
+            min_lr=1e-6,
+            clip_norm=1.0,
         )
         return cls(**{**recipe, **overrides})
 
@@ -299,7 +305,11 @@ def _train(model_factory, splits, config, run_dir, progress, description, dist, 
     optimizer = torch.optim.AdamW(parameter_groups(model, config.weight_decay), lr=config.lr)
     steps = -(-len(splits.train) // config.batch_size)
     schedule = WarmupCosine(
-        config.lr, config.epochs * steps, round(config.warmup_epochs * steps), config.warmup_lr, config.min_lr,
+        config.lr,
+        config.epochs * steps,
+        round(config.warmup_epochs * steps),
+        config.warmup_lr,
+        config.min_lr,
         cosine=config.schedule == "cosine",
     )
     if history:
@@ -308,7 +318,9 @@ def _train(model_factory, splits, config, run_dir, progress, description, dist, 
             if saved_optimizer is not None:
                 saved_optimizer = {key: value.to(dist.device) for key, value in saved_optimizer.items()}
             load_full_optimizer_tensors(model, optimizer, saved_optimizer, from_rank0=True)
-    board = _tensorboard_writer(run_dir) if config.tensorboard and len(history) < config.epochs and dist.is_main else None
+    board = (
+        _tensorboard_writer(run_dir) if config.tensorboard and len(history) < config.epochs and dist.is_main else None
+    )
     bar = tqdm(
         total=config.epochs * steps,
         initial=len(history) * steps,

@@ -31,8 +31,9 @@ TABLE: dict[str, Measured] = {
     # True, False, or None for either): MKL takes its AVX-512 code on Intel's CPUs only, so oneDNN wins on AMD's
     # where AVX-512 runs at full width (family 26) or where neither library has it (family 25 without AVX-512); on
     # AMD's family 25 with AVX-512 (at half width) and on Intel's, MKL's.
-    "onednn_cpus": Measured((("AuthenticAMD", 26, None), ("AuthenticAMD", 25, False)),
-                            "AMD EPYC Zen 3, Zen 4, Zen 5; Intel Xeon"),
+    "onednn_cpus": Measured(
+        (("AuthenticAMD", 26, None), ("AuthenticAMD", 25, False)), "AMD EPYC Zen 3, Zen 4, Zen 5; Intel Xeon"
+    ),
     # Algorithm 1's plans (softmoe.selection_plan): rows below which an expert product costs what reading its
     # weight costs (on the CPU the native kernels' float lanes, 8 or 16), rows each product is worth beyond its own,
     # the share of the dense plan's cost the selected plan must stay under, fixed FLOPs per expert in use.

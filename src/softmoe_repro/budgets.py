@@ -70,7 +70,9 @@ def budget_study(model: nn.Module, splits: Splits, ks: list[int] | None = None) 
     images = test.images[:TIMING_BATCH]
     points = {
         "all": _point(evaluate_setting(model, test, "all"), microseconds_per_example(model, images)),
-        "algorithm1": [], "mass": [], "random": [],
+        "algorithm1": [],
+        "mass": [],
+        "random": [],
     }
     for k in ks:
         setting = evaluate_setting(model, test, "combine", k)
@@ -84,16 +86,26 @@ def budget_study(model: nn.Module, splits: Splits, ks: list[int] | None = None) 
             with select_experts(model, k=k, strategy="random", seed=seed):
                 accuracies.append(accuracy(model, test))
         stats = random_statistics(accuracies)
-        points["random"].append({
-            "value": k, "test_accuracy": stats["mean"], "std": stats["std"], "expert_fraction": k / n,
-            "us_per_example": microseconds_per_example(model, images, k=k, strategy="random"),
-        })
+        points["random"].append(
+            {
+                "value": k,
+                "test_accuracy": stats["mean"],
+                "std": stats["std"],
+                "expert_fraction": k / n,
+                "us_per_example": microseconds_per_example(model, images, k=k, strategy="random"),
+            }
+        )
     calibrated = {
         strategy: calibrate(model, splits.val, MAX_DROP, strategy=strategy, test=test).to_json()
         for strategy in ("combine", "mass")
     }
-    return {"num_experts": n, "max_drop": MAX_DROP, "random_seeds": RANDOM_SEEDS, "points": points,
-            "calibrated": calibrated}
+    return {
+        "num_experts": n,
+        "max_drop": MAX_DROP,
+        "random_seeds": RANDOM_SEEDS,
+        "points": points,
+        "calibrated": calibrated,
+    }
 
 
 def plot(studies: dict[str, dict], path: str | Path, title: str) -> str:
@@ -119,8 +131,14 @@ def plot(studies: dict[str, dict], path: str | Path, title: str) -> str:
                 top.errorbar(xs, ys, yerr=[100 * r["std"] for r in rows], fmt=fmt, alpha=0.6, label=name, ms=4)
             else:
                 top.plot(xs, ys, fmt, label=name, ms=4)
-            bottom.plot([r["us_per_example"] for r in rows], ys, fmt[-1], label=name, ms=4,
-                        alpha=0.6 if strategy == "random" else 1.0)
+            bottom.plot(
+                [r["us_per_example"] for r in rows],
+                ys,
+                fmt[-1],
+                label=name,
+                ms=4,
+                alpha=0.6 if strategy == "random" else 1.0,
+            )
         full = points["all"]
         top.plot([1.0], [100 * full["test_accuracy"]], "k*", ms=12, label="all experts")
         bottom.plot([full["us_per_example"]], [100 * full["test_accuracy"]], "k*", ms=12, label="all experts")
@@ -171,12 +189,17 @@ def findings(studies: dict[str, dict]) -> list[str]:
         entry = f"{label} ({mass:.1f} % vs {a1:.1f} %)"
         (helps if mass < a1 else hurts if mass > a1 else ties).append(entry)
     drop = next(iter(studies.values()))["max_drop"] if studies else MAX_DROP
-    out = [f"Within {drop:g} point{'s' if drop != 1 else ''} of all experts on the validation split, the adaptive mass strategy runs less "
-           f"expert compute than Algorithm 1 for {len(helps)} of {len(studies)} models"
-           + (f": {', '.join(helps)}" if helps else "") + "."]
+    out = [
+        f"Within {drop:g} point{'s' if drop != 1 else ''} of all experts on the validation split, the adaptive mass strategy runs less "
+        f"expert compute than Algorithm 1 for {len(helps)} of {len(studies)} models"
+        + (f": {', '.join(helps)}" if helps else "")
+        + "."
+    ]
     if hurts:
-        out.append("It needs more for " + ", ".join(hurts) + f" (Algorithm 1 is tried at every k, the mass strategy "
-                   f"at {len(DEFAULT_TAUS)} values of tau).")
+        out.append(
+            "It needs more for " + ", ".join(hurts) + f" (Algorithm 1 is tried at every k, the mass strategy "
+            f"at {len(DEFAULT_TAUS)} values of tau)."
+        )
     if ties:
         out.append("Both need the same compute for " + ", ".join(ties) + ".")
     for label, study in studies.items():
@@ -184,10 +207,17 @@ def findings(studies: dict[str, dict]) -> list[str]:
         full = points["all"]["us_per_example"]
         faster = [p for p in points["algorithm1"] if p["us_per_example"] < full]
         times = [p["us_per_example"] for p in points["algorithm1"]]
-        verdict = (f"Algorithm 1 is faster than all experts at k = {', '.join(str(p['value']) for p in faster)}"
-                   if faster else "Algorithm 1 is not faster than all experts at any k")
-        out.append(f"Measured time, {label}: all experts {full:.1f} µs per example, Algorithm 1 {min(times):.1f} to "
-                   f"{max(times):.1f} µs; {verdict}.")
-    out.append(f"Times per example (bottom row of the figure) are the best of {TIMING_REPEATS} passes over "
-               f"{TIMING_BATCH} test images on this shared CPU host: they show the trend, not precise speed-ups.")
+        verdict = (
+            f"Algorithm 1 is faster than all experts at k = {', '.join(str(p['value']) for p in faster)}"
+            if faster
+            else "Algorithm 1 is not faster than all experts at any k"
+        )
+        out.append(
+            f"Measured time, {label}: all experts {full:.1f} µs per example, Algorithm 1 {min(times):.1f} to "
+            f"{max(times):.1f} µs; {verdict}."
+        )
+    out.append(
+        f"Times per example (bottom row of the figure) are the best of {TIMING_REPEATS} passes over "
+        f"{TIMING_BATCH} test images on this shared CPU host: they show the trend, not precise speed-ups."
+    )
     return out

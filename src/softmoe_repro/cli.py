@@ -1,7 +1,7 @@
 """The reproduction's commands, added to ``softmoe`` through the entry-point group ``softmoe.commands``:
 
-    softmoe reproduce [EXPERIMENT] [--preset ...]   the paper's experiments -> results.json and report.md
-    softmoe report RESULTS_DIR                      (re)write report.md and the plots from a results folder
+softmoe reproduce [EXPERIMENT] [--preset ...]   the paper's experiments -> results.json and report.md
+softmoe report RESULTS_DIR                      (re)write report.md and the plots from a results folder
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def add_report(commands: argparse._SubParsersAction) -> None:
 def reproduce_command(args: argparse.Namespace) -> None:
     import warnings
 
-    from softmoe.selection import NoBetterThanRandomWarning
     from softmoe.distributed import setup_distributed
+    from softmoe.selection import NoBetterThanRandomWarning
     from softmoe_repro import l2norm, mnist_suite, routers, vit
     from softmoe_repro.common import default_vision_dataset
     from softmoe_repro.report import collect_results, write_report
@@ -104,8 +104,15 @@ def reproduce_command(args: argparse.Namespace) -> None:
     try:
         if args.experiment in ("all", "mnist"):
             mnist_suite.run_suite(
-                preset, out, dataset=dataset, progress=progress, dist=dist, model=args.model, protocol=args.protocol,
-                seeds=args.seeds, experts=tuple(args.experts) if args.experts else None,
+                preset,
+                out,
+                dataset=dataset,
+                progress=progress,
+                dist=dist,
+                model=args.model,
+                protocol=args.protocol,
+                seeds=args.seeds,
+                experts=tuple(args.experts) if args.experts else None,
             )
         if args.experiment == "routers":
             routers.run(preset=args.preset, dataset=args.dataset, out_dir=out, progress=progress, dist=dist)

@@ -57,7 +57,9 @@ def equal_accuracy_epochs(histories: dict[int, list[dict]]) -> tuple[float, dict
 
 
 @torch.no_grad()
-def correct_predictions(model: nn.Module, data: ImageDataset, batch_size: int = 1024, bf16: bool = False) -> torch.Tensor:
+def correct_predictions(
+    model: nn.Module, data: ImageDataset, batch_size: int = 1024, bf16: bool = False
+) -> torch.Tensor:
     """Whether ``model`` (in eval mode, on the CPU, under the caller's selection) predicts each example of ``data``
     right: (N,) bool; ``bf16``: under bfloat16 autocast."""
     model.eval()
@@ -124,15 +126,18 @@ def paired_test(
     numbers. The test assumes nothing but independent examples.
     """
     if first.shape != second.shape or first.dim() != 1 or first.numel() == 0:
-        raise ValueError(f"need two score vectors of one shape (N,), N >= 1, got {tuple(first.shape)} and "
-                         f"{tuple(second.shape)}")
+        raise ValueError(
+            f"need two score vectors of one shape (N,), N >= 1, got {tuple(first.shape)} and {tuple(second.shape)}"
+        )
     d = (first.double() - second.double()).cpu()
     count = d.numel()
     generator = torch.Generator().manual_seed(seed)
-    means = torch.cat([
-        d[torch.randint(count, (min(250, resamples - start), count), generator=generator)].mean(dim=1)
-        for start in range(0, resamples, 250)
-    ])
+    means = torch.cat(
+        [
+            d[torch.randint(count, (min(250, resamples - start), count), generator=generator)].mean(dim=1)
+            for start in range(0, resamples, 250)
+        ]
+    )
     low, high = torch.quantile(means, torch.tensor([0.005, 0.995], dtype=torch.float64)).tolist()
     moved = d[d != 0]
     observed = abs(float(moved.sum()))

@@ -292,8 +292,11 @@ def run(
             key = tokenization_key(tokens, dim)
             entry = {"tokens": tokens, "dim": dim, "curve_steps": [i + 1 for i in indices], "experts": {}}
             for n in preset.experts:
-                entry["experts"][str(n)] = {"hidden": expert_hidden(dim, n), "expert_params": 20 * dim * dim,
-                                            "seeds": {}}
+                entry["experts"][str(n)] = {
+                    "hidden": expert_hidden(dim, n),
+                    "expert_params": 20 * dim * dim,
+                    "seeds": {},
+                }
             for seed in seeds:
                 eval_x, eval_y = sample(preset.eval_size, torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET))
                 for n in preset.experts:
@@ -412,15 +415,21 @@ def verdict(results: dict) -> str:
     n1 = [e["experts"]["1"]["final"]["mean"] for e in entries.values() if "1" in e["experts"]]
     scope = f"{results['config']['steps']} steps, {len(results['config']['seeds'])} seeds"
     if order["n1_worst"] and order["monotone"]:
-        text = (f"Reproduced ({scope}): in every tokenization n = 1 has the worst final loss and the mean final loss "
-                "decreases monotonically with n at a fixed expert parameter count.")
+        text = (
+            f"Reproduced ({scope}): in every tokenization n = 1 has the worst final loss and the mean final loss "
+            "decreases monotonically with n at a fixed expert parameter count."
+        )
     elif order["n1_worst"]:
-        text = (f"Partly reproduced ({scope}): n = 1 is the worst in every tokenization, but the mean final loss is "
-                "not monotone in n in " + ", ".join(k for k, e in entries.items() if not e["ordering"]["monotone"])
-                + ".")
+        text = (
+            f"Partly reproduced ({scope}): n = 1 is the worst in every tokenization, but the mean final loss is "
+            "not monotone in n in " + ", ".join(k for k, e in entries.items() if not e["ordering"]["monotone"]) + "."
+        )
     else:
-        text = (f"Not reproduced ({scope}): n = 1 is not the worst in "
-                + ", ".join(k for k, e in entries.items() if not e["ordering"]["n1_worst"]) + ".")
+        text = (
+            f"Not reproduced ({scope}): n = 1 is not the worst in "
+            + ", ".join(k for k, e in entries.items() if not e["ordering"]["n1_worst"])
+            + "."
+        )
     if n1:
         worst = ", ".join(_fmt(v) for v in n1)
         if all(v >= baseline for v in n1):
@@ -432,8 +441,11 @@ def verdict(results: dict) -> str:
         text += f" n = 1 ends at {worst}, {tail}."
     seeds = len(results["config"]["seeds"])
     per_seed = [f"{len(e['ordering'].get('monotone_seeds', []))} of {seeds} seeds in {k}" for k, e in entries.items()]
-    text += (" Seed by seed (every n of a seed sees the same batches), the final loss strictly decreases with n for "
-             + " and ".join(per_seed) + ".")
+    text += (
+        " Seed by seed (every n of a seed sees the same batches), the final loss strictly decreases with n for "
+        + " and ".join(per_seed)
+        + "."
+    )
     close = close_steps(results)
     if close:
         text += " Within the seed spread (mean difference below the larger std): " + ", ".join(close) + "."
@@ -474,8 +486,7 @@ def markdown(results: dict, plot_paths) -> str:
         f"**Ours** (final MSE; the best constant prediction scores Var(||x||) = "
         f"{_fmt(results['constant_predictor_mse'])}):",
         "",
-        "| n | " + " | ".join(f"{entries[k]['tokens']} tokens × dim {entries[k]['dim']} (hidden)" for k in keys)
-        + " |",
+        "| n | " + " | ".join(f"{entries[k]['tokens']} tokens × dim {entries[k]['dim']} (hidden)" for k in keys) + " |",
         "|---|" + "---|" * len(keys),
     ]
     for n in ns:
@@ -512,8 +523,7 @@ def markdown(results: dict, plot_paths) -> str:
             f"{record['seed']}, case {record['case']} on coordinate {record['coord']}, "
             f"φ_c = {_fmt(record['phi'][record['coord']])}):",
             "",
-            "| a | norm gap \\|t(A) − t(B)\\| | slot gap ‖D(A)ᵀA − D(B)ᵀB‖ "
-            "| output gap ‖sMoE(A) − sMoE(B)‖ |",
+            "| a | norm gap \\|t(A) − t(B)\\| | slot gap ‖D(A)ᵀA − D(B)ᵀB‖ | output gap ‖sMoE(A) − sMoE(B)‖ |",
             "|---|---|---|---|",
         ]
         for row in record["rows"]:

@@ -96,8 +96,14 @@ def write_plots(results: dict, out_dir: str | Path) -> dict[str, str]:
         ax.plot(ks, [entries[str(k)]["speedup_vs_all"] for k in ks], "-o", color=color, label=f"ours, batch {batch}")
         paper = PAPER_MS.get(int(batch))
         if paper:
-            ax.plot(ks, [paper[EXPERTS][0] / paper[k][0] for k in ks], "--s", color=color, alpha=0.6,
-                    label=f"paper (2080 Ti), batch {batch}")
+            ax.plot(
+                ks,
+                [paper[EXPERTS][0] / paper[k][0] for k in ks],
+                "--s",
+                color=color,
+                alpha=0.6,
+                label=f"paper (2080 Ti), batch {batch}",
+            )
     ax.plot([8, 2], [1, 4], ":", color="gray", label="ideal n/k")
     ax.invert_xaxis()
     ax.set_xlabel("experts kept per input, k (of n = 8)")

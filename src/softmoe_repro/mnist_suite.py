@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field, replace
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -25,6 +25,18 @@ from tqdm.auto import tqdm
 from softmoe.checkpoint import write_json
 from softmoe.data import ImageDataset, Splits, load_dataset, portable_spec
 from softmoe.distributed import LOCAL, DistContext
+from softmoe.models import SoftMoEClassifier
+from softmoe.models.mnist import mnist_model
+from softmoe.oracle import (
+    DEFAULT_MAX_SUBSETS,
+    check_subset_count,
+    oracle_from_contributions,
+)
+from softmoe.runs import load_epoch
+from softmoe.selection import combine_shares, share_uniformity
+from softmoe.train import TrainConfig, train_classifier
+from softmoe_repro import budgets
+from softmoe_repro.budgets import budget_study
 from softmoe_repro.common import (
     ALPHA,
     equal_accuracy_epochs,
@@ -38,18 +50,6 @@ from softmoe_repro.common import (
     pick_preset,
     selection_sweep,
 )
-from softmoe.models import SoftMoEClassifier
-from softmoe.models.mnist import mnist_model
-from softmoe.oracle import (
-    DEFAULT_MAX_SUBSETS,
-    check_subset_count,
-    oracle_from_contributions,
-)
-from softmoe.runs import load_epoch
-from softmoe.selection import combine_shares, share_uniformity
-from softmoe.train import TrainConfig, train_classifier
-from softmoe_repro import budgets
-from softmoe_repro.budgets import budget_study
 from softmoe_repro.specialization import plot_class_experts, plot_top_images, specialization
 
 PAPER_EXPERTS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -67,13 +67,19 @@ class Protocol(NamedTuple):
 
 PROTOCOLS = {
     "authors": Protocol(
-        False, True, "last", True,
+        False,
+        True,
+        "last",
+        True,
         "the authors' code: the whole training set (the validation split included, as torchvision's 60,000 MNIST "
         "digits) in stored order every epoch (no shuffling), a first epoch of forward passes without optimizer "
         "steps, every model evaluated at its last epoch",
     ),
     "equal-accuracy": Protocol(
-        True, False, "equal-accuracy", False,
+        True,
+        False,
+        "equal-accuracy",
+        False,
         "the paper's text: shuffled epochs on the training split; the common target is the best accuracy on the "
         "held-out validation split that every model reaches, and each n uses its epoch closest to it",
     ),
@@ -115,8 +121,15 @@ PRESETS = {
     "default": SuitePreset("default", "mnist"),
     "paper": SuitePreset("paper", "mnist", max_subsets=20_000_000),
     "smoke": SuitePreset(
-        "smoke", "digits", experts=(2, 4, 8), train=TrainConfig(epochs=3), seeds=2, random_seeds=3,
-        limit_examples=600, budget_experts=(4, 8), specialization_experts=(4, 8),
+        "smoke",
+        "digits",
+        experts=(2, 4, 8),
+        train=TrainConfig(epochs=3),
+        seeds=2,
+        random_seeds=3,
+        limit_examples=600,
+        budget_experts=(4, 8),
+        specialization_experts=(4, 8),
     ),
 }
 
@@ -322,8 +335,7 @@ def run_suite(
     if preset.protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {preset.protocol!r}; choose one of {sorted(PROTOCOLS)}")
     if preset.seeds < 1 or not preset.experts or min(preset.experts) < 1:
-        raise ValueError(f"need seeds >= 1 and at least one n >= 1, got seeds={preset.seeds}, "
-                         f"experts={preset.experts}")
+        raise ValueError(f"need seeds >= 1 and at least one n >= 1, got seeds={preset.seeds}, experts={preset.experts}")
     out_dir = Path(out_dir)
     runs = out_dir / "runs" / f"{preset.model}_{preset.protocol}"
     limit = preset.limit_examples
@@ -352,8 +364,14 @@ def run_suite(
     jobs = [(seed, n) for seed in seed_list for n in preset.experts]
     for seed, n in tqdm(jobs, desc="models", disable=not progress or not dist.is_main):
         _, histories[seed][n] = train_classifier(
-            factory(n), trained_on, training_config(preset, seed), run_folder(runs, n, seed, first_seed), progress,
-            f"n={n} seed={seed}", dist, model_config=description(n),
+            factory(n),
+            trained_on,
+            training_config(preset, seed),
+            run_folder(runs, n, seed, first_seed),
+            progress,
+            f"n={n} seed={seed}",
+            dist,
+            model_config=description(n),
         )
     if not dist.is_main:
         return None
@@ -367,10 +385,16 @@ def run_suite(
             trained = load_epoch(factory(n)(), run_folder(runs, n, seed, first_seed), epoch).eval()
             record, seed_outcomes = evaluate_seed(trained, splits.test, preset)
             metrics = histories[seed][n][epoch - 1]
-            seed_records.append({
-                "seed": seed, "epoch": epoch, "val_accuracy": metrics["val_accuracy"],
-                "test_accuracy": metrics["test_accuracy"], "history": histories[seed][n], **record,
-            })
+            seed_records.append(
+                {
+                    "seed": seed,
+                    "epoch": epoch,
+                    "val_accuracy": metrics["val_accuracy"],
+                    "test_accuracy": metrics["test_accuracy"],
+                    "history": histories[seed][n],
+                    **record,
+                }
+            )
             outcomes.append(seed_outcomes)
             if seed == first_seed:
                 first_model = trained
@@ -519,8 +543,17 @@ def write_plots(results: dict, out_dir: str | Path) -> dict[str, str]:
     oracle = [(n, models[str(n)]["oracle"]) for n in ns if "distinct_best_subsets" in models[str(n)]["oracle"]]
     if oracle:
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.bar([str(n) for n, _ in oracle], [o["distinct_best_subsets"] for _, o in oracle], label="distinct best subsets")
-        ax.plot([str(n) for n, _ in oracle], [o["distinct_cap"] for _, o in oracle], "r_", ms=30, mew=2, label="cap min(N, C(n,k))")
+        ax.bar(
+            [str(n) for n, _ in oracle], [o["distinct_best_subsets"] for _, o in oracle], label="distinct best subsets"
+        )
+        ax.plot(
+            [str(n) for n, _ in oracle],
+            [o["distinct_cap"] for _, o in oracle],
+            "r_",
+            ms=30,
+            mew=2,
+            label="cap min(N, C(n,k))",
+        )
         ax.set_yscale("log")
         ax.set_xlabel("number of experts n")
         ax.set_ylabel("distinct best k = n/4 subsets")
@@ -556,7 +589,8 @@ def write_plots(results: dict, out_dir: str | Path) -> dict[str, str]:
         paths["class_experts"] = plot_class_experts(tables, out_dir / "fig_class_experts.png")
         n = special[-1]
         paths["top_images"] = plot_top_images(
-            models[str(n)]["specialization"]["top_images"], out_dir / "fig_expert_top_images.png",
+            models[str(n)]["specialization"]["top_images"],
+            out_dir / "fig_expert_top_images.png",
             f"n = {n}: the test images that weight each expert most (label, share)",
         )
     return paths
@@ -593,19 +627,21 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
     chosen = (
         "Each n is evaluated at its last epoch."
         if all(t is None for t in targets.values())
-        else "Common validation target per seed " + ", ".join(f"{s}: {pct(t)}%" for s, t in targets.items())
+        else "Common validation target per seed "
+        + ", ".join(f"{s}: {pct(t)}%" for s, t in targets.items())
         + "; each n uses its epoch closest to it."
     )
     trained = (
         f"{data['train']:,} training images (the {data['val']:,} validation images included, as the authors train on "
         "the whole training set), "
-        if data.get("val_in_train") else f"{data['train']:,} training / {data['val']:,} held-out validation / "
+        if data.get("val_in_train")
+        else f"{data['train']:,} training / {data['val']:,} held-out validation / "
     )
     validation = (
         "The validation split is part of what these models trained on: the calibrated budgets below are chosen on "
         "training images and checked on the test split; nothing is selected on the test split."
-        if data.get("val_in_train") else
-        "The validation split is held out from training; calibration and epoch choices use it, never the test split."
+        if data.get("val_in_train")
+        else "The validation split is held out from training; calibration and epoch choices use it, never the test split."
     )
     lines = [
         "## MNIST suite: expert specialization and Algorithm 1 (sections 4.2 and 4.4)",
@@ -635,14 +671,19 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         *model_table(models, "test acc (%)", lambda m: m["test_accuracy"]),
         "",
         "Test accuracy over the training seeds (mean ± sd): "
-        + ", ".join(f"n = {n}: {_pm(models[str(n)]['test_accuracy'], models[str(n)].get('test_accuracy_sd'))}"
-                    for n in ns) + ".",
+        + ", ".join(
+            f"n = {n}: {_pm(models[str(n)]['test_accuracy'], models[str(n)].get('test_accuracy_sd'))}" for n in ns
+        )
+        + ".",
     ]
     lines += [
-        "", "### Table 1: best and random k = n/4 subsets, with the oracle's control", "",
+        "",
+        "### Table 1: best and random k = n/4 subsets, with the oracle's control",
+        "",
         "Beside the best-subset accuracy: the fraction of test images for which some k-subset predicts a WRONG "
         "label, (y + 1) mod 10, and the mean number of classes the subsets can reach. The more labels the subsets "
-        "can reach, the less the best-subset accuracy alone says about specialization.", "",
+        "can reach, the less the best-subset accuracy alone says about specialization.",
+        "",
         "| n | best k-subset (ours) | best (paper) | some subset predicts (y+1) mod 10 | classes reachable | random "
         "(ours) | random (paper) |",
         "|---|---|---|---|---|---|---|",
@@ -659,17 +700,32 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         else:
             best, control = "skipped", ["–", "–"]
         rnd = mean_std_pct(quarter["random"]) if quarter else "–"
-        lines.append(f"| {n} | {best} | {PAPER_TABLE1['best'][n]:.2f} | {' | '.join(control)} | {rnd} | "
-                     f"{pm:.2f} ± {ps:.2f} |")
-    lines += ["", "### Figures 1 and 2a: accuracy against n", "", f"![accuracy against n]({Path(plots['selection']).name})", ""]
-    lines += ["| n | all experts | " + " | ".join(f"Alg. 1 k=n/{round(1 / f)} | random k=n/{round(1 / f)}" for f in FRACTIONS) + " |"]
+        lines.append(
+            f"| {n} | {best} | {PAPER_TABLE1['best'][n]:.2f} | {' | '.join(control)} | {rnd} | {pm:.2f} ± {ps:.2f} |"
+        )
+    lines += [
+        "",
+        "### Figures 1 and 2a: accuracy against n",
+        "",
+        f"![accuracy against n]({Path(plots['selection']).name})",
+        "",
+    ]
+    lines += [
+        "| n | all experts | "
+        + " | ".join(f"Alg. 1 k=n/{round(1 / f)} | random k=n/{round(1 / f)}" for f in FRACTIONS)
+        + " |"
+    ]
     lines += ["|---|---|" + "---|---|" * len(FRACTIONS)]
     for n in ns:
         selection = models[str(n)]["selection"]
         row = [str(n), _pm(selection["all_experts"], selection.get("all_experts_sd"))]
         for f in FRACTIONS:
             record = cell(models, n, f)
-            row += [_pm(record["algorithm1"], record.get("algorithm1_sd")), mean_std_pct(record["random"])] if record else ["–", "–"]
+            row += (
+                [_pm(record["algorithm1"], record.get("algorithm1_sd")), mean_std_pct(record["random"])]
+                if record
+                else ["–", "–"]
+            )
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "### Table 10: standard deviations by which Algorithm 1 beats random selection", ""]
     lines += ["| k | " + " | ".join(f"n={n} (ours / paper)" for n in ns) + " |", "|---|" + "---|" * len(ns)]
@@ -682,20 +738,32 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         lines.append("| " + " | ".join(row) + " |")
     won, total = tally(models)
     lines += [
-        "", "### The paired test: Algorithm 1 minus random subsets, on the same test images", "",
+        "",
+        "### The paired test: Algorithm 1 minus random subsets, on the same test images",
+        "",
         f"Difference in accuracy points [99% interval], p-value; **holds** at p < {ALPHA} in {won} of {total} cells.",
-        "", "| n | " + " | ".join(f"k = n/{round(1 / f)}" for f in FRACTIONS) + " |", "|---|" + "---|" * len(FRACTIONS),
+        "",
+        "| n | " + " | ".join(f"k = n/{round(1 / f)}" for f in FRACTIONS) + " |",
+        "|---|" + "---|" * len(FRACTIONS),
     ]
     for n in ns:
         row = [str(n)]
         for f in FRACTIONS:
             record = cell(models, n, f)
-            row.append(f"{_paired(record)} {'holds' if holds(record['paired']) else 'does not hold'}" if record else "–")
+            row.append(
+                f"{_paired(record)} {'holds' if holds(record['paired']) else 'does not hold'}" if record else "–"
+            )
         lines.append("| " + " | ".join(row) + " |")
     lines += diagnostics_section(models)
     lines += other_masked_forward(models, other)
     if "distinct_subsets" in plots:
-        lines += ["", "### Figure 5: distinct best k = n/4 subsets", "", f"![distinct best subsets]({Path(plots['distinct_subsets']).name})", ""]
+        lines += [
+            "",
+            "### Figure 5: distinct best k = n/4 subsets",
+            "",
+            f"![distinct best subsets]({Path(plots['distinct_subsets']).name})",
+            "",
+        ]
         lines += ["| n | k | C(n, k) | distinct best subsets (mean over seeds) | cap |", "|---|---|---|---|---|"]
         for n in ns:
             o = models[str(n)]["oracle"]
@@ -713,14 +781,17 @@ def diagnostics_section(models: dict) -> list[str]:
     experts that carry the evidence for the true class."""
     ns = sorted(int(n) for n in models)
     lines = [
-        "", "### Why Algorithm 1 wins or loses: do the combine weights point at the useful experts?", "",
+        "",
+        "### Why Algorithm 1 wins or loses: do the combine weights point at the useful experts?",
+        "",
         "Per n, averaged over the training seeds, on the test images (`diagnostics` in the JSON). How peaked the "
         "routing is: the router's learned scale, the normalized entropy of each image's combine shares (1 = every "
         "expert the same share) and the combine mass Algorithm 1 keeps over what a random k keeps. Whether it points "
         "at the right experts: each expert's evidence for an image is its exact contribution to the true class's "
         "logit minus its mean contribution over the classes (the head is linear); the correlation of the shares "
         "with the evidence, averaged over the images, and the evidence Algorithm 1's experts carry over what a "
-        "random k carries (1.00 = chance). Shown at k = n/4 (n/2 for n = 2).", "",
+        "random k carries (1.00 = chance). Shown at k = n/4 (n/2 for n = 2).",
+        "",
         "| n | learned scale | share entropy | kept mass / random | share-evidence correlation "
         "| kept evidence / random |",
         "|---|---|---|---|---|---|",
@@ -740,9 +811,12 @@ def other_masked_forward(models: dict, other: str) -> list[str]:
     ns = sorted(int(n) for n in models)
     won, total = tally(models, other)
     lines = [
-        "", f"### The other masked forward: {other}", "",
+        "",
+        f"### The other masked forward: {other}",
+        "",
         f"{MASKED_FORWARDS[other][0].upper()}{MASKED_FORWARDS[other][1:]}. Algorithm 1 beats random subsets at "
-        f"p < {ALPHA} in {won} of {total} cells.", "",
+        f"p < {ALPHA} in {won} of {total} cells.",
+        "",
         "| n | " + " | ".join(f"Alg. 1 / random, k = n/{round(1 / f)}" for f in FRACTIONS) + " | best k = n/4 subset |",
         "|---|" + "---|" * (len(FRACTIONS) + 1),
     ]
@@ -766,29 +840,41 @@ def beyond_algorithm1(results: dict, plots: dict[str, str]) -> list[str]:
     if studies and "budgets" in plots:
         drop = next(iter(studies.values()))["max_drop"]
         lines += [
-            "", "### Beyond Algorithm 1: accuracy against the expert compute run (not in the paper)", "",
-            f"![accuracy against expert compute]({Path(plots['budgets']).name})", "",
+            "",
+            "### Beyond Algorithm 1: accuracy against the expert compute run (not in the paper)",
+            "",
+            f"![accuracy against expert compute]({Path(plots['budgets']).name})",
+            "",
             "Each point is one selection on the test split: all experts, Algorithm 1 at every k, the adaptive "
             "`mass` strategy (the fewest experts holding a share tau of each input's combine mass) over a grid of "
             "tau, and random subsets; x is the fraction of the expert FLOPs actually run (top) or the measured time "
             "per example (bottom). The table gives the cheapest setting of each strategy within "
             f"{drop:g} point{'s' if drop != 1 else ''} of all experts on the validation split (`softmoe calibrate`), "
             "and its test accuracy.",
-            "", *budgets.table(studies), "",
+            "",
+            *budgets.table(studies),
+            "",
         ]
         lines += [f"- {finding}" for finding in budgets.findings(studies)]
     special = [n for n in ns if "specialization" in models[str(n)]]
     if special and "class_experts" in plots:
         lines += [
-            "", "### Specialization made visible (not in the paper)", "",
-            f"![class x expert shares]({Path(plots['class_experts']).name})", "",
+            "",
+            "### Specialization made visible (not in the paper)",
+            "",
+            f"![class x expert shares]({Path(plots['class_experts']).name})",
+            "",
             "Mean share of each expert in Algorithm 1's score per class (test split): a bright cell is an expert that "
-            "a class relies on. " + "; ".join(
+            "a class relies on. "
+            + "; ".join(
                 f"n = {n}: shares from {100 * min(map(min, table)):.2f} % to {100 * max(map(max, table)):.2f} % "
                 f"(uniform: {100 / n:.2f} %)"
                 for n, table in ((n, models[str(n)]["specialization"]["class_expert_shares"]) for n in special)
-            ) + ".", "",
-            f"![top images per expert]({Path(plots['top_images']).name})", "",
+            )
+            + ".",
+            "",
+            f"![top images per expert]({Path(plots['top_images']).name})",
+            "",
             "For the experts with the largest mean share, the test images that weight them most.",
         ]
     return lines
@@ -827,9 +913,17 @@ def findings(results: dict) -> list[str]:
         oracle = models.get(str(n), {}).get("oracle", {})
         if "best_subset_accuracy" in oracle:
             diff = 100 * oracle["best_subset_accuracy"] - PAPER_TABLE1["best"][n]
-            out.append(f"Best k = n/4 subset at n = {n}: {pct(oracle['best_subset_accuracy'])}% vs the paper's {PAPER_TABLE1['best'][n]:.2f}% ({diff:+.2f} points).")
-    trend = [models[str(n)]["oracle"].get("distinct_best_subsets") for n in ns if "distinct_best_subsets" in models[str(n)]["oracle"]]
+            out.append(
+                f"Best k = n/4 subset at n = {n}: {pct(oracle['best_subset_accuracy'])}% vs the paper's {PAPER_TABLE1['best'][n]:.2f}% ({diff:+.2f} points)."
+            )
+    trend = [
+        models[str(n)]["oracle"].get("distinct_best_subsets")
+        for n in ns
+        if "distinct_best_subsets" in models[str(n)]["oracle"]
+    ]
     if len(trend) > 1:
         grows = all(a <= b for a, b in zip(trend, trend[1:]))
-        out.append(f"Distinct best subsets {'grow' if grows else 'do not grow monotonically'} with n ({trend}); the paper: they grow.")
+        out.append(
+            f"Distinct best subsets {'grow' if grows else 'do not grow monotonically'} with n ({trend}); the paper: they grow."
+        )
     return out

@@ -7,8 +7,8 @@ the numbers move with the model and the protocol.
 
 from __future__ import annotations
 
-from softmoe_repro.mnist_suite import FRACTIONS, PAPER_TABLE1, cell, check_format, tally
 from softmoe_repro.common import holds, mean_std_pct, num, pct
+from softmoe_repro.mnist_suite import PAPER_TABLE1, cell, check_format, tally
 
 
 def write_plots(variants: dict, out_dir) -> dict[str, str]:
@@ -69,8 +69,9 @@ def markdown(variants: dict, plots: dict[str, str]) -> str:
         "(paired test; * = holds at p < 0.01), the correlation of the combine shares with each expert's evidence for "
         "the true class, and the learned router scale.",
         "",
-        "| n | " + " | ".join(f"`{variants[name]['model']['name']}` / `{variants[name]['protocol']['name']}`"
-                               for name in names) + " |",
+        "| n | "
+        + " | ".join(f"`{variants[name]['model']['name']}` / `{variants[name]['protocol']['name']}`" for name in names)
+        + " |",
         "|---|" + "---|" * len(names),
     ]
     for n in ns:
@@ -83,7 +84,9 @@ def markdown(variants: dict, plots: dict[str, str]) -> str:
                 continue
             d = model["diagnostics"]
             star = "*" if holds(record["paired"]) else ""
-            row.append(f"{100 * record['paired']['difference']:+.1f}{star}, r = {num(d['share_evidence_correlation'])}, "
-                       f"scale {num(d['scale'])}")
+            row.append(
+                f"{100 * record['paired']['difference']:+.1f}{star}, r = {num(d['share_evidence_correlation'])}, "
+                f"scale {num(d['scale'])}"
+            )
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"

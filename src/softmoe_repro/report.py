@@ -57,7 +57,7 @@ def provenance() -> dict:
     """When, with what code, and on what machine a result was made."""
     return {
         "code_version": code_version(),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
             "processor": cpu_model(),
             "python": platform.python_version(),
@@ -89,7 +89,9 @@ def collect_results(results_dir: str | Path) -> dict:
     path = results_dir / "results.json"
     if path.exists():
         previous = read_json(path)
-        if {k: v for k, v in previous.items() if k != "provenance"} == {k: v for k, v in results.items() if k != "provenance"}:
+        if {k: v for k, v in previous.items() if k != "provenance"} == {
+            k: v for k, v in results.items() if k != "provenance"
+        }:
             return previous
     write_json(path, results)
     return results
@@ -101,7 +103,7 @@ def write_report(results_dir: str | Path) -> Path:
     results = read_json(results_dir / "results.json")
     prov = results["provenance"]
     parts = [
-        "# softmoe reproduction of \"Beyond Parameter Count: Implicit Bias in Soft Mixture of Experts\"",
+        '# softmoe reproduction of "Beyond Parameter Count: Implicit Bias in Soft Mixture of Experts"',
         "",
         f"Assembled {prov['created']} with softmoe {prov['code_version']}, torch {prov['machine']['torch']}, "
         f"{prov['machine']['threads']} threads on {prov['machine']['processor']}, from the experiments' JSON files "

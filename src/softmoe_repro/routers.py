@@ -26,14 +26,14 @@ from tqdm.auto import tqdm
 from softmoe.checkpoint import write_json
 from softmoe.data import Splits, load_dataset
 from softmoe.distributed import LOCAL, DistContext
+from softmoe.models.patches import patchify
+from softmoe.routing import ROUTERS, MoELayer, make_router
+from softmoe.train import TrainConfig, train_classifier
 from softmoe_repro.common import (
     default_vision_dataset,
     pct,
     pick_preset,
 )
-from softmoe.models.patches import patchify
-from softmoe.routing import ROUTERS, MoELayer, make_router
-from softmoe.train import TrainConfig, train_classifier
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +282,9 @@ def _train_one(
     batch = min(preset.train.batch_size, len(splits.train))
     timing_model = factory()
     timing_model.load_state_dict(model.state_dict())
-    step_ms, step_cpu_ms = step_milliseconds(timing_model, splits.train.images[:batch], splits.train.labels[:batch], preset.timing_steps)
+    step_ms, step_cpu_ms = step_milliseconds(
+        timing_model, splits.train.images[:batch], splits.train.labels[:batch], preset.timing_steps
+    )
     stats = routing_stats(model, splits.test.images[: preset.stats_examples], preset.train.batch_size)
     moe = model.moe
     capacity = getattr(moe.router, "capacity", None) if moe is not None else None
@@ -333,9 +335,7 @@ def run(
         torch.set_num_threads(previous_threads)
 
 
-def _run(
-    preset: RoutersPreset, out_dir: str | Path | None, progress: bool, dist: DistContext = LOCAL
-) -> dict | None:
+def _run(preset: RoutersPreset, out_dir: str | Path | None, progress: bool, dist: DistContext = LOCAL) -> dict | None:
     started, started_cpu = time.perf_counter(), time.process_time()
     notice = None
     name = preset.dataset
@@ -429,8 +429,13 @@ def write_plots(results: dict, out_dir: str | Path) -> dict[str, str]:
         router = run["router"]
         size = 60 if run["capacity_factor"] == 1 else 160
         ax.scatter(
-            run["train_cpu_seconds"], 100 * run["final_test_accuracy"], s=size, color=colors.get(router, "k"),
-            marker=markers.get(router, "D"), label=run["label"], alpha=0.8,
+            run["train_cpu_seconds"],
+            100 * run["final_test_accuracy"],
+            s=size,
+            color=colors.get(router, "k"),
+            marker=markers.get(router, "D"),
+            label=run["label"],
+            alpha=0.8,
         )
     spread = results.get("seed_spread")
     if spread and spread.get("std") is not None:
@@ -452,8 +457,13 @@ def write_plots(results: dict, out_dir: str | Path) -> dict[str, str]:
         history = run["history"]
         style = "-" if run["capacity_factor"] == 1 else "--"
         ax.plot(
-            [e["epoch"] for e in history], [100 * e["val_accuracy"] for e in history], style,
-            color=colors.get(run["router"], "k"), marker="o", ms=3, label=run["label"],
+            [e["epoch"] for e in history],
+            [100 * e["val_accuracy"] for e in history],
+            style,
+            color=colors.get(run["router"], "k"),
+            marker="o",
+            ms=3,
+            label=run["label"],
         )
     ax.set_xlabel("epoch")
     ax.set_ylabel("validation accuracy (%)")
@@ -526,7 +536,9 @@ def findings(results: dict) -> list[str]:
                 "0.8 points on JFT B/32)."
             )
         if "sparsity_constrained_expert_choice" in runs and "softmax_expert_choice" in runs:
-            ratio = runs["sparsity_constrained_expert_choice"]["step_cpu_ms"] / runs["softmax_expert_choice"]["step_cpu_ms"]
+            ratio = (
+                runs["sparsity_constrained_expert_choice"]["step_cpu_ms"] / runs["softmax_expert_choice"]["step_cpu_ms"]
+            )
             paper = PAPER_B32[("sparsity_constrained_expert_choice", c)][1] / PAPER_B32[("softmax_expert_choice", c)][1]
             out.append(
                 f"c = {c}: a sparsity-constrained step costs {ratio:.2f}x a Softmax Expert Choice step (the paper: "
@@ -550,7 +562,7 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
     model, train = preset["model"], preset["train"]
     tokens = results.get("tokens_per_image")
     lines = [
-        "## Routers head to head (\"Routers in Vision Mixture of Experts\"; paper columns: B/32, Tables 1 and 4)",
+        '## Routers head to head ("Routers in Vision Mixture of Experts"; paper columns: B/32, Tables 1 and 4)',
         "",
         f"Data: `{data['name']}` ({data['train']:,} train / {data['val']:,} validation / {data['test']:,} test)"
         + (f". Note: {data['notice']}." if data.get("notice") else "."),
@@ -574,14 +586,15 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
     for run in results["runs"].values():
         router, c = run["router"], run["capacity_factor"]
         paper = PAPER_B32.get((router, c), (None, None, None))
-        cap = run["capacity_per_group"] if run["capacity_per_group"] is not None else (
-            f"{run['slots_per_expert']} per image" if run["slots_per_expert"] else "–")
+        cap = (
+            run["capacity_per_group"]
+            if run["capacity_per_group"] is not None
+            else (f"{run['slots_per_expert']} per image" if run["slots_per_expert"] else "–")
+        )
         lines.append(
             f"| {run['label']} | {cap} | {pct(run['final_test_accuracy'])} | {pct(run['best_val_accuracy'])} | "
             f"{pct(run['test_dropped_fraction'])} | {run['train_seconds']:.1f} | {run['train_cpu_seconds']:.1f} | "
-            f"{run['step_cpu_ms']:.1f} | "
-            + " | ".join("–" if v is None else f"{v:.2f}" for v in paper)
-            + " |"
+            f"{run['step_cpu_ms']:.1f} | " + " | ".join("–" if v is None else f"{v:.2f}" for v in paper) + " |"
         )
     lines += [
         "",

@@ -51,7 +51,10 @@ def encode_images(images: torch.Tensor) -> dict:
     """Images (k, C, H, W) in [0, 1] -> {"shape": (H, W) or (H, W, 3), "hex": one string of 0-255 bytes per image}."""
     scaled = (images.clamp(0, 1) * 255).round().to(torch.uint8)
     scaled = scaled[:, 0] if scaled.shape[1] != 3 else scaled.permute(0, 2, 3, 1)
-    return {"shape": list(scaled.shape[1:]), "hex": [bytes(image.contiguous().flatten().tolist()).hex() for image in scaled]}
+    return {
+        "shape": list(scaled.shape[1:]),
+        "hex": [bytes(image.contiguous().flatten().tolist()).hex() for image in scaled],
+    }
 
 
 def decode_images(encoded: dict) -> list:
@@ -75,12 +78,14 @@ def top_images(shares: torch.Tensor, data: ImageDataset, experts: int = 4, per_e
     out = []
     for j in chosen:
         order = shares[:, j].topk(min(per_expert, shares.shape[0])).indices
-        out.append({
-            "expert": j,
-            "shares": shares[order, j].tolist(),
-            "labels": data.labels[order].tolist(),
-            "images": encode_images(data.images[order]),
-        })
+        out.append(
+            {
+                "expert": j,
+                "shares": shares[order, j].tolist(),
+                "labels": data.labels[order].tolist(),
+                "images": encode_images(data.images[order]),
+            }
+        )
     return out
 
 
@@ -118,7 +123,9 @@ def _plt():
     return plt
 
 
-def plot_class_experts(tables: dict[str, list[list[float]]], path: str | Path, class_names: list[str] | None = None) -> str:
+def plot_class_experts(
+    tables: dict[str, list[list[float]]], path: str | Path, class_names: list[str] | None = None
+) -> str:
     """Heatmaps of class x expert shares, one per model (``tables``: label -> table)."""
     plt = _plt()
     fig, axes = plt.subplots(1, len(tables), figsize=(4.5 * len(tables), 3.8), squeeze=False)
@@ -151,8 +158,15 @@ def plot_top_images(top: list[dict], path: str | Path, title: str) -> str:
             if col < len(pictures[row]):
                 ax.imshow(pictures[row][col], cmap="gray", vmin=0, vmax=255)
                 ax.set_title(f"{entry['labels'][col]} ({entry['shares'][col]:.2f})", fontsize=6)
-        axes[row][0].text(-0.15, 0.5, f"expert {entry['expert']}", transform=axes[row][0].transAxes, ha="right",
-                          va="center", fontsize=7)
+        axes[row][0].text(
+            -0.15,
+            0.5,
+            f"expert {entry['expert']}",
+            transform=axes[row][0].transAxes,
+            ha="right",
+            va="center",
+            fontsize=7,
+        )
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

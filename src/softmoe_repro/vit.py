@@ -26,6 +26,11 @@ from tqdm.auto import tqdm
 from softmoe.checkpoint import write_json
 from softmoe.data import Splits, load_dataset
 from softmoe.distributed import LOCAL, DistContext
+from softmoe.models.vit import ViT, count_parameters, second_half
+from softmoe.runs import load_epoch
+from softmoe.train import TrainConfig, train_classifier
+from softmoe_repro import budgets
+from softmoe_repro.budgets import budget_study
 from softmoe_repro.common import (
     correct_predictions,
     default_vision_dataset,
@@ -37,11 +42,6 @@ from softmoe_repro.common import (
     pick_preset,
     selection_sweep,
 )
-from softmoe.models.vit import ViT, count_parameters, second_half
-from softmoe.runs import load_epoch
-from softmoe.train import TrainConfig, train_classifier
-from softmoe_repro import budgets
-from softmoe_repro.budgets import budget_study
 from softmoe_repro.specialization import dispatch_maps, plot_dispatch
 
 FRACTIONS = (0.5, 0.25, 0.125)
@@ -79,7 +79,12 @@ class VitPreset:
     moe_residuals: tuple[bool, ...] = (True, False)
     trainer: TrainConfig = field(
         default_factory=lambda: TrainConfig.vision(
-            epochs=6, batch_size=128, lr=3e-3, weight_decay=0.05, warmup_epochs=0.5, clip_norm=1.0,
+            epochs=6,
+            batch_size=128,
+            lr=3e-3,
+            weight_decay=0.05,
+            warmup_epochs=0.5,
+            clip_norm=1.0,
             test_each_epoch=False,
         )
     )
@@ -168,7 +173,10 @@ def evaluate_selection(model: ViT, splits: Splits, preset: VitPreset) -> dict:
     """All-experts, Algorithm 1 and random-selection test accuracies (every MoE layer picks k of its n experts)."""
     ks = selection_ks(model.moe_layers()[0].num_experts)
     return selection_sweep(
-        model, splits.test, ks, preset.random_seeds,
+        model,
+        splits.test,
+        ks,
+        preset.random_seeds,
         lambda m, data: correct_predictions(m, data, preset.trainer.eval_batch_size, preset.trainer.bf16),
     )[0]
 
@@ -409,15 +417,17 @@ def write_plots(results: dict, out_dir: str | Path) -> dict[str, str]:
     }
     if studies:
         paths["budgets"] = budgets.plot(
-            studies, out_dir / "fig_vit_budgets.png", f"Soft MoE ViT on {results['data']['name']}: accuracy "
-            "against expert compute (k or tau in every MoE layer)"
+            studies,
+            out_dir / "fig_vit_budgets.png",
+            f"Soft MoE ViT on {results['data']['name']}: accuracy against expert compute (k or tau in every MoE layer)",
         )
     for name, variant in variants.items():
         maps = [(n, m["dispatch_maps"]) for n, m in variant["models"].items() if "dispatch_maps" in m]
         if maps:
             n, chosen = maps[0]
             paths[f"dispatch_{name}"] = plot_dispatch(
-                chosen, out_dir / f"fig_vit_dispatch_{name}.png",
+                chosen,
+                out_dir / f"fig_vit_dispatch_{name}.png",
                 f"{name.replace('_', ' ')}, n = {n}: dispatch weights of one slot of each of a few experts over the "
                 "patches (first MoE layer)",
             )
@@ -451,7 +461,9 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         "(the paper: 10). Every MoE layer picks its own k experts per input; unselected experts are not computed; "
         "combine weights are not renormalized (the paper's Algorithm 1).",
         "",
-        "Two variants are trained: " + "; ".join(f"**{n.replace('_', ' ')}**: {VARIANT_TITLES[n]}" for n in results["variants"]) + ".",
+        "Two variants are trained: "
+        + "; ".join(f"**{n.replace('_', ' ')}**: {VARIANT_TITLES[n]}" for n in results["variants"])
+        + ".",
         "",
         f"![Algorithm 1 vs random across all MoE layers]({Path(plots['selection']).name})",
         "",
@@ -489,13 +501,18 @@ def _beyond_algorithm1(results: dict, plots: dict[str, str]) -> list[str]:
     lines = []
     if studies and "budgets" in plots:
         lines += [
-            "", "### Beyond Algorithm 1: accuracy against the expert compute run (not in the paper)", "",
-            f"![accuracy against expert compute]({Path(plots['budgets']).name})", "",
+            "",
+            "### Beyond Algorithm 1: accuracy against the expert compute run (not in the paper)",
+            "",
+            f"![accuracy against expert compute]({Path(plots['budgets']).name})",
+            "",
             "Every MoE layer selects with the same k (Algorithm 1, every k), the same tau (the adaptive `mass` "
             "strategy) or random subsets; x is the fraction of the expert FLOPs run over all MoE layers (top) or the "
             "measured time per example (bottom). Cheapest settings within "
-            f"{budgets.MAX_DROP:g} point of all experts on the validation split (`softmoe calibrate`):", "",
-            *budgets.table(studies), "",
+            f"{budgets.MAX_DROP:g} point of all experts on the validation split (`softmoe calibrate`):",
+            "",
+            *budgets.table(studies),
+            "",
         ]
         lines += [f"- {finding}" for finding in budgets.findings(studies)]
     dispatch = [key for key in plots if key.startswith("dispatch_")]
@@ -503,8 +520,10 @@ def _beyond_algorithm1(results: dict, plots: dict[str, str]) -> list[str]:
         lines += ["", "### Where the slots look (not in the paper)", ""]
         for key in dispatch:
             lines += [f"![dispatch maps]({Path(plots[key]).name})", ""]
-        lines.append("Each row: a test image, then the dispatch weights (softmax over the patches) of the first slot "
-                     "of a few experts in the first MoE layer, over the image: what each slot averages.")
+        lines.append(
+            "Each row: a test image, then the dispatch weights (softmax over the patches) of the first slot "
+            "of a few experts in the first MoE layer, over the image: what each slot averages."
+        )
     return lines
 
 
@@ -574,7 +593,11 @@ def findings(results: dict) -> list[str]:
                     + f"; the gap {'shrinks' if shrinks else 'does not shrink monotonically'} as n grows (the paper: "
                     "poor for small n, close to all experts for large n)."
                 )
-        leads = [(n, f, c["random"]["stds_above_random"]) for n, f, c in cells if c["random"]["stds_above_random"] is not None]
+        leads = [
+            (n, f, c["random"]["stds_above_random"])
+            for n, f, c in cells
+            if c["random"]["stds_above_random"] is not None
+        ]
         if leads:
             out.append(
                 f"{label}, standard deviations above random: "

@@ -85,6 +85,7 @@ def resolve(layer: SoftMoE, x: torch.Tensor) -> BackendChoice:
     native kernels are built; elsewhere the cheaper of the slot and token formulations by their cost model
     (:func:`~softmoe.backends.generic.token_space_is_cheaper`, constants in softmoe.tuning.TABLE).
     """
+
     def chosen(name: str, reason: str) -> BackendChoice:
         return BackendChoice(name, reason, REGISTRY[name])
 

@@ -37,9 +37,7 @@ class Backend:
         """Why this backend cannot run tokens x (batch, tokens, dim) of ``layer``, or None where it can."""
         return None
 
-    def route(
-        self, layer: SoftMoE, x: torch.Tensor, mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, layer: SoftMoE, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dispatch and combine (batch, tokens, n*p) of the slot inputs x (batch, tokens, dim)."""
         noise = layer.noise_std if layer.training else 0.0
         phi, scale, _ = layer.weights()
@@ -64,8 +62,15 @@ class Backend:
         return self.mix_selected(layer, x, dispatch, combine, selected, selector.renormalize, selector.plan)
 
     def mix_selected(
-        self, layer: SoftMoE, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor,
-        selected: torch.Tensor, renormalize: bool, plan: str, combine_is_kept: bool = False,
+        self,
+        layer: SoftMoE,
+        x: torch.Tensor,
+        dispatch: torch.Tensor,
+        combine: torch.Tensor,
+        selected: torch.Tensor,
+        renormalize: bool,
+        plan: str,
+        combine_is_kept: bool = False,
     ) -> torch.Tensor:
         """Algorithm 1's mixing: only the ``selected`` (batch, k) experts of each input (-1: an unused place), on
         ``plan`` (for "auto" :meth:`plan`'s); ``combine_is_kept``: combine is zero outside them already."""
@@ -78,17 +83,26 @@ class Backend:
         return self.mix(layer, x, dispatch, renormalized(combine) if renormalize else combine, kept=True)
 
     def plan(
-        self, layer: SoftMoE, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor,
-        selected: torch.Tensor, renormalize: bool, top_k: bool = False,
+        self,
+        layer: SoftMoE,
+        x: torch.Tensor,
+        dispatch: torch.Tensor,
+        combine: torch.Tensor,
+        selected: torch.Tensor,
+        renormalize: bool,
+        top_k: bool = False,
     ) -> str:
         """The plan "auto" runs: :func:`softmoe.selection_plan.choose_plan` (the cost model, or with autotuning on
         the plans timed); ``top_k``: ``selected`` is Algorithm 1's top k, every place used."""
+
         def runs() -> dict:
             keep = kept_slots(selected, layer.num_experts, layer.slots_per_expert)
             masked = torch.where(keep, combine, 0.0)
             masked = renormalized(masked) if renormalize else masked
-            return {"dense": lambda: self.mix(layer, x, dispatch, masked, kept=True),
-                    "selected": lambda: selected_plan(layer, x, dispatch, combine, selected, renormalize)}
+            return {
+                "dense": lambda: self.mix(layer, x, dispatch, masked, kept=True),
+                "selected": lambda: selected_plan(layer, x, dispatch, combine, selected, renormalize),
+            }
 
         return choose_plan(layer, x, selected, self.name, runs, top_k)
 
@@ -99,12 +113,19 @@ class Backend:
 
     def steps(self, layer: SoftMoE, x: torch.Tensor) -> dict[str, str]:
         """What runs each step for x, in words (for :meth:`SoftMoE.backend_for`)."""
-        return {"route": "torch ops", "mix": "torch ops: slots, every expert, combine",
-                "select": "the selector on the combine weights"}
+        return {
+            "route": "torch ops",
+            "mix": "torch ops: slots, every expert, combine",
+            "select": "the selector on the combine weights",
+        }
 
 
 def selected_plan(
-    layer: SoftMoE, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor, selected: torch.Tensor,
+    layer: SoftMoE,
+    x: torch.Tensor,
+    dispatch: torch.Tensor,
+    combine: torch.Tensor,
+    selected: torch.Tensor,
     renormalize: bool,
 ) -> torch.Tensor:
     """Only the kept experts, on the slots of the inputs that keep them, grouped by expert

@@ -1,12 +1,12 @@
 """The "cpu" backend: softmoe's native CPU ops for float32 tensors and MLP experts (see :mod:`softmoe.kernels`).
 
-    route         ``softmoe::soft_moe_routing``: logits, dispatch and combine in one pass (torch ops with a mask or
-                  logit noise)
-    mix           ``softmoe::soft_moe_mixing``, the whole mixing of small relu experts in one pass, where it serves;
-                  else the token formulation where its cost model finds it cheaper; else the slot formulation with
-                  ``softmoe::expert_matmul`` for few rows through large weights, or with torch's batched matmuls
-    select        Algorithm 1's choice in the routing's own pass in inference, or ``softmoe::top_k_combine`` after it
-    mix_selected  in inference with the fused mixing, the dense plan: the kernel skips the unkept experts itself
+route         ``softmoe::soft_moe_routing``: logits, dispatch and combine in one pass (torch ops with a mask or
+              logit noise)
+mix           ``softmoe::soft_moe_mixing``, the whole mixing of small relu experts in one pass, where it serves;
+              else the token formulation where its cost model finds it cheaper; else the slot formulation with
+              ``softmoe::expert_matmul`` for few rows through large weights, or with torch's batched matmuls
+select        Algorithm 1's choice in the routing's own pass in inference, or ``softmoe::top_k_combine`` after it
+mix_selected  in inference with the fused mixing, the dense plan: the kernel skips the unkept experts itself
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 
 from softmoe.backends.base import algorithm1_k
-from softmoe.backends.generic import SlotsBackend, TokensBackend, expert_rows, slot_rows
-from softmoe.backends.generic import token_space_is_cheaper
+from softmoe.backends.generic import SlotsBackend, TokensBackend, expert_rows, slot_rows, token_space_is_cheaper
 from softmoe.kernels import native_available, native_status
 from softmoe.kernels.expert_matmul import NATIVE_FORWARD_MAX_ROWS, NATIVE_MAX_ROWS, expert_matmul, native_applies
 from softmoe.kernels.modes import needs_grad
@@ -120,9 +119,14 @@ class CpuBackend(SlotsBackend):
         return super().mix_selected(layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept)
 
     def steps(self, layer, x):
-        mixing = {"fused": "softmoe::soft_moe_mixing, every step of the small experts in one pass",
-                  "tokens": "the token-space rewrite (its cost model)",
-                  "native": "the slot formulation with softmoe::expert_matmul",
-                  "slots": "the slot formulation in batched matmuls"}[self.mixing(layer, x)]
-        return {"route": "softmoe::soft_moe_routing", "mix": mixing,
-                "select": "Algorithm 1 in the routing's pass (inference) or softmoe::top_k_combine"}
+        mixing = {
+            "fused": "softmoe::soft_moe_mixing, every step of the small experts in one pass",
+            "tokens": "the token-space rewrite (its cost model)",
+            "native": "the slot formulation with softmoe::expert_matmul",
+            "slots": "the slot formulation in batched matmuls",
+        }[self.mixing(layer, x)]
+        return {
+            "route": "softmoe::soft_moe_routing",
+            "mix": mixing,
+            "select": "Algorithm 1 in the routing's pass (inference) or softmoe::top_k_combine",
+        }

@@ -1,10 +1,10 @@
 """The "cuda" backend: MLP experts on CUDA, where an eager call is bound by the host's kernel launches.
 
-    route         the "router" logits as two fused RMS norms and a product (7 kernels where the formula takes 14)
-    mix           the slot formulation (the "slots" backend)
-    select        Algorithm 1's choice and both softmaxes in ``softmoe::routing_softmaxes``' Triton kernel (eager
-                  inference), which also normalizes the tokens and writes a bfloat16 layer's weights in its dtype
-    mix_selected  the selected experts in torch's grouped GEMM (``softmoe::grouped_mm``, bfloat16)
+route         the "router" logits as two fused RMS norms and a product (7 kernels where the formula takes 14)
+mix           the slot formulation (the "slots" backend)
+select        Algorithm 1's choice and both softmaxes in ``softmoe::routing_softmaxes``' Triton kernel (eager
+              inference), which also normalizes the tokens and writes a bfloat16 layer's weights in its dtype
+mix_selected  the selected experts in torch's grouped GEMM (``softmoe::grouped_mm``, bfloat16)
 """
 
 from __future__ import annotations
@@ -83,10 +83,13 @@ class CudaBackend(SlotsBackend):
         renormalize = selector.renormalize
         narrow = x.dtype in (torch.bfloat16, torch.float16) and not renormalize
         dispatch, combine, selected = self.fused_routing(layer, x, k, x.dtype if narrow else None)
-        return self.mix_selected(layer, x, dispatch, combine, selected, renormalize, selector.plan,
-                                 combine_is_kept=True)
+        return self.mix_selected(
+            layer, x, dispatch, combine, selected, renormalize, selector.plan, combine_is_kept=True
+        )
 
     def steps(self, layer, x):
-        return {"route": "fused RMS norms",
-                "mix": "the slot formulation in batched matmuls",
-                "select": "Algorithm 1 in the Triton routing kernel (eager inference)"}
+        return {
+            "route": "fused RMS norms",
+            "mix": "the slot formulation in batched matmuls",
+            "select": "Algorithm 1 in the Triton routing kernel (eager inference)",
+        }

@@ -125,9 +125,7 @@ def _read_files(directory: Path, names: tuple[str, ...], layout: CifarLayout, la
     return np.concatenate(images), np.concatenate(labels)
 
 
-def _load(
-    root: str | Path, layout: CifarLayout, label_key: str, num_classes: int, val_size: int, name: str
-) -> Splits:
+def _load(root: str | Path, layout: CifarLayout, label_key: str, num_classes: int, val_size: int, name: str) -> Splits:
     directory = find_cifar_dir(root, layout)
     train_x, train_y = _read_files(directory, layout.train_files, layout, label_key, num_classes)
     test_x, test_y = _read_files(directory, layout.test_files, layout, label_key, num_classes)

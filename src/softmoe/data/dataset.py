@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -45,7 +44,7 @@ class ImageDataset:
                 raise ValueError(f"{self.name}: labels must lie in [0, {self.num_classes}), found range [{lo}, {hi}]")
         if images.numel():
             lo_f, hi_f = float(images.min()), float(images.max())
-            if not (0.0 <= lo_f and hi_f <= 1.0):  # also rejects NaN
+            if not (lo_f >= 0.0 and hi_f <= 1.0):  # also rejects NaN
                 raise ValueError(f"{self.name}: image values must lie in [0, 1], found range [{lo_f}, {hi_f}]")
 
     def __len__(self) -> int:
@@ -66,10 +65,13 @@ class ImageDataset:
     def concat(self, other: ImageDataset) -> ImageDataset:
         """This set's examples followed by ``other``'s (a copy), for two splits of one dataset."""
         if (other.name, other.num_classes, other.image_shape) != (self.name, self.num_classes, self.image_shape):
-            raise ValueError(f"cannot join {other.name} ({other.num_classes} classes, images {other.image_shape}) to "
-                             f"{self.name} ({self.num_classes} classes, images {self.image_shape})")
-        return ImageDataset(torch.cat([self.images, other.images]), torch.cat([self.labels, other.labels]),
-                            self.num_classes, self.name)
+            raise ValueError(
+                f"cannot join {other.name} ({other.num_classes} classes, images {other.image_shape}) to "
+                f"{self.name} ({self.num_classes} classes, images {self.image_shape})"
+            )
+        return ImageDataset(
+            torch.cat([self.images, other.images]), torch.cat([self.labels, other.labels]), self.num_classes, self.name
+        )
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class Splits:
     def __iter__(self) -> Iterator[ImageDataset]:
         return iter((self.train, self.val, self.test))
 
-    def limit(self, train: int | None = None, val: int | None = None, test: int | None = None) -> "Splits":
+    def limit(self, train: int | None = None, val: int | None = None, test: int | None = None) -> Splits:
         """The first ``train`` / ``val`` / ``test`` examples of each split (None keeps a split whole)."""
 
         def first(part: ImageDataset, count: int | None) -> ImageDataset:

@@ -168,8 +168,11 @@ def load_image_folder(
     if (root / "train").is_dir():
         classes = class_folders(root / "train")
         train = read_image_folder(root / "train", classes, name=name, **options)
-        held = {split: read_image_folder(root / split, classes, name=name, **options)
-                for split in ("val", "test") if (root / split).is_dir()}
+        held = {
+            split: read_image_folder(root / split, classes, name=name, **options)
+            for split in ("val", "test")
+            if (root / split).is_dir()
+        }
         if not held:
             raise DatasetError(f"{root}: found train/ but neither val/ nor test/ (expected {root}/test/<class>/...)")
         if len(held) == 2:

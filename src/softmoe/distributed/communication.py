@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 
-
 def _active() -> bool:
     """True inside an initialized process group of more than one rank."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -112,12 +111,12 @@ def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int]
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):  # noqa: D102
+    def forward(ctx, x, output_splits, input_splits, group):
         ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
         return _exchange(x, output_splits, input_splits, group)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: D102
+    def backward(ctx, grad):
         # The reverse exchange: what rank r received from rank s goes back from r to s.
         return _exchange(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
 

@@ -23,7 +23,6 @@ from torch import nn
 from softmoe.distributed.communication import _active, _collective_device
 from softmoe.distributed.expert_parallel import data_parallel, shard_experts
 
-
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -85,9 +84,7 @@ class DistContext:
         """
         return tuple(t.tensor_split(self.world_size)[self.rank].to(self.device) for t in tensors)
 
-    def shard_batches(
-        self, batches: Iterable[tuple[torch.Tensor, ...]]
-    ) -> Iterator[tuple[torch.Tensor, ...]]:
+    def shard_batches(self, batches: Iterable[tuple[torch.Tensor, ...]]) -> Iterator[tuple[torch.Tensor, ...]]:
         """Shard each global batch of ``batches``; yields this rank's tensors followed by the global batch size.
 
         Every rank must iterate the same global batches (same seed and generator), as ``softmoe.data.batches``

@@ -27,21 +27,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
+from softmoe.distributed.communication import _timed, all_to_all
 from softmoe.experts import check_expert_input
 from softmoe.layer import SoftMoE
-from softmoe.distributed.communication import _timed, all_to_all
 
 
 class _ScaleGrad(torch.autograd.Function):
     """Identity in the forward pass, gradient times ``scale`` in the backward pass."""
 
     @staticmethod
-    def forward(ctx, x, scale):  # noqa: D102
+    def forward(ctx, x, scale):
         ctx.scale = scale
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: D102
+    def backward(ctx, grad):
         return grad * ctx.scale, None
 
 
@@ -109,8 +109,9 @@ class ExpertParallelExperts(nn.Module):
         local = slice(self.expert_offset, self.expert_offset + self.num_local_experts)
         for name, tensor, is_parameter in tensors:
             piece = tensor.detach()[local].clone()
-            sharded = DTensor.from_local(piece, self.mesh, [Shard(0)], run_check=False, shape=tensor.shape,
-                                         stride=tensor.stride())
+            sharded = DTensor.from_local(
+                piece, self.mesh, [Shard(0)], run_check=False, shape=tensor.shape, stride=tensor.stride()
+            )
             persistent = name not in experts._non_persistent_buffers_set
             delattr(experts, name)
             if is_parameter:
@@ -214,9 +215,7 @@ def _layer_signature(name: str, layer: SoftMoE) -> tuple:
     return (name, layer.dim, layer.num_experts, layer.slots_per_expert, type(experts).__name__, shapes)
 
 
-def shard_experts(
-    model: nn.Module, group=None, *, average_gradients: bool = True, sync: bool = True
-) -> nn.Module:
+def shard_experts(model: nn.Module, group=None, *, average_gradients: bool = True, sync: bool = True) -> nn.Module:
     """Shard the experts of every ``SoftMoE`` layer of ``model`` across the ranks of ``group`` (default: all ranks).
 
     Collective over the default group: every rank must call it, before wrapping the model in DDP
@@ -275,9 +274,7 @@ def _check_expert_parallel_config(everyone: list[dict]) -> None:
             for other in members:
                 theirs = everyone[other]["members"] if other < len(everyone) else None
                 if theirs != members:
-                    problems.append(
-                        f"rank {rank} shards over ranks {members} but rank {other} shards over {theirs}"
-                    )
+                    problems.append(f"rank {rank} shards over ranks {members} but rank {other} shards over {theirs}")
                     break
     if problems:
         raise ValueError("expert-parallel groups do not match across ranks: " + "; ".join(problems))

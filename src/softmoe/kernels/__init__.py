@@ -61,20 +61,20 @@ from softmoe.kernels.onednn import (
     onednn_linear,
     onednn_outruns_mkl,
 )
+from softmoe.kernels.routing_softmaxes import fused_routing_applies, routing_softmaxes
 from softmoe.kernels.soft_moe_mixing import (
-    MIXING_MAX_WEIGHT_BYTES_PER_LANE,
     MIXING_MAX_TOKENS,
+    MIXING_MAX_WEIGHT_BYTES_PER_LANE,
     native_mixing_applies,
     soft_moe_mixing,
 )
-from softmoe.kernels.routing_softmaxes import fused_routing_applies, routing_softmaxes
 from softmoe.kernels.soft_moe_routing import native_routing_applies, soft_moe_routing, soft_moe_routing_top_k
 from softmoe.kernels.top_k_combine import native_top_k_applies, top_k_combine
 
 __all__ = [
     "ISAS",
-    "MIXING_MAX_WEIGHT_BYTES_PER_LANE",
     "MIXING_MAX_TOKENS",
+    "MIXING_MAX_WEIGHT_BYTES_PER_LANE",
     "NATIVE_ACTIVATIONS",
     "NATIVE_FORWARD_MAX_ROWS",
     "NATIVE_MAX_ROWS",

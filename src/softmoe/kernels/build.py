@@ -71,8 +71,14 @@ def build_key(csrc: Path = CSRC) -> str:
     for name in sorted(SOURCES + HEADERS):
         digest.update(name.encode() + b"\0" + (csrc / name).read_bytes() + b"\0")
     parts = (
-        BUILD_FORMAT, torch.__version__, sys.implementation.cache_tag, sysconfig.get_config_var("EXT_SUFFIX") or "",
-        platform.machine(), *CFLAGS, "|", *LDFLAGS,
+        BUILD_FORMAT,
+        torch.__version__,
+        sys.implementation.cache_tag,
+        sysconfig.get_config_var("EXT_SUFFIX") or "",
+        platform.machine(),
+        *CFLAGS,
+        "|",
+        *LDFLAGS,
     )
     digest.update("\0".join(parts).encode())
     return digest.hexdigest()[:16]
@@ -146,8 +152,9 @@ def _load() -> None:
         module = _import_or_build()
     except _Unavailable as error:
         _state.status = str(error)
-        warnings.warn(f"softmoe: the native CPU kernels are unavailable, softmoe runs torch's ops instead: {error}",
-                      stacklevel=4)
+        warnings.warn(
+            f"softmoe: the native CPU kernels are unavailable, softmoe runs torch's ops instead: {error}", stacklevel=4
+        )
         return
     _state.module = module
     _state.isa = _default_isa_of(module)
@@ -249,7 +256,7 @@ def _build(directory: Path, key: str) -> ModuleType:
                 build_directory=str(directory),
                 verbose=False,
             )
-    except Exception as error:  # noqa: BLE001 - any failure of the build leaves softmoe on torch's ops
+    except Exception as error:
         raise _Unavailable(f"building the native kernels in {directory} failed: {_first_error(error)}") from None
     finally:
         if saved_path is None:
@@ -273,12 +280,18 @@ def _default_isa_of(module: ModuleType) -> str:
     if not requested or requested == "auto":
         return supported[0]
     if requested not in ISAS:
-        warnings.warn(f"softmoe: SOFTMOE_ISA={requested!r} is not one of {', '.join(ISAS)}: the native kernels run "
-                      f"{supported[0]}", stacklevel=5)
+        warnings.warn(
+            f"softmoe: SOFTMOE_ISA={requested!r} is not one of {', '.join(ISAS)}: the native kernels run "
+            f"{supported[0]}",
+            stacklevel=5,
+        )
         return supported[0]
     if requested not in supported:
-        warnings.warn(f"softmoe: SOFTMOE_ISA={requested} but this CPU lacks {requested}: the native kernels run "
-                      f"{supported[0]} (this CPU supports {', '.join(supported)})", stacklevel=5)
+        warnings.warn(
+            f"softmoe: SOFTMOE_ISA={requested} but this CPU lacks {requested}: the native kernels run "
+            f"{supported[0]} (this CPU supports {', '.join(supported)})",
+            stacklevel=5,
+        )
         return supported[0]
     return requested
 

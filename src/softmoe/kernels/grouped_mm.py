@@ -58,8 +58,9 @@ def row_block_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int, native: bool
     return x @ w if blocks == 1 else torch.bmm(xb, wb).sum(0)
 
 
-def group_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                  activation: str = "none") -> torch.Tensor:
+def group_product(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none"
+) -> torch.Tensor:
     """act(x (rows, K) @ w (K, N) + bias (N,)) with the fastest kernel for few rows through a large CPU weight
     (module doc); the native kernel and oneDNN apply bias and activation themselves."""
     if x.device.type == "cpu" and w.numel() >= LARGE_WEIGHT:
@@ -72,8 +73,9 @@ def group_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     return _finish(x @ w, bias, activation)
 
 
-def native_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                   activation: str = "none") -> torch.Tensor:
+def native_product(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none"
+) -> torch.Tensor:
     """act(x (rows, K) @ w (K, N) + bias (N,)) in the native expert matmul (float32 CPU, w contiguous).
 
     The kernel splits the columns over the threads; a weight taller than wide is split by rows (K) instead, so that
@@ -97,8 +99,13 @@ def uses_grouped_gemm(a: torch.Tensor, b: torch.Tensor, k: int, n: int) -> bool:
     return a.is_cuda and a.dtype == b.dtype == torch.bfloat16 and k % 8 == 0 and n % 8 == 0 and has_grouped_gemm()
 
 
-def check_grouped(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, bias: torch.Tensor | None = None,
-                  activation: str = "none") -> None:
+def check_grouped(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ends: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+) -> None:
     """Raise a ValueError unless x (rows, K), weight (E, K, N), ends (E,) int32 and bias (E, N) fit together and
     ``activation`` is "none" or one of ACTIVATIONS."""
     if bias is not None and bias.shape != (weight.shape[0], weight.shape[2]):
@@ -106,11 +113,13 @@ def check_grouped(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, bia
     if activation != "none" and activation not in ACTIVATIONS:
         raise ValueError(f"activation must be 'none' or one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"grouped_mm takes x (rows, K) and weight (E, K, N), got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"grouped_mm takes x (rows, K) and weight (E, K, N), got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
     if ends.dtype != torch.int32 or ends.shape != (weight.shape[0],):
-        raise ValueError(f"ends must be an int32 tensor of shape ({weight.shape[0]},), got {ends.dtype} "
-                         f"{tuple(ends.shape)}")
+        raise ValueError(
+            f"ends must be an int32 tensor of shape ({weight.shape[0]},), got {ends.dtype} {tuple(ends.shape)}"
+        )
 
 
 def _groups(ends: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -120,8 +129,13 @@ def _groups(ends: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 @torch.library.custom_op("softmoe::grouped_mm", mutates_args=())
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, bias: torch.Tensor | None = None,
-               activation: str = "none") -> torch.Tensor:
+def grouped_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ends: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+) -> torch.Tensor:
     """x (rows, K) sorted by expert, weight (E, K, N), ends (E,) int32, bias (E, N) -> (rows, N); see the module
     doc. ``activation`` (inference only) is applied to each owned row."""
     check_grouped(x, weight, ends, bias, activation)
@@ -140,8 +154,13 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, bias: 
 
 
 @grouped_mm.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, bias: torch.Tensor | None = None,
-      activation: str = "none") -> torch.Tensor:
+def _(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ends: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+) -> torch.Tensor:
     check_grouped(x, weight, ends, bias, activation)
     return x.new_empty(x.shape[0], weight.shape[2])
 
@@ -171,8 +190,10 @@ def _(x: torch.Tensor, grad: torch.Tensor, ends: torch.Tensor, experts: int) -> 
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, ends, bias, activation = inputs
     if activation != "none":
-        raise ValueError(f"grouped_mm's activation ({activation!r}) has no backward: apply it after the product "
-                         "when a gradient is needed")
+        raise ValueError(
+            f"grouped_mm's activation ({activation!r}) has no backward: apply it after the product "
+            "when a gradient is needed"
+        )
     ctx.save_for_backward(x, weight, ends)
     ctx.bias_needs_grad = bias is not None and bias.requires_grad
 

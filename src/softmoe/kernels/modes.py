@@ -22,11 +22,7 @@ def host_reads_are_free(x: torch.Tensor) -> bool:
 def plain_eager_mode(device_type: str) -> bool:
     """Whether ops run as written: not traced by torch.compile, not under torch.func transforms, and autocast off
     for ``device_type``."""
-    return (
-        not torch.compiler.is_compiling()
-        and not transforms_active()
-        and not torch.is_autocast_enabled(device_type)
-    )
+    return not torch.compiler.is_compiling() and not transforms_active() and not torch.is_autocast_enabled(device_type)
 
 
 def eager_inference(device_type: str, *tensors: torch.Tensor | None) -> bool:

@@ -20,9 +20,9 @@ import time
 import torch
 
 from softmoe.compat import onednn_linear_pointwise
+from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
 from softmoe.runtime import cpu_signature
 from softmoe.tuning import autotune_enabled, value
-from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
 
 # The activations oneDNN can fuse, as (attribute, algorithm) of _linear_pointwise.
 ONEDNN_ACTIVATIONS = {None: ("none", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}

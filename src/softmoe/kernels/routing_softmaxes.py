@@ -98,15 +98,21 @@ def block_size(n: int) -> int:
 
 
 def check_routing_softmaxes(
-    logits: Tensor, slots_per_expert: int, k: int, out_dtype: torch.dtype | None = None, x: Tensor | None = None,
+    logits: Tensor,
+    slots_per_expert: int,
+    k: int,
+    out_dtype: torch.dtype | None = None,
+    x: Tensor | None = None,
     eps: float = NORM_EPS,
 ) -> None:
     """Raise a ValueError unless logits (batch, tokens, slots) is float32 or float64, slots_per_expert and k fit
     its slots, ``out_dtype`` is None or a floating dtype and ``x`` None or floating (batch, tokens, dim) tokens on
     the logits' device with ``eps`` >= 0."""
     if logits.dim() != 3 or logits.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"routing_softmaxes takes logits (batch, tokens, slots) in float32 or float64, got "
-                         f"{logits.dtype} {tuple(logits.shape)}")
+        raise ValueError(
+            f"routing_softmaxes takes logits (batch, tokens, slots) in float32 or float64, got "
+            f"{logits.dtype} {tuple(logits.shape)}"
+        )
     slots = logits.shape[2]
     if slots_per_expert < 1 or slots % slots_per_expert:
         raise ValueError(f"slots_per_expert must divide the {slots} slots, got {slots_per_expert}")
@@ -114,17 +120,24 @@ def check_routing_softmaxes(
         raise ValueError(f"k must lie in [0, {slots // slots_per_expert}] (0: no choice), got {k}")
     if out_dtype is not None and not out_dtype.is_floating_point:
         raise ValueError(f"out_dtype must be None or a floating dtype, got {out_dtype}")
-    if x is not None and (x.dim() != 3 or x.shape[:2] != logits.shape[:2] or not x.is_floating_point()
-                          or x.device != logits.device):
-        raise ValueError(f"x must be floating tokens (batch, tokens, dim) = {tuple(logits.shape[:2])} + (dim,) on "
-                         f"{logits.device}, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if x is not None and (
+        x.dim() != 3 or x.shape[:2] != logits.shape[:2] or not x.is_floating_point() or x.device != logits.device
+    ):
+        raise ValueError(
+            f"x must be floating tokens (batch, tokens, dim) = {tuple(logits.shape[:2])} + (dim,) on "
+            f"{logits.device}, got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
     if x is not None and not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
 
 
 @torch.library.custom_op("softmoe::routing_softmaxes", mutates_args=())
 def routing_softmaxes(
-    logits: Tensor, slots_per_expert: int, k: int, out_dtype: torch.dtype | None = None, x: Tensor | None = None,
+    logits: Tensor,
+    slots_per_expert: int,
+    k: int,
+    out_dtype: torch.dtype | None = None,
+    x: Tensor | None = None,
     eps: float = NORM_EPS,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """logits (batch, tokens, slots) -> (dispatch, combine, selected (batch, k)); see the module doc."""
@@ -132,8 +145,13 @@ def routing_softmaxes(
 
 
 def run_routing_softmaxes(
-    logits: Tensor, slots_per_expert: int, k: int, kernel: bool | None = None, out_dtype: torch.dtype | None = None,
-    x: Tensor | None = None, eps: float = NORM_EPS,
+    logits: Tensor,
+    slots_per_expert: int,
+    k: int,
+    kernel: bool | None = None,
+    out_dtype: torch.dtype | None = None,
+    x: Tensor | None = None,
+    eps: float = NORM_EPS,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The op's computation, called directly (no dispatcher, no autograd): the kernel where it applies (``kernel``:
     whether it does, where the caller has asked :func:`kernel_applies` already)."""
@@ -144,7 +162,12 @@ def run_routing_softmaxes(
 
 
 def _compute(
-    logits: Tensor, slots_per_expert: int, k: int, kernel: bool, out_dtype: torch.dtype | None, x: Tensor | None,
+    logits: Tensor,
+    slots_per_expert: int,
+    k: int,
+    kernel: bool,
+    out_dtype: torch.dtype | None,
+    x: Tensor | None,
     eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`run_routing_softmaxes` after its checks: the kernel where ``kernel`` and it can launch, else torch's
@@ -154,8 +177,17 @@ def _compute(
         dispatch, combine = torch.empty_like(logits, dtype=out_dtype), torch.empty_like(logits, dtype=out_dtype)
         selected = logits.new_empty((logits.shape[0], k), dtype=torch.int64)
         try:
-            _triton_module().launch(logits, dispatch, combine, selected, slots_per_expert, k, k > 0,
-                                    None if x is None else x.contiguous(), eps)
+            _triton_module().launch(
+                logits,
+                dispatch,
+                combine,
+                selected,
+                slots_per_expert,
+                k,
+                k > 0,
+                None if x is None else x.contiguous(),
+                eps,
+            )
             return dispatch, combine, selected
         except Exception as error:  # e.g. no C compiler for Triton's launcher: torch's ops from now on
             _record_launch_failure(error)
@@ -172,8 +204,12 @@ def _record_launch_failure(error: Exception) -> None:
     """Remember that the kernel failed to launch (it is not tried again in this process) and say so once."""
     global _launch_failure
     _launch_failure = f"{type(error).__name__}: {error}"
-    warnings.warn(f"softmoe: the routing kernel (Triton) could not run ({_launch_failure}); Algorithm 1 chooses its "
-                  "experts with torch's ops in this process", RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"softmoe: the routing kernel (Triton) could not run ({_launch_failure}); Algorithm 1 chooses its "
+        "experts with torch's ops in this process",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def token_scale(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:
@@ -183,7 +219,11 @@ def token_scale(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:
 
 
 def reference_routing_softmaxes(
-    logits: Tensor, slots_per_expert: int, k: int, out_dtype: torch.dtype | None = None, x: Tensor | None = None,
+    logits: Tensor,
+    slots_per_expert: int,
+    k: int,
+    out_dtype: torch.dtype | None = None,
+    x: Tensor | None = None,
     eps: float = NORM_EPS,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The op in torch's ops (every device; the kernel's reference)."""
@@ -204,8 +244,14 @@ def reference_routing_softmaxes(
 
 
 @routing_softmaxes.register_fake
-def _(logits: Tensor, slots_per_expert: int, k: int, out_dtype: torch.dtype | None = None, x: Tensor | None = None,
-      eps: float = NORM_EPS) -> tuple[Tensor, Tensor, Tensor]:
+def _(
+    logits: Tensor,
+    slots_per_expert: int,
+    k: int,
+    out_dtype: torch.dtype | None = None,
+    x: Tensor | None = None,
+    eps: float = NORM_EPS,
+) -> tuple[Tensor, Tensor, Tensor]:
     check_routing_softmaxes(logits, slots_per_expert, k, out_dtype, x, eps)
     shape = logits.shape  # both paths return contiguous tensors, whatever the logits' strides
     weights = logits.new_empty(shape, dtype=out_dtype)

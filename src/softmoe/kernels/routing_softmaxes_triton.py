@@ -24,9 +24,24 @@ except ImportError:  # the module still imports; the op takes torch's ops (trito
 
 
 def routing_softmaxes_kernel(
-    logits, x, dispatch, combine, selected, tokens, slots, slots_per_expert, num_experts, k,
-    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-    CHOOSE: tl.constexpr, NORMALIZE: tl.constexpr, DIM: tl.constexpr, EPS: tl.constexpr,
+    logits,
+    x,
+    dispatch,
+    combine,
+    selected,
+    tokens,
+    slots,
+    slots_per_expert,
+    num_experts,
+    k,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHOOSE: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    DIM: tl.constexpr,
+    EPS: tl.constexpr,
 ):
     b = tl.program_id(0)
     t = tl.arange(0, BLOCK_T)[:, None]
@@ -73,8 +88,9 @@ if triton is not None:
     routing_softmaxes_kernel = triton.jit(routing_softmaxes_kernel)
 
 
-def launch(logits, dispatch, combine, selected, slots_per_expert: int, k: int, choose: bool, x=None,
-           eps: float = NORM_EPS) -> None:
+def launch(
+    logits, dispatch, combine, selected, slots_per_expert: int, k: int, choose: bool, x=None, eps: float = NORM_EPS
+) -> None:
     """Run the kernel over ``logits`` (batch, tokens, slots) float32 contiguous into the outputs (same shapes,
     dispatch and combine of one floating dtype, which the kernel rounds to; selected (batch, k) int64, not written
     unless ``choose``), one program per input, on the logits' device; with ``x`` (batch, tokens, dim) contiguous,
@@ -94,9 +110,24 @@ def launch(logits, dispatch, combine, selected, slots_per_expert: int, k: int, c
     num_experts = slots // slots_per_expert
     block_t, block_s = block_size(tokens), block_size(slots)
     routing_softmaxes_kernel[(batch,)](
-        logits, x, dispatch, combine, selected, tokens, slots, slots_per_expert, num_experts, k,
-        BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_E=block_size(num_experts), BLOCK_D=max(16, min(64, 8192 // block_t)),
-        CHOOSE=choose, NORMALIZE=normalize, DIM=x.shape[2] if normalize else 0, EPS=eps,
+        logits,
+        x,
+        dispatch,
+        combine,
+        selected,
+        tokens,
+        slots,
+        slots_per_expert,
+        num_experts,
+        k,
+        BLOCK_T=block_t,
+        BLOCK_S=block_s,
+        BLOCK_E=block_size(num_experts),
+        BLOCK_D=max(16, min(64, 8192 // block_t)),
+        CHOOSE=choose,
+        NORMALIZE=normalize,
+        DIM=x.shape[2] if normalize else 0,
+        EPS=eps,
         num_warps=8 if block_t * block_s >= 8192 else 4,
     )
     return None

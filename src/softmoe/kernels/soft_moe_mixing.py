@@ -61,13 +61,19 @@ LAYOUTS = {"auto": 0, "by inputs": 1, "by rows": 2, "by pairs": 3}
 # The ops' schemas; their CPU kernels (csrc/bindings.cpp) and the mixing's autograd (csrc/autograd.cpp) register when
 # the native extension loads.
 _LIBRARY = torch.library.Library("softmoe", "FRAGMENT")
-_LIBRARY.define("soft_moe_mixing(Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, Tensor? bias1, "
-                "Tensor weight2, Tensor? bias2, bool keep_outputs, str isa) -> (Tensor, Tensor)")
-_LIBRARY.define("soft_moe_mixing_backward(Tensor grad, Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, "
-                "Tensor weight2, Tensor? bias2, Tensor saved, str isa) "
-                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-_LIBRARY.define("soft_moe_mixing_inference(Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, Tensor? bias1, "
-                "Tensor weight2, Tensor? bias2, bool kept_combine, Tensor? kept_slots, int layout, str isa) -> Tensor")
+_LIBRARY.define(
+    "soft_moe_mixing(Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, Tensor? bias1, "
+    "Tensor weight2, Tensor? bias2, bool keep_outputs, str isa) -> (Tensor, Tensor)"
+)
+_LIBRARY.define(
+    "soft_moe_mixing_backward(Tensor grad, Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, "
+    "Tensor weight2, Tensor? bias2, Tensor saved, str isa) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_LIBRARY.define(
+    "soft_moe_mixing_inference(Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, Tensor? bias1, "
+    "Tensor weight2, Tensor? bias2, bool kept_combine, Tensor? kept_slots, int layout, str isa) -> Tensor"
+)
 
 
 def _saved_shape(x: Tensor, dispatch: Tensor, weight1: Tensor, keep_outputs: bool, isa: str) -> tuple:
@@ -88,8 +94,12 @@ def _(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa):
 def _(grad, x, dispatch, combine, weight1, weight2, bias2, saved, isa):
     experts, _, hidden = weight1.shape
     return (
-        x.new_empty(x.shape), dispatch.new_empty(dispatch.shape), combine.new_empty(combine.shape),
-        weight1.new_empty(weight1.shape), x.new_empty(experts, hidden), weight2.new_empty(weight2.shape),
+        x.new_empty(x.shape),
+        dispatch.new_empty(dispatch.shape),
+        combine.new_empty(combine.shape),
+        weight1.new_empty(weight1.shape),
+        x.new_empty(experts, hidden),
+        weight2.new_empty(weight2.shape),
         x.new_empty(experts, x.shape[2]),
     )
 
@@ -157,7 +167,8 @@ def soft_moe_mixing(
         # kernel checks the same as _check_mixing_inputs, whose clearer errors are only needed where it refuses.
         try:
             return torch.ops.softmoe.soft_moe_mixing_inference.default(
-                *tensors, kept_combine, kept_slots if kept_combine else None, LAYOUTS["auto"], isa)
+                *tensors, kept_combine, kept_slots if kept_combine else None, LAYOUTS["auto"], isa
+            )
         except RuntimeError:
             _check_mixing_inputs(*tensors)
             raise
@@ -170,19 +181,33 @@ def soft_moe_mixing(
 
 def _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2) -> None:
     # (tuples, and torch.Size compared as it is: this runs on every eager call)
-    tensors = (("x", x), ("dispatch", dispatch), ("combine", combine), ("weight1", weight1), ("bias1", bias1),
-               ("weight2", weight2), ("bias2", bias2))
+    tensors = (
+        ("x", x),
+        ("dispatch", dispatch),
+        ("combine", combine),
+        ("weight1", weight1),
+        ("bias1", bias1),
+        ("weight2", weight2),
+        ("bias2", bias2),
+    )
     for name, t in tensors:
         if t is not None and (t.dtype != torch.float32 or not t.is_cpu):
             raise ValueError(f"soft_moe_mixing takes float32 CPU tensors, got {name} {t.dtype} on {t.device}")
     if x.dim() != 3 or weight1.dim() != 3:
-        raise ValueError(f"x must be (batch, tokens, dim) and weight1 (experts, dim, hidden), got "
-                         f"{tuple(x.shape)} and {tuple(weight1.shape)}")
+        raise ValueError(
+            f"x must be (batch, tokens, dim) and weight1 (experts, dim, hidden), got "
+            f"{tuple(x.shape)} and {tuple(weight1.shape)}"
+        )
     (batch, tokens, dim), (experts, _, hidden) = x.shape, weight1.shape
     slots = dispatch.shape[-1] if dispatch.dim() == 3 else -1
-    expected = (("dispatch", dispatch, (batch, tokens, slots)), ("combine", combine, (batch, tokens, slots)),
-                ("weight1", weight1, (experts, dim, hidden)), ("bias1", bias1, (experts, hidden)),
-                ("weight2", weight2, (experts, hidden, dim)), ("bias2", bias2, (experts, dim)))
+    expected = (
+        ("dispatch", dispatch, (batch, tokens, slots)),
+        ("combine", combine, (batch, tokens, slots)),
+        ("weight1", weight1, (experts, dim, hidden)),
+        ("bias1", bias1, (experts, hidden)),
+        ("weight2", weight2, (experts, hidden, dim)),
+        ("bias2", bias2, (experts, dim)),
+    )
     for name, t, shape in expected:
         if t is not None and t.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")

@@ -48,15 +48,23 @@ NORMALIZATIONS = ("none", "router", "inputs")
 # The ops' schemas; their CPU kernels (csrc/bindings.cpp) and the routing's autograd (csrc/autograd.cpp) register
 # when the native extension loads.
 _LIBRARY = torch.library.Library("softmoe", "FRAGMENT")
-_LIBRARY.define("soft_moe_routing(Tensor x, Tensor phi, Tensor? scale, str normalize, str isa, bool onednn) "
-                "-> (Tensor, Tensor, Tensor, Tensor)")
-_LIBRARY.define("soft_moe_routing_backward(Tensor? grad_logits, Tensor? grad_dispatch, Tensor? grad_combine, Tensor x, "
-                "Tensor phi, Tensor? scale, Tensor logits, Tensor dispatch, Tensor combine, Tensor r, str normalize, "
-                "str isa, bool onednn) -> (Tensor, Tensor, Tensor)")
-_LIBRARY.define("soft_moe_routing_top_k(Tensor x, Tensor phi, Tensor? scale, str normalize, int slots_per_expert, "
-                "int k, bool with_selected, str isa, bool onednn) -> (Tensor, Tensor, Tensor, Tensor)")
-_LIBRARY.define("soft_moe_routing_torch_grads(Tensor? grad_logits, Tensor? grad_dispatch, Tensor? grad_combine, "
-                "Tensor x, Tensor phi, Tensor? scale, str normalize) -> (Tensor, Tensor, Tensor)")
+_LIBRARY.define(
+    "soft_moe_routing(Tensor x, Tensor phi, Tensor? scale, str normalize, str isa, bool onednn) "
+    "-> (Tensor, Tensor, Tensor, Tensor)"
+)
+_LIBRARY.define(
+    "soft_moe_routing_backward(Tensor? grad_logits, Tensor? grad_dispatch, Tensor? grad_combine, Tensor x, "
+    "Tensor phi, Tensor? scale, Tensor logits, Tensor dispatch, Tensor combine, Tensor r, str normalize, "
+    "str isa, bool onednn) -> (Tensor, Tensor, Tensor)"
+)
+_LIBRARY.define(
+    "soft_moe_routing_top_k(Tensor x, Tensor phi, Tensor? scale, str normalize, int slots_per_expert, "
+    "int k, bool with_selected, str isa, bool onednn) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+_LIBRARY.define(
+    "soft_moe_routing_torch_grads(Tensor? grad_logits, Tensor? grad_dispatch, Tensor? grad_combine, "
+    "Tensor x, Tensor phi, Tensor? scale, str normalize) -> (Tensor, Tensor, Tensor)"
+)
 
 
 @torch.library.register_fake("softmoe::soft_moe_routing")
@@ -74,8 +82,12 @@ def _(grad_logits, grad_dispatch, grad_combine, x, phi, scale, logits, dispatch,
 def _(x, phi, scale, normalize, slots_per_expert, k, with_selected, isa, onednn):
     shape = (*x.shape[:2], phi.shape[1])
     words = (phi.shape[1] + 63) // 64
-    return (x.new_empty(shape), x.new_empty(shape), x.new_empty((x.shape[0], words), dtype=torch.int64),
-            x.new_empty((x.shape[0], k if with_selected else 0), dtype=torch.int64))
+    return (
+        x.new_empty(shape),
+        x.new_empty(shape),
+        x.new_empty((x.shape[0], words), dtype=torch.int64),
+        x.new_empty((x.shape[0], k if with_selected else 0), dtype=torch.int64),
+    )
 
 
 def _torch_routing_grads(grad_logits, grad_dispatch, grad_combine, x, phi, scale, normalize):
@@ -90,8 +102,11 @@ def _torch_routing_grads(grad_logits, grad_dispatch, grad_combine, x, phi, scale
         logits = soft_moe_logits(x, phi, scale, normalize)
         outputs = (logits, logits.softmax(dim=1), logits.softmax(dim=-1))
         pairs = [(o, g) for o, g in zip(outputs, (grad_logits, grad_dispatch, grad_combine)) if g is not None]
-        found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,
-                                         allow_unused=True))
+        found = iter(
+            torch.autograd.grad(
+                [o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True, allow_unused=True
+            )
+        )
     result = [next(found) if t is not None and t.requires_grad else None for t in inputs]
     grads = [torch.zeros_like(t) if g is None and t is not None else g for t, g in zip(inputs, result)]
     return grads[0], grads[1], grads[2] if scale is not None else x.new_zeros(())
@@ -127,12 +142,18 @@ def soft_moe_routing(x: Tensor, phi: Tensor, scale: Tensor | None, normalize: st
     Only where :func:`native_routing_applies`."""
     isa, scale = _checked(x, phi, scale, normalize)
     logits, dispatch, combine, _ = torch.ops.softmoe.soft_moe_routing.default(
-        x, phi, scale, normalize, isa, _products_in_onednn(x, phi))
+        x, phi, scale, normalize, isa, _products_in_onednn(x, phi)
+    )
     return logits, dispatch, combine
 
 
 def soft_moe_routing_top_k(
-    x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str, slots_per_expert: int, k: int,
+    x: Tensor,
+    phi: Tensor,
+    scale: Tensor | None,
+    normalize: str,
+    slots_per_expert: int,
+    k: int,
     with_selected: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
     """Inference's routing with Algorithm 1's choice made in the same native pass, each input's combine weights
@@ -149,7 +170,8 @@ def soft_moe_routing_top_k(
     isa, scale = _checked(x, phi, scale, normalize)
     check_choice("phi", phi.shape[1], slots_per_expert, k)
     dispatch, combine, slots, selected = torch.ops.softmoe.soft_moe_routing_top_k.default(
-        x, phi, scale, normalize, slots_per_expert, k, with_selected, isa, _products_in_onednn(x, phi))
+        x, phi, scale, normalize, slots_per_expert, k, with_selected, isa, _products_in_onednn(x, phi)
+    )
     return dispatch, combine, slots, selected if with_selected else None
 
 
@@ -160,6 +182,7 @@ def _checked(x: Tensor, phi: Tensor, scale: Tensor | None, normalize: str) -> tu
     if normalize != "none" and (scale is None or scale.numel() != 1):
         raise ValueError(f'normalize="{normalize}" needs a scalar scale, got {scale!r}')
     if x.dim() != 3 or phi.dim() != 2 or x.shape[2] != phi.shape[0]:
-        raise ValueError(f"x must be (batch, tokens, dim) and phi (dim, slots), got {tuple(x.shape)} and "
-                         f"{tuple(phi.shape)}")
+        raise ValueError(
+            f"x must be (batch, tokens, dim) and phi (dim, slots), got {tuple(x.shape)} and {tuple(phi.shape)}"
+        )
     return required_isa(), scale if normalize != "none" else None

@@ -32,10 +32,14 @@ _LIBRARY.define("top_k_combine(Tensor combine, int slots_per_expert, int k, str 
 
 @torch.library.register_fake("softmoe::top_k_combine")
 def _(combine: Tensor, slots_per_expert: int, k: int, isa: str) -> tuple[Tensor, Tensor]:
-    torch._check(combine.dim() == 3 and combine.dtype == torch.float32,
-                 lambda: "combine must be a (batch, tokens, slots) float32 tensor")
-    torch._check(slots_per_expert >= 1 and combine.shape[2] % slots_per_expert == 0,
-                 lambda: "slots must be a whole number of experts of slots_per_expert >= 1 slots")
+    torch._check(
+        combine.dim() == 3 and combine.dtype == torch.float32,
+        lambda: "combine must be a (batch, tokens, slots) float32 tensor",
+    )
+    torch._check(
+        slots_per_expert >= 1 and combine.shape[2] % slots_per_expert == 0,
+        lambda: "slots must be a whole number of experts of slots_per_expert >= 1 slots",
+    )
     torch._check(1 <= k <= combine.shape[2] // slots_per_expert, lambda: "k must lie in [1, the experts]")
     kept = combine.new_empty(combine.shape)
     return kept, combine.new_empty((combine.shape[0], k), dtype=torch.int64)
@@ -54,8 +58,12 @@ def native_top_k_applies(combine: Tensor) -> bool:
 
 def check_choice(name: str, slots: int, slots_per_expert: int, k: int) -> None:
     """A ValueError unless the ``slots`` of ``name`` are whole experts of ``slots_per_expert`` and k lies in [1, n]."""
-    if isinstance(slots_per_expert, bool) or not isinstance(slots_per_expert, int) or slots_per_expert < 1 \
-            or slots % slots_per_expert:
+    if (
+        isinstance(slots_per_expert, bool)
+        or not isinstance(slots_per_expert, int)
+        or slots_per_expert < 1
+        or slots % slots_per_expert
+    ):
         raise ValueError(f"{name}'s {slots} slots are not a whole number of experts of {slots_per_expert!r} slots")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= slots // slots_per_expert:
         raise ValueError(f"k must be an integer in [1, {slots // slots_per_expert}] (the experts), got {k!r}")

@@ -49,10 +49,18 @@ class MNISTModel:
 
 
 MNIST_MODELS = {
-    "authors": MNISTModel("inputs", bias=False, hidden="truncate", phi_init="uniform", pixel_mean=0.1307, pixel_std=0.3081),
+    "authors": MNISTModel(
+        "inputs", bias=False, hidden="truncate", phi_init="uniform", pixel_mean=0.1307, pixel_std=0.3081
+    ),
     "definition1": MNISTModel("none", bias=True, hidden="round", phi_init="lecun"),
     "authors-scale10": MNISTModel(
-        "inputs", bias=False, hidden="truncate", phi_init="uniform", pixel_mean=0.1307, pixel_std=0.3081, scale_init=10.0
+        "inputs",
+        bias=False,
+        hidden="truncate",
+        phi_init="uniform",
+        pixel_mean=0.1307,
+        pixel_std=0.3081,
+        scale_init=10.0,
     ),
 }
 """The MNIST model variants by name: the authors' code and Definition 1 as written (see the module doc)."""

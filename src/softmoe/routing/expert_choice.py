@@ -45,8 +45,10 @@ def resolve_noise_std(affinity: str, noise_std: float | None) -> float:
     if noise_std < 0:
         raise ValueError(f"noise_std must be >= 0, got {noise_std}")
     if affinity == "sparse" and noise_std > 0:
-        raise ValueError(f"the sparsity-constrained router adds no logit noise (as vmoe's); expected noise_std None "
-                         f"or 0, got {noise_std}")
+        raise ValueError(
+            f"the sparsity-constrained router adds no logit noise (as vmoe's); expected noise_std None "
+            f"or 0, got {noise_std}"
+        )
     return float(noise_std)
 
 
@@ -97,8 +99,12 @@ class ExpertChoiceRouter(Router):
 
     def capacity(self, num_tokens: int) -> int:
         return buffer_capacity(
-            num_tokens, self.num_experts, self.capacity_factor, rounding=self.rounding,
-            multiple_of=self.multiple_of, maximum=num_tokens,
+            num_tokens,
+            self.num_experts,
+            self.capacity_factor,
+            rounding=self.rounding,
+            multiple_of=self.multiple_of,
+            maximum=num_tokens,
         )
 
     def forward(self, x: torch.Tensor) -> SparseRouting:
@@ -114,8 +120,9 @@ class ExpertChoiceRouter(Router):
             if self.affinity == "sinkhorn":
                 plan = sinkhorn_plan(logits, self.sinkhorn_iterations)
             else:
-                plan = sparse_plan(probs.detach(), capacity, self.sparse_iterations,
-                                   learning_rate=self.sparse_learning_rate)
+                plan = sparse_plan(
+                    probs.detach(), capacity, self.sparse_iterations, learning_rate=self.sparse_learning_rate
+                )
         return expert_choice_allocation(plan, capacity, combine_from=probs)
 
     def extra_repr(self) -> str:

@@ -87,8 +87,10 @@ class SparseRouting:
         zero combine weight in empty slots)."""
         g, e, c = self.token_index.shape
         if self.token_index.dtype != torch.int64 or self.combine.shape != (g, e, c):
-            raise ValueError(f"token_index must be int64 (G, E, C) and combine the same shape, got "
-                             f"{self.token_index.dtype} {tuple(self.token_index.shape)} / {tuple(self.combine.shape)}")
+            raise ValueError(
+                f"token_index must be int64 (G, E, C) and combine the same shape, got "
+                f"{self.token_index.dtype} {tuple(self.token_index.shape)} / {tuple(self.combine.shape)}"
+            )
         if bool(((self.token_index < -1) | (self.token_index >= self.num_tokens)).any()):
             raise ValueError(f"token indices must lie in [-1, {self.num_tokens})")
         if bool((self.combine[self.token_index < 0] != 0).any()):
@@ -167,7 +169,9 @@ def sparse_moe(x: torch.Tensor, routing: SparseRouting, experts: nn.Module) -> t
     """
     g, t, d = x.shape
     if routing.num_tokens != t or routing.groups != g:
-        raise ValueError(f"routing is for {routing.groups} groups of {routing.num_tokens} tokens, x is {tuple(x.shape)}")
+        raise ValueError(
+            f"routing is for {routing.groups} groups of {routing.num_tokens} tokens, x is {tuple(x.shape)}"
+        )
     rows = torch.cat([x.reshape(g * t, d), x.new_zeros(1, d)])
     target = _flat_slot_targets(routing.token_index, t)  # (G, E, C)
     out = run_experts_on_buffers(experts, rows[target])  # (G, E, C, d_out)

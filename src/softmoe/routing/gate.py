@@ -31,4 +31,3 @@ class LinearGate(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_experts={self.num_experts}, bias=False"
-

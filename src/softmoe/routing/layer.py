@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from softmoe.experts import MLPExperts
 from softmoe.checks import check_tokens
+from softmoe.experts import MLPExperts
 from softmoe.layer import SoftMoE
 from softmoe.routing.formulation import (
     DenseRouting,
@@ -59,7 +59,9 @@ class MoELayer(nn.Module):
         out_dim: int | None = None,
     ) -> None:
         super().__init__()
-        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
+        if group_size is not None and (
+            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
+        ):
             raise ValueError(f"group_size must be None or an integer >= 1, got {group_size!r}")
         self.dim, self.router, self.group_size = dim, router, group_size
         self.out_dim = dim if out_dim is None else out_dim

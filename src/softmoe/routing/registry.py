@@ -38,7 +38,9 @@ def make_router(
         if capacity_factor != int(capacity_factor) or capacity_factor < 1:
             raise ValueError(f"token choice routers need an integer c (= k), got {capacity_factor!r}")
         affinity = name.split("_")[0]
-        return TokenChoiceRouter(dim, num_experts, k=int(capacity_factor), capacity_factor=1.0, affinity=affinity, **options)
+        return TokenChoiceRouter(
+            dim, num_experts, k=int(capacity_factor), capacity_factor=1.0, affinity=affinity, **options
+        )
     if name.endswith("expert_choice"):
         affinity = {"softmax": "softmax", "sinkhorn": "sinkhorn", "sparsity": "sparse"}[name.split("_")[0]]
         return ExpertChoiceRouter(dim, num_experts, capacity_factor, affinity=affinity, **options)

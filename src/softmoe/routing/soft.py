@@ -113,8 +113,10 @@ class SoftMoERouter(Router):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         normalize = check_normalization(normalize)
         if normalize == "inputs":
-            raise ValueError('SoftMoERouter supports normalize "router" or "none", got "inputs" (its slots are built '
-                             "from normalized tokens, which the MoE layer's equation (2) over the raw tokens cannot do)")
+            raise ValueError(
+                'SoftMoERouter supports normalize "router" or "none", got "inputs" (its slots are built '
+                "from normalized tokens, which the MoE layer's equation (2) over the raw tokens cannot do)"
+            )
         if noise_std < 0:
             raise ValueError(f"noise_std must be >= 0, got {noise_std}")
         self.dim, self.num_experts, self.slots_per_expert = dim, num_experts, slots_per_expert

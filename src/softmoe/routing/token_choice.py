@@ -125,8 +125,13 @@ class TokenChoiceRouter(Router):
 
     def capacity(self, num_tokens: int) -> int:
         return buffer_capacity(
-            num_tokens, self.num_experts, self.capacity_factor, k=self.k, rounding=self.rounding,
-            multiple_of=self.multiple_of, maximum=num_tokens,
+            num_tokens,
+            self.num_experts,
+            self.capacity_factor,
+            k=self.k,
+            rounding=self.rounding,
+            multiple_of=self.multiple_of,
+            maximum=num_tokens,
         )
 
     def forward(self, x: torch.Tensor) -> SparseRouting:
