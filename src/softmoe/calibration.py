@@ -202,6 +202,7 @@ def calibrate(
     values = _grid(model, strategy, grid)
     reference = evaluate_setting(model, val, "all", batch_size=batch_size)
     required = reference.accuracy - max_drop / 100 if max_drop is not None else target
+    assert required is not None  # exactly one of max_drop and target is given (checked above)
     if reference.accuracy < required:
         raise ValueError(
             f"the target accuracy {required:.4f} is out of reach: even all experts reach only "
@@ -211,9 +212,11 @@ def calibrate(
         warnings.simplefilter("ignore", NoBetterThanRandomWarning)
         settings = tuple(evaluate_setting(model, val, strategy, v, batch_size, k_min, k_max) for v in values)
         chosen = choose((reference, *settings), required)
+        assert chosen is not None  # the reference (all experts) reaches the required accuracy (checked above)
+        chosen_k = chosen.value if chosen.strategy == "combine" else None  # Algorithm 1's k, its setting's value
         random_accuracy = None
-        if chosen.strategy == "combine" and any(chosen.value < layer.num_experts for layer in soft_moe_layers(model)):
-            random_accuracy = _random_accuracy(model, val, chosen.value, batch_size)
+        if chosen_k is not None and any(chosen_k < layer.num_experts for layer in soft_moe_layers(model)):
+            random_accuracy = _random_accuracy(model, val, chosen_k, batch_size)
         test_accuracy = reference_test = None
         if test is not None:
             reference_test = accuracy(model, test, batch_size)
@@ -221,7 +224,7 @@ def calibrate(
                 model, test, chosen.strategy, chosen.value, batch_size, k_min, k_max
             ).accuracy
     was_training = model.training
-    k = chosen.value if chosen.strategy == "combine" else 0.25
+    k = chosen_k if chosen_k is not None else 0.25
     uniformity = tuple(measure_share_uniformity(model.eval(), val.images[:batch_size], k))
     model.train(was_training)
     uniform = [u for u in uniformity if u.nearly_uniform]

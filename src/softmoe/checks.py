@@ -41,7 +41,8 @@ def check_selected(selected: torch.Tensor, batch: int, num_experts: int, values:
     """
     if selected.dtype != torch.int64 or selected.dim() != 2 or selected.shape[0] != batch:
         raise ValueError(
-            f"selected must be an int64 tensor of shape (batch={batch}, k), got {selected.dtype} {tuple(selected.shape)}"
+            f"selected must be an int64 tensor of shape (batch={batch}, k), "
+            f"got {selected.dtype} {tuple(selected.shape)}"
         )
     if not values:
         return

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterator
+from typing import Protocol, TypedDict, runtime_checkable
 
 import torch
 from torch import nn
@@ -31,6 +32,13 @@ from softmoe.compat import transforms_active
 from softmoe.kernels.grouped_mm import grouped_mm
 from softmoe.kernels.modes import host_reads_are_free, needs_grad
 from softmoe.kernels.onednn import batched_matmul
+
+
+class FactoryKwargs(TypedDict):
+    """The ``device`` and ``dtype`` keyword arguments that modules pass on to the tensors and modules they create."""
+
+    device: torch.device | str | None
+    dtype: torch.dtype | None
 
 
 def autocast_device(x: torch.Tensor) -> str:
@@ -52,7 +60,8 @@ def check_selected_rows(rows: torch.Tensor, expert: torch.Tensor, dim: int) -> N
         raise ValueError(f"selected rows must have shape (groups, rows, dim={dim}), got {tuple(rows.shape)}")
     if expert.dtype != torch.int64 or expert.shape != rows.shape[:1]:
         raise ValueError(
-            f"expert must be an int64 tensor of shape (groups={rows.shape[0]},), got {expert.dtype} {tuple(expert.shape)}"
+            f"expert must be an int64 tensor of shape (groups={rows.shape[0]},), "
+            f"got {expert.dtype} {tuple(expert.shape)}"
         )
 
 
@@ -71,6 +80,10 @@ class Experts(Protocol):
     def forward_selected(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """rows (groups, rows, dim), expert (groups,) int64 (-1: a padding group, zero output, no compute)
         -> (groups, rows, out_dim)."""
+        ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The bank's parameters: a bank is an ``nn.Module`` (the layer registers it as its child)."""
         ...
 
 
@@ -112,7 +125,7 @@ class MLPExperts(nn.Module):
         self.num_experts, self.dim, self.hidden, self.out_dim = num_experts, dim, hidden, out_dim
         self.activation = activation
         self.act = activation_fn(activation)
-        factory = {"device": device, "dtype": dtype}
+        factory: FactoryKwargs = {"device": device, "dtype": dtype}
         self.weight1 = nn.Parameter(torch.empty(num_experts, dim, hidden, **factory))
         self.weight2 = nn.Parameter(torch.empty(num_experts, hidden, out_dim, **factory))
         self.bias1 = nn.Parameter(torch.empty(num_experts, hidden, **factory)) if bias else None
@@ -179,12 +192,12 @@ class MLPExperts(nn.Module):
         searches the module's dicts for every name, and this runs on every call); others (e.g. under
         torch.nn.utils.parametrize) as attributes."""
         params = self._parameters
-        return tuple(
-            [
-                params[name] if name in params else getattr(self, name)
-                for name in ("weight1", "bias1", "weight2", "bias2")
-            ]
-        )
+        weight1, bias1, weight2, bias2 = [
+            params[name] if name in params else getattr(self, name) for name in ("weight1", "bias1", "weight2", "bias2")
+        ]
+        # Only the biases are optional: __init__ always sets both weights.
+        assert weight1 is not None and weight2 is not None
+        return weight1, bias1, weight2, bias2
 
     def extra_repr(self) -> str:
         out = "" if self.out_dim == self.dim else f", out_dim={self.out_dim}"
@@ -208,6 +221,8 @@ class StackedExperts(nn.Module):
     ``identical_init``; their parameters are stacked into tensors with a leading expert axis and registered on
     this module under the template's parameter names with '.' replaced by '__'.
     """
+
+    template: nn.Module  # set in __init__ through __dict__, outside the module tree
 
     def __init__(
         self, expert: nn.Module, num_experts: int, dim: int, identical_init: bool = False, out_dim: int | None = None

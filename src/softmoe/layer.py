@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, cast
 
 import torch
 from torch import nn
 
 from softmoe.checks import check_selected, check_tokens
-from softmoe.experts import Experts, MLPExperts, StackedExperts, autocast_device
+from softmoe.experts import Experts, FactoryKwargs, MLPExperts, StackedExperts, autocast_device
 from softmoe.selection_plan import check_plan, host_reads_are_free
 
 NORMALIZATIONS = ("router", "inputs", "none")
@@ -93,9 +93,12 @@ def soft_moe_logits(
     dtype = routing_dtype(x, phi)
     with torch.autocast(device_type=autocast_device(x), enabled=False):
         x, phi = x.to(dtype), phi.to(dtype)
+        # A layer has a scale whenever it normalizes, and the callers pass it.
         if normalize == "router":
+            assert scale is not None
             x, phi = l2_normalize(x, dim=-1), l2_normalize(phi, dim=0) * scale.to(dtype)
         elif normalize == "inputs":
+            assert scale is not None
             phi = l2_normalize_outside_eps(phi, dim=0) * scale.to(dtype)
         return x @ phi
 
@@ -191,7 +194,9 @@ class ExpertSelector(Protocol):
 
     renormalize: bool
     plan: str  # one of softmoe.selection_plan.SELECTION_PLANS
-    top_k: int | None
+
+    @property
+    def top_k(self) -> int | None: ...
 
     def select(self, combine: torch.Tensor) -> torch.Tensor:
         """combine (batch, tokens, n, p) -> selected experts (batch, k) int64."""
@@ -256,7 +261,7 @@ class SoftMoE(nn.Module):
         self.normalize = check_normalization(normalize)
         self.backend = backend
         self.selector: ExpertSelector | None = None
-        factory = {"device": device, "dtype": dtype}
+        factory: FactoryKwargs = {"device": device, "dtype": dtype}
         self.phi = nn.Parameter(torch.empty(dim, num_experts, slots_per_expert, **factory))
         self.scale = nn.Parameter(torch.ones((), **factory)) if self.normalize != "none" else None
         if expert is None:
@@ -297,9 +302,15 @@ class SoftMoE(nn.Module):
         searches the module's dicts for every name, and a call makes several (a phi or scale under
         torch.nn.utils.parametrize, a property then, as an attribute)."""
         params = self._parameters
-        phi = params["phi"] if "phi" in params else self.phi
-        scale = params["scale"] if "scale" in params else self.scale
-        return phi.reshape(self.dim, self.num_slots), scale, self._modules["experts"]
+        phi = params.get("phi")
+        if phi is None:  # not a registered parameter (parametrized, say): the attribute
+            phi = self.phi
+        scale = params.get("scale")
+        if scale is None:  # likewise, or None itself for normalize="none"
+            scale = self.scale
+        # The child module registered in __init__ as the bank (nn.Module lets only a module replace it).
+        experts = cast(Experts, self._modules["experts"])
+        return phi.reshape(self.dim, self.num_slots), scale, experts
 
     def backend_for(self, x: torch.Tensor):
         """The :class:`~softmoe.backends.BackendChoice` for x (batch, tokens, dim) in the current mode: the backend
@@ -314,7 +325,8 @@ class SoftMoE(nn.Module):
         return l2_normalize_outside_eps(x, dim=-1) if self.normalize == "inputs" else x
 
     def route(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
-        """Logits, dispatch and combine weights for x (batch, tokens, dim); each (batch, tokens, n, p), float32 or wider.
+        """Logits, dispatch and combine weights for x (batch, tokens, dim); each (batch, tokens, n, p), float32 or
+        wider.
 
         ``dispatch`` sums to 1 over tokens for every slot; ``combine`` sums to 1 over the n*p slots of every
         token. Padded tokens (``mask`` False) get zero dispatch and zero combine weight. The slots are
@@ -397,7 +409,8 @@ class SoftMoE(nn.Module):
         return experts_on_slots(self.experts, slots, self.num_experts)
 
     def combine_slots(self, combine: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor:
-        """output = C Y~ (:func:`combine_slots`): (batch, tokens, n*p), (batch, n*p, d_out) -> (batch, tokens, d_out)."""
+        """output = C Y~ (:func:`combine_slots`): (batch, tokens, n*p), (batch, n*p, d_out) ->
+        (batch, tokens, d_out)."""
         return combine_slots(combine, expert_out)
 
     def extra_repr(self) -> str:

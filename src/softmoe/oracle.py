@@ -136,7 +136,8 @@ def oracle_from_contributions(
         raise ValueError(f"contributions must have shape {expected} (and token_mass {expected[:3]}), got {got}")
     if bias.shape != (classes,) or labels.shape != (batch,):
         raise ValueError(
-            f"bias must have shape ({classes},) and labels ({batch},), got {tuple(bias.shape)} and {tuple(labels.shape)}"
+            f"bias must have shape ({classes},) and labels ({batch},), "
+            f"got {tuple(bias.shape)} and {tuple(labels.shape)}"
         )
     check_subset_count(n, k, max_subsets)
     subsets = all_subsets(n, k).to(contributions.device)

@@ -20,6 +20,7 @@ import csv
 import io
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -43,7 +44,10 @@ def finished_epochs(run_dir: str | Path) -> list[dict]:
     return found
 
 
-def load_epoch(model: nn.Module, run_dir: str | Path, epoch: int) -> nn.Module:
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def load_epoch(model: ModuleT, run_dir: str | Path, epoch: int) -> ModuleT:
     """Load the weights saved at the end of ``epoch`` into ``model`` and return it."""
     path = Path(run_dir) / f"epoch_{epoch:03d}.safetensors"
     try:
@@ -99,6 +103,7 @@ def claimed_run_folder(run_dir: Path, identity: dict | None, dist: DistContext =
     with contextlib.ExitStack() as stack:
         problem = None
         if dist.is_main:
+            assert identity is not None  # rank 0 records the run (the other ranks pass None)
             try:
                 stack.enter_context(run_lock(run_dir))
                 check_run_folder(run_dir, identity)

@@ -266,7 +266,10 @@ class Selector:
         """k where this selector keeps each input's k experts of largest summed combine weight (Algorithm 1, a
         fixed k), else None: a layer may then choose them itself (:mod:`softmoe.kernels.routing_softmaxes` on
         CUDA, :mod:`softmoe.kernels.top_k_combine` on the CPU) instead of calling :meth:`select`."""
-        return self.k if isinstance(self.strategy, str) and self.strategy == "combine" else None
+        if isinstance(self.strategy, str) and self.strategy == "combine":
+            assert isinstance(self.k, int)  # a fixed k: resolve_k's count
+            return self.k
+        return None
 
     def generator_on(self, device: torch.device) -> torch.Generator:
         """The random strategy's generator on ``device``."""
@@ -279,13 +282,19 @@ class Selector:
         batch, _, num_experts, _ = combine.shape
         if isinstance(self.strategy, torch.Tensor):
             return subsets_from_mask(self.strategy, num_experts, batch).to(combine.device)
+        # k is resolve_k's count for "combine" and "random" and the average for "budget"; make_selector gives the
+        # adaptive strategies ("mass", "budget") both bounds.
         if self.strategy == "combine":
+            assert isinstance(self.k, int)
             return top_k_by_combine(combine, self.k)
         if self.strategy == "mass":
+            assert self.k_max is not None
             return experts_by_mass(combine, self.tau, self.k_min, self.k_max)
         if self.strategy == "budget":
+            assert self.k_max is not None
             return experts_by_budget(combine, self.k, self.k_min, self.k_max)
         if self.strategy == "random":
+            assert isinstance(self.k, int)
             generator = self.generator_on(combine.device)
             return random_subsets(batch, num_experts, self.k, generator, combine.device)
         return torch.arange(num_experts, device=combine.device).expand(batch, num_experts)
@@ -401,8 +410,9 @@ def select_experts(
     Yields the list of affected layers. Previous selectors are restored on exit.
 
     With Algorithm 1 ("combine"), the first eager forward of a layer under Algorithm 1 in this process checks the
-    combine shares of its batch (once per layer, whatever the blocks) and, when they are nearly uniform (:class:`ShareUniformity`), says once, as a :class:`NoBetterThanRandomWarning`, that
-    Algorithm 1 is no better than random selection there (without labels this is all that can be judged;
+    combine shares of its batch (once per layer, whatever the blocks) and, when they are nearly uniform
+    (:class:`ShareUniformity`), says once, as a :class:`NoBetterThanRandomWarning`, that Algorithm 1 is no better
+    than random selection there (without labels this is all that can be judged;
     :func:`softmoe.calibration.calibrate` also compares with random subsets on labelled data).
     """
     layers = soft_moe_layers(model)
@@ -417,6 +427,7 @@ def select_experts(
     hooks: list = []
     unchecked = [layer for layer in layers if layer not in _CHECKED_LAYERS]
     if isinstance(strategy, str) and strategy == "combine" and unchecked and not torch.compiler.is_compiling():
+        assert k is not None  # make_selector has refused "combine" without k
         check = _UniformityCheck(k, hooks, unchecked)
         hooks.extend(layer.register_forward_pre_hook(check, with_kwargs=True) for layer in unchecked)
     try:
@@ -426,8 +437,8 @@ def select_experts(
     finally:
         for hook in hooks:
             hook.remove()
-        for layer, selector in zip(layers, previous):
-            layer.selector = selector
+        for layer, before in zip(layers, previous):
+            layer.selector = before
 
 
 class NoBetterThanRandomWarning(UserWarning):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,6 +45,9 @@ from softmoe.compat import transforms_active
 from softmoe.kernels.build import LANES, cpu_isa
 from softmoe.kernels.modes import host_reads_are_free
 from softmoe.tuning import autotune_enabled, value
+
+if TYPE_CHECKING:  # softmoe.experts imports softmoe.kernels, which imports this module
+    from softmoe.experts import Experts
 
 __all__ = ["SELECTION_PLANS", "check_plan", "choose_plan", "host_reads_are_free", "kept_slots", "plan_costs"]
 
@@ -238,7 +242,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def flops_per_row(experts: torch.nn.Module) -> float:
+def flops_per_row(experts: Experts) -> float:
     """The FLOPs of one row through one expert, a multiply-add per parameter: the cost model's unit."""
     return 2 * sum(t.numel() for t in experts.parameters()) / experts.num_experts
 
@@ -262,13 +266,15 @@ def choose_plan(
     experts = layer.weights()[2]
     flops, device = flops_per_row(experts), x.device
     fewest, most = (batch * k, k), (batch * k, min(n, batch * k))
-    kept = most
+    kept: tuple[int, int] | None = most
     if host_reads_are_free(selected) and (
         not top_k
-        or (fewest != most
-        and counts_decide(
-            plan_costs(batch, k, n, p, flops, device, fewest), plan_costs(batch, k, n, p, flops, device, most)
-        ))
+        or (
+            fewest != most
+            and counts_decide(
+                plan_costs(batch, k, n, p, flops, device, fewest), plan_costs(batch, k, n, p, flops, device, most)
+            )
+        )
     ):
         kept = kept_counts(selected, n)
     costs = plan_costs(batch, k, n, p, flops, device, kept)

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from softmoe.experts import FactoryKwargs
 from softmoe.layer import SoftMoE
 
 # Share of the mass that the normalized-routing witness B puts on its second token (see theorem1_witness).
@@ -156,7 +157,7 @@ def theorem1_witness(
     if not 0 <= coord < layer.dim:
         raise ValueError(f"coord must be in [0, {layer.dim}), got {coord}")
 
-    factory = {"dtype": layer.phi.dtype, "device": layer.phi.device}
+    factory: FactoryKwargs = {"dtype": layer.phi.dtype, "device": layer.phi.device}
     A = torch.zeros(num_tokens, layer.dim, **factory)
     B = torch.zeros(num_tokens, layer.dim, **factory)
     if layer.normalize == "router":

@@ -39,7 +39,7 @@ from softmoe.distributed import (
     load_full_optimizer_tensors,
     unwrap,
 )
-from softmoe.runs import METRICS, claimed_run_folder, resume, run_identity, write_metrics_csv
+from softmoe.runs import METRICS, ModuleT, claimed_run_folder, resume, run_identity, write_metrics_csv
 
 
 @dataclass(frozen=True)
@@ -115,16 +115,16 @@ class TrainConfig:
         """The recipe for the vision models (a small-model CPU default): AdamW with weight decay 0.05, 1 warm-up
         epoch then cosine to 1e-6, gradient clipping at 1.0, batch 128, 10 epochs; ``overrides`` replace fields.
         The paper's CIFAR recipe (Table 7) is lr 3e-4, 5 warm-up epochs, mixup 0.8, label smoothing 0.1."""
-        recipe = dict(
-            epochs=10,
-            batch_size=128,
-            weight_decay=0.05,
-            schedule="cosine",
-            warmup_epochs=1.0,
-            warmup_lr=1e-6,
-            min_lr=1e-6,
-            clip_norm=1.0,
-        )
+        recipe = {
+            "epochs": 10,
+            "batch_size": 128,
+            "weight_decay": 0.05,
+            "schedule": "cosine",
+            "warmup_epochs": 1.0,
+            "warmup_lr": 1e-6,
+            "min_lr": 1e-6,
+            "clip_norm": 1.0,
+        }
         return cls(**{**recipe, **overrides})
 
     def to_json(self) -> dict:
@@ -233,7 +233,8 @@ def accuracy(
     was_training = model.training
     model.eval()
     correct = 0
-    for images, labels, _ in dist.shard_batches(batches(data, batch_size)):
+    for *tensors, _ in dist.shard_batches(batches(data, batch_size)):  # the global batch size last
+        images, labels = tensors
         with _autocast(dist.device, bf16):
             correct += int((model(images).argmax(dim=1) == labels).sum())
     model.train(was_training)
@@ -262,7 +263,7 @@ def _tensorboard_writer(run_dir: Path):
 
 
 def train_classifier(
-    model_factory: Callable[[], nn.Module],
+    model_factory: Callable[[], ModuleT],
     splits: Splits,
     config: TrainConfig,
     run_dir: str | Path,
@@ -271,7 +272,7 @@ def train_classifier(
     dist: DistContext | None = None,
     model_config: dict | None = None,
     resume_last_good: bool = False,
-) -> tuple[nn.Module, list[dict]]:
+) -> tuple[ModuleT, list[dict]]:
     """Train (or resume, or just load) a classifier; returns the model at its last epoch, in eval mode, and every
     epoch's metrics (:data:`softmoe.runs.METRICS`: epoch, lr, train_loss, val_accuracy, test_accuracy, seconds).
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,7 +69,7 @@ def budget_study(model: nn.Module, splits: Splits, ks: list[int] | None = None) 
     n = soft_moe_layers(model)[0].num_experts
     ks = ks or list(range(1, n))
     images = test.images[:TIMING_BATCH]
-    points = {
+    points: dict[str, Any] = {
         "all": _point(evaluate_setting(model, test, "all"), microseconds_per_example(model, images)),
         "algorithm1": [],
         "mass": [],
@@ -174,7 +175,8 @@ def table(studies: dict[str, dict]) -> list[str]:
             lines.append(
                 f"| {label} | {'Algorithm 1' if strategy == 'combine' else 'adaptive mass'} | {_setting(calibrated)} | "
                 f"{100 * calibrated['chosen']['accuracy']:.2f} | {100 * calibrated['test_accuracy']:.2f} | "
-                f"{100 * calibrated['reference_test_accuracy']:.2f} | {100 * calibrated['chosen']['expert_fraction']:.1f} % |"
+                f"{100 * calibrated['reference_test_accuracy']:.2f} | "
+                f"{100 * calibrated['chosen']['expert_fraction']:.1f} % |"
             )
     return lines
 
@@ -182,7 +184,9 @@ def table(studies: dict[str, dict]) -> list[str]:
 def findings(studies: dict[str, dict]) -> list[str]:
     """Where the adaptive strategy needs less expert compute than Algorithm 1 for the same tolerated drop, and
     where it does not, computed from the calibrated settings."""
-    helps, ties, hurts = [], [], []
+    helps: list[str] = []
+    ties: list[str] = []
+    hurts: list[str] = []
     for label, study in studies.items():  # compared as printed, to 0.1 percentage point
         a1 = round(100 * study["calibrated"]["combine"]["chosen"]["expert_fraction"], 1)
         mass = round(100 * study["calibrated"]["mass"]["chosen"]["expert_fraction"], 1)
@@ -190,8 +194,8 @@ def findings(studies: dict[str, dict]) -> list[str]:
         (helps if mass < a1 else hurts if mass > a1 else ties).append(entry)
     drop = next(iter(studies.values()))["max_drop"] if studies else MAX_DROP
     out = [
-        f"Within {drop:g} point{'s' if drop != 1 else ''} of all experts on the validation split, the adaptive mass strategy runs less "
-        f"expert compute than Algorithm 1 for {len(helps)} of {len(studies)} models"
+        f"Within {drop:g} point{'s' if drop != 1 else ''} of all experts on the validation split, the adaptive mass "
+        f"strategy runs less expert compute than Algorithm 1 for {len(helps)} of {len(studies)} models"
         + (f": {', '.join(helps)}" if helps else "")
         + "."
     ]

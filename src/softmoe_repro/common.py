@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -31,7 +32,10 @@ def default_vision_dataset() -> tuple[str, str | None]:
     return FALLBACK_DATASET, notice
 
 
-def pick_preset(presets: dict, preset):
+PresetT = TypeVar("PresetT")
+
+
+def pick_preset(presets: Mapping[str, PresetT], preset: PresetT | str) -> PresetT:
     """``presets[preset]`` for a name, the preset itself otherwise; a ValueError listing the names if unknown."""
     if not isinstance(preset, str):
         return preset
@@ -90,9 +94,14 @@ def selection_sweep(
     model.eval()
     started = time.perf_counter()
     all_experts = float(correct(model, data).double().mean())
-    result = {"all_experts": all_experts, "all_experts_seconds": time.perf_counter() - started, "per_k": {}}
+    result: dict[str, Any] = {
+        "all_experts": all_experts,
+        "all_experts_seconds": time.perf_counter() - started,
+        "per_k": {},
+    }
     outcomes = {}
-    n = next(m.num_experts for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "selector"))
+    # The first SoftMoE layer's n (an int attribute, which nn.Module's attribute types do not know).
+    n = next(cast(int, m.num_experts) for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "selector"))
     for k in ks:
         started = time.perf_counter()
         with select_experts(model, k=k, strategy="combine", renormalize=renormalize):

@@ -35,7 +35,9 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -210,7 +212,7 @@ def ordering(means: dict[int, float]) -> dict:
         "experts": ns,
         "means": values,
         "n1_worst": bool(1 in means and all(means[1] > means[n] for n in ns if n != 1)),
-        "monotone": all(a > b for a, b in zip(values, values[1:])),
+        "monotone": all(a > b for a, b in pairwise(values)),
     }
 
 
@@ -290,7 +292,12 @@ def run(
     try:
         for tokens, dim in preset.tokenizations:
             key = tokenization_key(tokens, dim)
-            entry = {"tokens": tokens, "dim": dim, "curve_steps": [i + 1 for i in indices], "experts": {}}
+            entry: dict[str, Any] = {
+                "tokens": tokens,
+                "dim": dim,
+                "curve_steps": [i + 1 for i in indices],
+                "experts": {},
+            }
             for n in preset.experts:
                 entry["experts"][str(n)] = {
                     "hidden": expert_hidden(dim, n),
@@ -400,7 +407,7 @@ def close_steps(results: dict) -> list[str]:
     close = []
     for key, entry in results["tokenizations"].items():
         ns = sorted(entry["experts"], key=int)
-        for a, b in zip(ns, ns[1:]):
+        for a, b in pairwise(ns):
             fa, fb = entry["experts"][a]["final"], entry["experts"][b]["final"]
             if fa["mean"] - fb["mean"] < max(fa["std"], fb["std"]):
                 close.append(f"n = {a} -> {b} in {key}")

@@ -51,20 +51,24 @@ class MoEStack(nn.Module):
 def experts_used(stack: MoEStack, x: torch.Tensor, k: int) -> list[int]:
     """How many distinct experts each layer runs for this batch under Algorithm 1 with k experts per input."""
     used = []
+    banks = []
     for layer in stack.layers:
-        original = layer.experts.forward_selected
+        assert isinstance(layer, SoftMoE)  # the stack holds only SoftMoE layers
+        bank = layer.experts
+        original = bank.forward_selected
 
         def record(rows, expert, original=original):
             used.append(int(expert.unique().numel()))
             return original(rows, expert)
 
-        layer.experts.forward_selected = record
+        bank.forward_selected = record  # type: ignore[method-assign]  # counting wrapper on the instance, removed below
+        banks.append(bank)
     try:
         with torch.no_grad(), select_experts(stack, k=k, plan="selected"):
             stack(x)
     finally:
-        for layer in stack.layers:
-            del layer.experts.forward_selected
+        for bank in banks:
+            del bank.forward_selected
     return used
 
 
@@ -130,7 +134,8 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         f"{limits['bytes_per_s'] / 1e9:.1f} GB/s in the same run. Unselected experts are not computed; the paper's "
         "code computed them all and zeroed their outputs.",
         "",
-        "| batch | k | ours ms (median ± std) | speed-up vs k = n | x roofline of the kept work | paper ms (RTX 2080 Ti) | paper speed-up |",
+        "| batch | k | ours ms (median ± std) | speed-up vs k = n | x roofline of the kept work "
+        "| paper ms (RTX 2080 Ti) | paper speed-up |",
         "|---|---|---|---|---|---|---|",
     ]
     for batch, entries in results["batches"].items():
@@ -149,17 +154,17 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         if "batched_ms" in full:
             lines.append(
                 f"- k = n at batch {batch}: the plain forward (experts in batched matmuls) took "
-                f"{full['batched_ms']:.1f} ms, every expert through the selection path (one call per expert) {full['grouped_ms']:.1f} ms; the "
-                "faster of the two is the baseline of the speed-ups."
+                f"{full['batched_ms']:.1f} ms, every expert through the selection path (one call per expert) "
+                f"{full['grouped_ms']:.1f} ms; the faster of the two is the baseline of the speed-ups."
             )
     lines += ["", f"![speed-up against k]({Path(plots['speedup']).name})", ""]
     for batch, entries in results["batches"].items():
         quarter = entries[str(EXPERTS // 4)]["speedup_vs_all"]
         target = TARGET_SPEEDUP.get(int(batch))
-        paper = PAPER_MS.get(int(batch))
+        paper_batch = PAPER_MS.get(int(batch))
         text = f"- Batch {batch}: k = n/4 runs {quarter:.2f}x faster than k = n"
-        if paper:
-            text += f" (the paper: {paper[EXPERTS][0] / paper[2][0]:.2f}x"
+        if paper_batch:
+            text += f" (the paper: {paper_batch[EXPERTS][0] / paper_batch[2][0]:.2f}x"
             text += f"; our target {target}x: {'met' if quarter >= target else 'NOT met'})" if target else ")"
         lines.append(text + ".")
     return "\n".join(lines) + "\n"

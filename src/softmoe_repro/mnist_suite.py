@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import torch
 from tqdm.auto import tqdm
@@ -25,6 +27,7 @@ from tqdm.auto import tqdm
 from softmoe.checkpoint import write_json
 from softmoe.data import ImageDataset, Splits, load_dataset, portable_spec
 from softmoe.distributed import LOCAL, DistContext
+from softmoe.experts import MLPExperts
 from softmoe.models import SoftMoEClassifier
 from softmoe.models.mnist import mnist_model
 from softmoe.oracle import (
@@ -187,7 +190,7 @@ def evaluate_oracle(model: SoftMoEClassifier, test: ImageDataset, preset: SuiteP
     model.eval()
     parts = [model.expert_logit_contributions(images, per_token=renormalize) for images in test.images.split(512)]
     contributions = torch.cat([part[0] for part in parts])
-    mass = torch.cat([part[2] for part in parts]) if renormalize else None
+    mass = torch.cat([part[-1] for part in parts]) if renormalize else None  # per_token's third: the token mass
     result = oracle_from_contributions(contributions, parts[0][1], test.labels, k, preset.max_subsets, token_mass=mass)
     return {
         **record,
@@ -257,7 +260,7 @@ def summarize_selection(records: list[dict], outcomes: list[dict]) -> dict:
     """The selection records of one n over its training seeds: means over the seeds, the spread over seeds (and
     over training and random seeds together for random subsets), and a paired test per k on the test images."""
     all_experts, all_sd = mean_sd([r["all_experts"] for r in records])
-    summary = {"all_experts": all_experts, "all_experts_sd": all_sd, "per_k": {}}
+    summary: dict[str, Any] = {"all_experts": all_experts, "all_experts_sd": all_sd, "per_k": {}}
     for key in records[0]["per_k"]:
         cells = [r["per_k"][key] for r in records]
         algorithm1, algorithm1_sd = mean_sd([c["algorithm1"] for c in cells])
@@ -300,7 +303,7 @@ def summarize_diagnostics(records: list[dict]) -> dict:
     def mean(values: list) -> float | None:
         return None if None in values else statistics.fmean(values)
 
-    summary = {}
+    summary: dict[str, dict[str, float | None] | float | None] = {}
     for key, value in records[0].items():
         if isinstance(value, dict):
             summary[key] = {inner: mean([r[key][inner] for r in records]) for inner in value}
@@ -329,7 +332,13 @@ def run_suite(
     """
     dist = dist or LOCAL
     preset = pick_preset(PRESETS, preset)
-    overrides = {"dataset": dataset, "model": model, "protocol": protocol, "seeds": seeds, "experts": experts}
+    overrides: dict[str, Any] = {
+        "dataset": dataset,
+        "model": model,
+        "protocol": protocol,
+        "seeds": seeds,
+        "experts": experts,
+    }
     preset = replace(preset, **{key: value for key, value in overrides.items() if value is not None})
     mnist_model(preset.model)  # a ValueError naming the choices
     if preset.protocol not in PROTOCOLS:
@@ -345,7 +354,7 @@ def run_suite(
     first_seed = preset.train.seed
     seed_list = list(range(first_seed, first_seed + preset.seeds))
 
-    def factory(n: int):
+    def factory(n: int) -> Callable[[], SoftMoEClassifier]:
         return lambda: SoftMoEClassifier(image_shape, n, splits.train.num_classes, preset.grid, preset.model)
 
     def description(n: int) -> dict:  # what run.json records: enough for `softmoe evaluate` to rebuild the model
@@ -376,7 +385,7 @@ def run_suite(
     if not dist.is_main:
         return None
     chosen = {seed: chosen_epochs(histories[seed], preset.protocol) for seed in seed_list}
-    models = {}
+    models: dict[str, dict[str, Any]] = {}
     for n in tqdm(preset.experts, desc="evaluate", disable=not progress):
         seed_records, outcomes = [], []
         for seed in seed_list:
@@ -399,9 +408,11 @@ def run_suite(
             if seed == first_seed:
                 first_model = trained
         test_accuracy, test_sd = mean_sd([r["test_accuracy"] for r in seed_records])
+        bank = first_model.moe.experts
+        assert isinstance(bank, MLPExperts)  # the classifier's layer has the default expert bank
         models[str(n)] = {
             "num_experts": n,
-            "expert_hidden": first_model.moe.experts.hidden,
+            "expert_hidden": bank.hidden,
             "parameters": sum(p.numel() for p in first_model.parameters()),
             "expert_parameters": first_model.expert_parameter_count(),
             "epoch": seed_records[0]["epoch"],
@@ -461,7 +472,15 @@ MODEL_DESCRIPTIONS = {
     "[0, 1], biases, phi truncated normal, hidden round(196 * 4 / n)",
 }
 
-PAPER_TABLE1 = {
+
+class PaperTable1(TypedDict):
+    """Table 1 of the paper by n: the best k = n/4 subset's accuracy and random subsets' (mean, std), in %."""
+
+    best: dict[int, float]
+    random: dict[int, tuple[float, float]]
+
+
+PAPER_TABLE1: PaperTable1 = {
     "best": {4: 94.69, 8: 99.90, 16: 100.00},
     "random": {4: (46.57, 0.44), 8: (51.95, 0.46), 16: (58.94, 0.34)},
 }
@@ -513,8 +532,8 @@ def write_plots(results: dict, out_dir: str | Path) -> dict[str, str]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(ns, [100 * models[str(n)]["selection"]["all_experts"] for n in ns], "k-o", label="all experts")
     for fraction, color in zip(FRACTIONS, ("tab:blue", "tab:orange", "tab:green")):
-        cells = [(n, cell(models, n, fraction)) for n in ns]
-        cells = [(n, c) for n, c in cells if c is not None]
+        found = [(n, cell(models, n, fraction)) for n in ns]
+        cells = [(n, c) for n, c in found if c is not None]
         if not cells:
             continue
         xs = [n for n, _ in cells]
@@ -641,7 +660,8 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         "The validation split is part of what these models trained on: the calibrated budgets below are chosen on "
         "training images and checked on the test split; nothing is selected on the test split."
         if data.get("val_in_train")
-        else "The validation split is held out from training; calibration and epoch choices use it, never the test split."
+        else "The validation split is held out from training; calibration and epoch choices use it, never the test "
+        "split."
     )
     lines = [
         "## MNIST suite: expert specialization and Algorithm 1 (sections 4.2 and 4.4)",
@@ -885,25 +905,28 @@ def findings(results: dict) -> list[str]:
     models = results["models"]
     ns = sorted(int(n) for n in models)
     out = []
-    cells = [(n, f, cell(models, n, f)) for n in ns for f in FRACTIONS]
-    cells = [(n, f, c) for n, f, c in cells if c is not None]
+    found = [(n, f, cell(models, n, f)) for n in ns for f in FRACTIONS]
+    cells = [(n, f, c) for n, f, c in found if c is not None]
     wins = sum(c["algorithm1"] > c["random"]["mean"] for _, _, c in cells)
     won, total = tally(models)
     out.append(
         f"Algorithm 1 beats the random mean in {wins} of {len(cells)} (n, k) cells, significantly (paired test, "
         f"p < {ALPHA}) in {won} of {total} (the paper: in every cell of Table 10 except n = 4, k = 1, where it ties)."
     )
-    large = [n for n in ns if n >= 64]
+    # The k = n/2 cells. Above n = 16 the sweep has k = n // 2, which is not round(n / 2) for some odd n (67, say):
+    # such an n has no cell and is left out.
+    halves = {n: c for n in ns if (c := cell(models, n, 0.5)) is not None}
+    large = [n for n in halves if n >= 64]
     if large:
-        gaps = {n: models[str(n)]["selection"]["all_experts"] - cell(models, n, 0.5)["algorithm1"] for n in large}
+        gaps = {n: models[str(n)]["selection"]["all_experts"] - halves[n]["algorithm1"] for n in large}
         worst = max(gaps.values())
         out.append(
             f"For n >= 64, Algorithm 1 with k = n/2 is within {100 * worst:.2f} points of all experts "
             f"(the paper: 'nearly the same'; per n: {', '.join(f'{n}: {100 * g:.2f}' for n, g in gaps.items())})."
         )
-    small = [n for n in ns if n <= 8 and cell(models, n, 0.5)]
+    small = [n for n in halves if n <= 8]
     if small:
-        gaps = {n: models[str(n)]["selection"]["all_experts"] - cell(models, n, 0.5)["algorithm1"] for n in small}
+        gaps = {n: models[str(n)]["selection"]["all_experts"] - halves[n]["algorithm1"] for n in small}
         out.append(
             "For n <= 8, k = n/2 loses "
             + ", ".join(f"{100 * g:.2f} points at n = {n}" for n, g in gaps.items())
@@ -914,7 +937,8 @@ def findings(results: dict) -> list[str]:
         if "best_subset_accuracy" in oracle:
             diff = 100 * oracle["best_subset_accuracy"] - PAPER_TABLE1["best"][n]
             out.append(
-                f"Best k = n/4 subset at n = {n}: {pct(oracle['best_subset_accuracy'])}% vs the paper's {PAPER_TABLE1['best'][n]:.2f}% ({diff:+.2f} points)."
+                f"Best k = n/4 subset at n = {n}: {pct(oracle['best_subset_accuracy'])}% vs the paper's "
+                f"{PAPER_TABLE1['best'][n]:.2f}% ({diff:+.2f} points)."
             )
     trend = [
         models[str(n)]["oracle"].get("distinct_best_subsets")
@@ -922,8 +946,9 @@ def findings(results: dict) -> list[str]:
         if "distinct_best_subsets" in models[str(n)]["oracle"]
     ]
     if len(trend) > 1:
-        grows = all(a <= b for a, b in zip(trend, trend[1:]))
+        grows = all(a <= b for a, b in pairwise(trend))
         out.append(
-            f"Distinct best subsets {'grow' if grows else 'do not grow monotonically'} with n ({trend}); the paper: they grow."
+            f"Distinct best subsets {'grow' if grows else 'do not grow monotonically'} with n ({trend}); the paper: "
+            "they grow."
         )
     return out

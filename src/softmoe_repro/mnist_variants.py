@@ -31,7 +31,12 @@ def _row(results: dict) -> list[str]:
         row.append(f"{best} / {mean_std_pct(quarter['random']) if quarter else '–'}")
     won, total = tally(models)
     row.append(f"{won} of {total}")
-    large = [models[str(n)]["selection"]["all_experts"] - cell(models, n, 0.5)["algorithm1"] for n in ns if n >= 64]
+    # (an n without a k = n/2 cell, an odd one whose round(n / 2) the sweep's n // 2 misses, is left out)
+    large = [
+        models[str(n)]["selection"]["all_experts"] - c["algorithm1"]
+        for n in ns
+        if n >= 64 and (c := cell(models, n, 0.5)) is not None
+    ]
     row.append(f"{100 * max(large):.2f}" if large else "–")
     correlations = [c for n in ns if (c := models[str(n)]["diagnostics"]["share_evidence_correlation"]) is not None]
     row.append(f"{min(correlations):.2f} to {max(correlations):.2f}" if correlations else "–")

@@ -197,8 +197,11 @@ class RouterClassifier(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.norm(x).mean(dim=1))
-        training = self.moe is not None and self.training and torch.is_grad_enabled()
-        self.auxiliary_loss = self.moe.auxiliary_loss if training and self.moe.auxiliary_loss.requires_grad else None
+        moe = self.moe
+        training = self.training and torch.is_grad_enabled()
+        self.auxiliary_loss = (
+            moe.auxiliary_loss if moe is not None and training and moe.auxiliary_loss.requires_grad else None
+        )
         return logits
 
 
@@ -223,7 +226,10 @@ def routing_stats(model: RouterClassifier, images: torch.Tensor, batch_size: int
     if model.moe is None:
         return {}
     model.eval()
-    dropped, fill, n = 0.0, 0.0, 0
+    # Python floats until the first batch with statistics, then 0-dim tensors
+    dropped: float | torch.Tensor = 0.0
+    fill: float | torch.Tensor = 0.0
+    n = 0
     for start in range(0, len(images), batch_size):
         model(images[start : start + batch_size])
         if model.moe.last_stats:
@@ -345,7 +351,7 @@ def _run(preset: RoutersPreset, out_dir: str | Path | None, progress: bool, dist
             log.warning(notice)
     splits = load_dataset(name).limit(preset.limit_train, preset.limit_eval, preset.limit_eval)
     seed = preset.train.seed
-    jobs = [(r, c, seed) for c in preset.capacity_factors for r in preset.routers]
+    jobs: list[tuple[str | None, int, int]] = [(r, c, seed) for c in preset.capacity_factors for r in preset.routers]
     if preset.dense_baseline:
         jobs.append((None, 1, seed))
     if preset.repeat is not None:
@@ -497,6 +503,7 @@ def findings(results: dict) -> list[str]:
     noise = _noise(results)
     spread = results.get("seed_spread")
     if spread and spread.get("std") is not None:
+        assert noise is not None  # measured from this spread
         out.append(
             f"Run-to-run spread: {spread['label']} over seeds {spread['seeds']} gave "
             f"{', '.join(pct(a) for a in spread['test_accuracies'])}% (std {100 * spread['std']:.2f} points), so "
@@ -519,7 +526,7 @@ def findings(results: dict) -> list[str]:
             )
         if "soft_moe" in acc and len(acc) > 1:
             sparse = {r: a for r, a in acc.items() if r != "soft_moe"}
-            best = max(sparse, key=sparse.get)
+            best = max(sparse, key=lambda r: sparse[r])
             beaten = sum(acc["soft_moe"] > a for a in sparse.values())
             diff = acc["soft_moe"] - sparse[best]
             out.append(
@@ -549,9 +556,9 @@ def findings(results: dict) -> list[str]:
         moe = [r for r in results["runs"].values() if r["router"] is not None]
         better = sum(r["final_test_accuracy"] > dense["final_test_accuracy"] for r in moe)
         out.append(
-            f"Dense baseline (the same model with a dense MLP of the expert's size): {pct(dense['final_test_accuracy'])}%; "
-            f"{better} of {len(moe)} MoE runs beat it (not in the paper's tables; it shows whether the MoE layer helps at "
-            "all at this scale)."
+            "Dense baseline (the same model with a dense MLP of the expert's size): "
+            f"{pct(dense['final_test_accuracy'])}%; {better} of {len(moe)} MoE runs beat it (not in the paper's "
+            "tables; it shows whether the MoE layer helps at all at this scale)."
         )
     return out
 
@@ -569,8 +576,8 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         f"Model (same for every router): {model['grid'][0]}x{model['grid'][1]} patches ({tokens} tokens per image) -> "
         f"linear embedding to d = {model['dim']} + positions -> {model['blocks']} pre-LN blocks (attention with "
         f"{model['heads']} heads + MLP), the MLP of the last block replaced by the MoE layer "
-        f"({model['num_experts']} experts, each a GELU MLP {model['dim']} -> {model['expert_hidden']} -> {model['dim']}) "
-        "-> LayerNorm -> mean over tokens -> linear head. Sparse routers route groups of "
+        f"({model['num_experts']} experts, each a GELU MLP {model['dim']} -> {model['expert_hidden']} -> "
+        f"{model['dim']}) -> LayerNorm -> mean over tokens -> linear head. Sparse routers route groups of "
         f"{model['group_images']} images ({model['group_images'] * (tokens or 0)} tokens) in training and evaluation; "
         "Soft MoE routes each image alone. Softmax Token Choice trains with the importance and load losses "
         "(weights 0.005 each); as in vmoe, the Softmax and Sinkhorn routers (Token and Expert Choice) add Gaussian "

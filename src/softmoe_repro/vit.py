@@ -232,7 +232,7 @@ def _run_variant(
     started = time.perf_counter()
     for n in tqdm(preset.experts, desc=f"vit {name}", disable=not progress or not dist.is_main):
         (_, history), seconds = _timed(
-            lambda: train_classifier(
+            lambda n=n: train_classifier(
                 factory(n), splits, preset.trainer, folder / f"n{n:03d}", progress, f"{name} n={n}", dist=dist
             )
         )
@@ -279,12 +279,12 @@ def _run(
     if spec != preset.dataset:
         preset = replace(preset, dataset=spec)
     image_shape = splits.train.image_shape
-    variants = {
-        VARIANTS[residual]: _run_variant(
-            preset, splits, residual, out_dir / "vit_runs" / VARIANTS[residual], progress, dist
-        )
-        for residual in preset.moe_residuals
-    }
+    variants: dict[str, dict] = {}
+    for residual in preset.moe_residuals:
+        name = VARIANTS[residual]
+        variant = _run_variant(preset, splits, residual, out_dir / "vit_runs" / name, progress, dist)
+        if variant is not None:  # None on the ranks other than the main one
+            variants[name] = variant
     if not dist.is_main:
         return None
     return {
@@ -365,8 +365,8 @@ def write_plots(results: dict, out_dir: str | Path) -> dict[str, str]:
         ns = sorted(int(n) for n in models)
         for ax, fraction in zip(row, FRACTIONS):
             ax.plot(ns, [100 * models[str(n)]["selection"]["all_experts"] for n in ns], "k-o", label="all experts")
-            cells = [(n, _cell(models, n, fraction)) for n in ns]
-            cells = [(n, c) for n, c in cells if c is not None]
+            found = [(n, _cell(models, n, fraction)) for n in ns]
+            cells = [(n, c) for n, c in found if c is not None]
             if cells:
                 xs = [n for n, _ in cells]
                 ax.plot(xs, [100 * c["algorithm1"] for _, c in cells], "-o", color="tab:blue", label="Algorithm 1")
@@ -452,12 +452,13 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
         "Astroformer-1 on CIFAR-10/100 (180M parameters); this is the same protocol at CPU scale.",
         "",
         f"Model: ViT with {arch['tokens']} tokens ({arch['patch']}x{arch['patch']} patches), width {arch['dim']}, "
-        f"{arch['depth']} blocks, {arch['heads']} heads, MLP {arch['mlp_dim']}; Soft MoE in blocks {arch['moe_blocks']} "
-        f"(the second half), one slot per expert, n experts of hidden size {arch['total_expert_hidden']}/n (the same "
-        f"expert parameters for every n), GAP head. Recipe: AdamW lr {trainer['lr']}, weight decay "
-        f"{trainer['weight_decay']}, {trainer['warmup_epochs']} warm-up epoch(s) then cosine, clip {trainer['clip_norm']}, "
-        f"batch {trainer['batch_size']}, {trainer['epochs']} epochs, crop padding {trainer['crop_padding']}, "
-        f"flip {trainer['flip']}, seed {trainer['seed']}. Random selection: {preset['random_seeds']} seeds "
+        f"{arch['depth']} blocks, {arch['heads']} heads, MLP {arch['mlp_dim']}; Soft MoE in blocks "
+        f"{arch['moe_blocks']} (the second half), one slot per expert, n experts of hidden size "
+        f"{arch['total_expert_hidden']}/n (the same expert parameters for every n), GAP head. Recipe: AdamW lr "
+        f"{trainer['lr']}, weight decay {trainer['weight_decay']}, {trainer['warmup_epochs']} warm-up epoch(s) then "
+        f"cosine, clip {trainer['clip_norm']}, batch {trainer['batch_size']}, {trainer['epochs']} epochs, crop padding "
+        f"{trainer['crop_padding']}, flip {trainer['flip']}, seed {trainer['seed']}. Random selection: "
+        f"{preset['random_seeds']} seeds "
         "(the paper: 10). Every MoE layer picks its own k experts per input; unselected experts are not computed; "
         "combine weights are not renormalized (the paper's Algorithm 1).",
         "",
@@ -471,8 +472,8 @@ def markdown(results: dict, plots: dict[str, str]) -> str:
     for name, variant in results["variants"].items():
         lines += _variant_markdown(name, variant)
     lines += [
-        "The paper's columns are its Tables 13 (ImageNet-1k) and 11 (CIFAR-10): standard deviations by which Algorithm 1 "
-        "beats the random mean over 10 seeds ('–': that n or k was not reported; ImageNet had no n = 32).",
+        "The paper's columns are its Tables 13 (ImageNet-1k) and 11 (CIFAR-10): standard deviations by which "
+        "Algorithm 1 beats the random mean over 10 seeds ('–': that n or k was not reported; ImageNet had no n = 32).",
         "",
         f"![training curves]({Path(plots['training']).name})",
         "",
@@ -540,7 +541,8 @@ def _variant_markdown(name: str, variant: dict) -> list[str]:
     ]
     lines += [
         "",
-        "| n | k | all experts (%) | Algorithm 1 (%) | random (%) | std above random (ours) | ImageNet (paper) | CIFAR-10 (paper) |",
+        "| n | k | all experts (%) | Algorithm 1 (%) | random (%) | std above random (ours) | ImageNet (paper) "
+        "| CIFAR-10 (paper) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for n in ns:
@@ -555,7 +557,7 @@ def _variant_markdown(name: str, variant: dict) -> list[str]:
                 f"{num(cell['random']['stds_above_random'])} | {num(PAPER_IMAGENET[fraction].get(n))} | "
                 f"{num(PAPER_CIFAR10.get(k, {}).get(n))} |"
             )
-    return lines + [""]
+    return [*lines, ""]
 
 
 def _cells(models: dict) -> list[tuple[int, float, dict]]:
@@ -577,8 +579,9 @@ def findings(results: dict) -> list[str]:
             continue
         wins = sum(c["algorithm1"] > c["random"]["mean"] for _, _, c in cells)
         out.append(
-            f"{label}: Algorithm 1 beats the random mean in {wins} of {len(cells)} (n, k) cells (the paper: Algorithm 1 "
-            "dominates random selection on every dataset, with random selection very poor on ImageNet and CIFAR-10)."
+            f"{label}: Algorithm 1 beats the random mean in {wins} of {len(cells)} (n, k) cells (the paper: "
+            "Algorithm 1 dominates random selection on every dataset, with random selection very poor on ImageNet and "
+            "CIFAR-10)."
         )
         drops[name] = max(models[str(n)]["selection"]["all_experts"] - c["random"]["mean"] for n, _, c in cells)
         for fraction in FRACTIONS:
@@ -606,8 +609,8 @@ def findings(results: dict) -> list[str]:
             )
     if {"residual", "no_residual"} <= set(drops):
         out.append(
-            f"Keeping only a random k of n experts costs at most {100 * drops['residual']:.2f} points with the residual "
-            f"around the MoE and {100 * drops['no_residual']:.2f} points without it: "
+            f"Keeping only a random k of n experts costs at most {100 * drops['residual']:.2f} points with the "
+            f"residual around the MoE and {100 * drops['no_residual']:.2f} points without it: "
             + (
                 "with the residual this small ViT barely relies on its experts, the failure the paper reports for its "
                 "Astroformer (Appendix E.2), which is why it dropped that residual."

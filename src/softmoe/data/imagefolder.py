@@ -164,12 +164,11 @@ def load_image_folder(
     if not root.is_dir():
         raise DatasetError(f"{root}: image folder not found")
     name = root.name
-    options = {"image_size": image_size, "mode": mode}
     if (root / "train").is_dir():
         classes = class_folders(root / "train")
-        train = read_image_folder(root / "train", classes, name=name, **options)
+        train = read_image_folder(root / "train", classes, image_size=image_size, mode=mode, name=name)
         held = {
-            split: read_image_folder(root / split, classes, name=name, **options)
+            split: read_image_folder(root / split, classes, image_size=image_size, mode=mode, name=name)
             for split in ("val", "test")
             if (root / split).is_dir()
         }
@@ -182,7 +181,7 @@ def load_image_folder(
             train_idx, val_idx, _ = stratified_split_indices(train.labels.numpy(), val_fraction, 0.0, seed)
             splits = Splits(train.subset(np.sort(train_idx)), train.subset(np.sort(val_idx)), test)
     else:
-        pool = read_image_folder(root, name=name, **options)
+        pool = read_image_folder(root, image_size=image_size, mode=mode, name=name)
         splits = stratified_splits(pool, val_fraction, test_fraction, seed)
     shapes = {part.image_shape for part in splits if len(part)}
     if len(shapes) > 1:

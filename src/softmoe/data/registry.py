@@ -36,15 +36,26 @@ DATASET_SPECS: tuple[str, ...] = (
 )
 """Every accepted form of a spec for :func:`load_dataset`."""
 
+
+def _required(load: Callable[[Path], Splits]) -> Callable[[Path | None], Splits]:
+    """``load``, for a dataset that needs a directory, as a loader of the directory or None."""
+
+    def loader(where: Path | None) -> Splits:
+        assert where is not None  # parse_spec refuses a spec without a directory for such a dataset
+        return load(where)
+
+    return loader
+
+
 # name -> (loader taking the directory or None, whether a directory is: "none", "optional", "required")
 _LOADERS: dict[str, tuple[Callable[[Path | None], Splits], str]] = {
     "mnist5k": (lambda _: load_mnist5k(), "none"),
     "digits": (lambda _: load_digits(), "none"),
     "fashion-mnist": (load_fashion_mnist, "optional"),
     "mnist": (load_mnist, "optional"),
-    "cifar10": (load_cifar10, "required"),
-    "cifar100": (load_cifar100, "required"),
-    "imagefolder": (load_image_folder, "required"),
+    "cifar10": (_required(load_cifar10), "required"),
+    "cifar100": (_required(load_cifar100), "required"),
+    "imagefolder": (_required(load_image_folder), "required"),
 }
 
 

@@ -13,11 +13,15 @@ the optimizer as constructed.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    DictValueType,
+    ListDictValueType,
+    OptimizerStateType,
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -36,7 +40,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
     CPU, on global rank 0 and empty elsewhere; otherwise every rank gets it on its device.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
-    return get_model_state_dict(unwrap(model), options=options)
+    # A model's state: tensors (torch types the result as any state-dict value).
+    return cast(dict[str, torch.Tensor], get_model_state_dict(unwrap(model), options=options))
 
 
 def full_optimizer_tensors(
@@ -47,7 +52,10 @@ def full_optimizer_tensors(
     ``rank0_only`` as in :func:`full_state_dict`. Non-tensor state (a plain step count) is stored as a 0-d tensor.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
-    state = get_optimizer_state_dict(unwrap(model), optimizer, options=options).get("state", {})
+    # The "state" entry maps each parameter's name to its state (torch types it as any state-dict value).
+    state = cast(
+        dict[str, DictValueType], get_optimizer_state_dict(unwrap(model), optimizer, options=options).get("state", {})
+    )
     return {
         f"state.{param}.{name}": value if torch.is_tensor(value) else torch.tensor(value)
         for param, entries in state.items()
@@ -99,7 +107,7 @@ def load_full_state_dict(
         raise ValueError("a full state is needed on this rank (or pass from_rank0=True and the state on rank 0)")
     _raise_everywhere(_shape_problems(module, state) if main else None, from_rank0)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0, strict=strict)
-    return set_model_state_dict(module, dict(state) if main else {}, options=options)
+    return set_model_state_dict(module, dict(state) if main and state is not None else {}, options=options)
 
 
 def load_full_optimizer_tensors(
@@ -118,17 +126,19 @@ def load_full_optimizer_tensors(
     main = not from_rank0 or dist.get_rank() == 0
     if main and flat is None:
         raise ValueError("a full optimizer state is needed on this rank (or pass from_rank0=True)")
-    state_dict = {}
+    state_dict: OptimizerStateType = {}
     if main:
+        assert flat is not None  # checked above
         names = {id(p): name for name, p in module.named_parameters()}
-        groups = [
+        groups: ListDictValueType = [
             {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
             for group in optimizer.param_groups
         ]
-        state: dict[str, dict[str, torch.Tensor]] = {}
+        state: dict[str, DictValueType] = {}
         for key, value in flat.items():
             param, name = key.removeprefix("state.").rsplit(".", 1)
             state.setdefault(param, {})[name] = value
-        state_dict = {"state": state, "param_groups": groups}
+        # A dict of DictValueType is a DictValueType, but dict's invariant value type keeps mypy from seeing it.
+        state_dict = {"state": cast(DictValueType, state), "param_groups": groups}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0)
     set_optimizer_state_dict(module, optimizer, state_dict, options=options)

@@ -44,7 +44,7 @@ def reduce_metrics(sums: Mapping[str, float | int], device: torch.device | str |
     device = torch.device(device) if device is not None else _collective_device()
     values = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(values)
-    return {k: int(round(v)) if isinstance(sums[k], int) else v for k, v in zip(keys, values.tolist())}
+    return {k: round(v) if isinstance(sums[k], int) else v for k, v in zip(keys, values.tolist())}
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,9 @@ class DistContext:
         """
         return tuple(t.tensor_split(self.world_size)[self.rank].to(self.device) for t in tensors)
 
-    def shard_batches(self, batches: Iterable[tuple[torch.Tensor, ...]]) -> Iterator[tuple[torch.Tensor, ...]]:
+    def shard_batches(
+        self, batches: Iterable[tuple[torch.Tensor, ...]]
+    ) -> Iterator[tuple[*tuple[torch.Tensor, ...], int]]:
         """Shard each global batch of ``batches``; yields this rank's tensors followed by the global batch size.
 
         Every rank must iterate the same global batches (same seed and generator), as ``softmoe.data.batches``

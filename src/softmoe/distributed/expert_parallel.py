@@ -18,7 +18,7 @@ the gradient of the same objective (the global-batch mean when each rank's loss 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from softmoe.distributed.communication import _timed, all_to_all
-from softmoe.experts import check_expert_input
+from softmoe.experts import Experts, check_expert_input
 from softmoe.layer import SoftMoE
 
 
@@ -53,7 +53,7 @@ def _stacked_tensors(experts: nn.Module) -> list[tuple[str, torch.Tensor, bool]]
         raise TypeError(
             f"{type(experts).__name__} cannot be sharded: an expert bank needs int attributes num_experts and dim"
         )
-    own = [(n, t, True) for n, t in experts.named_parameters(recurse=False)]
+    own: list[tuple[str, torch.Tensor, bool]] = [(n, t, True) for n, t in experts.named_parameters(recurse=False)]
     own += [(n, t, False) for n, t in experts.named_buffers(recurse=False)]
     nested = [n for n, _ in experts.named_parameters()] + [n for n, _ in experts.named_buffers()]
     if len(nested) != len(own):
@@ -93,19 +93,24 @@ class ExpertParallelExperts(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("expert parallelism needs an initialized torch.distributed process group")
         tensors = _stacked_tensors(experts)
+        # The bank's attributes as the Experts protocol types them (nn.Module's types them as tensors or modules);
+        # _stacked_tensors has checked that num_experts and dim are ints.
+        bank = cast(Experts, experts)
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        if experts.num_experts % size:
+        if bank.num_experts % size:
             raise ValueError(
-                f"num_experts={experts.num_experts} is not divisible by the expert-parallel group size {size}"
+                f"num_experts={bank.num_experts} is not divisible by the expert-parallel group size {size}"
             )
         self.group = group
         self.group_size, self.group_rank = size, rank
-        self.num_experts, self.dim, self.out_dim = experts.num_experts, experts.dim, experts.out_dim
-        self.num_local_experts = experts.num_experts // size
+        self.num_experts, self.dim, self.out_dim = bank.num_experts, bank.dim, bank.out_dim
+        self.num_local_experts = bank.num_experts // size
         self.expert_offset = rank * self.num_local_experts
         self.grad_scale = 1.0 / size if average_gradients else 1.0
         device = tensors[0][1].device if tensors else torch.device("cpu")
-        self.mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device.type)
+        mesh_group = group if group is not None else dist.group.WORLD
+        assert mesh_group is not None  # the default group, set once torch.distributed is initialized (checked above)
+        self.mesh = DeviceMesh.from_group(mesh_group, device.type)
         local = slice(self.expert_offset, self.expert_offset + self.num_local_experts)
         for name, tensor, is_parameter in tensors:
             piece = tensor.detach()[local].clone()
@@ -118,17 +123,19 @@ class ExpertParallelExperts(nn.Module):
                 self.register_parameter(name, nn.Parameter(sharded, requires_grad=tensor.requires_grad))
             else:
                 self.register_buffer(name, sharded, persistent=persistent)
-        experts.num_experts = self.num_local_experts
+        bank.num_experts = self.num_local_experts
         self.bank = experts
 
     def local_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's slices of the bank's tensors (differentiable; gradients scaled by ``grad_scale``)."""
         scale = self.grad_scale if torch.is_grad_enabled() else 1.0
         local = {}
+        # Every tensor of this module is one of the DTensors registered in __init__ (typed as Parameter or Tensor).
         for name, p in self.named_parameters(recurse=False):
-            local[name] = p.to_local() if scale == 1.0 else _ScaleGrad.apply(p.to_local(), scale)
+            shard = cast(DTensor, p).to_local()
+            local[name] = shard if scale == 1.0 else _ScaleGrad.apply(shard, scale)
         for name, b in self.named_buffers(recurse=False):
-            local[name] = b.to_local()
+            local[name] = cast(DTensor, b).to_local()
         return local
 
     def _rows_of_group(self, rows: int, device: torch.device) -> list[int]:
@@ -210,7 +217,7 @@ def _group_members(group) -> list[int] | None:
 
 
 def _layer_signature(name: str, layer: SoftMoE) -> tuple:
-    experts = layer.experts
+    experts = layer.get_submodule("experts")  # the bank as the nn.Module it is
     shapes = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in experts.state_dict().items())
     return (name, layer.dim, layer.num_experts, layer.slots_per_expert, type(experts).__name__, shapes)
 
@@ -241,7 +248,7 @@ def shard_experts(model: nn.Module, group=None, *, average_gradients: bool = Tru
         for name, layer in layers:
             if isinstance(layer.experts, ExpertParallelExperts):
                 raise ValueError(f"the experts of layer {name or '<model>'!r} are already sharded")
-            _stacked_tensors(layer.experts)
+            _stacked_tensors(layer.get_submodule("experts"))
         signatures = [_layer_signature(name, layer) for name, layer in layers]
     except (TypeError, ValueError) as error:
         problem, signatures = str(error), None
@@ -255,9 +262,9 @@ def shard_experts(model: nn.Module, group=None, *, average_gradients: bool = Tru
     for _, layer in layers:
         if sync:
             with torch.no_grad():
-                for _, tensor, _ in _stacked_tensors(layer.experts):
+                for _, tensor, _ in _stacked_tensors(layer.get_submodule("experts")):
                     dist.broadcast(tensor.detach(), group=group, group_src=0)
-        layer.experts = ExpertParallelExperts(layer.experts, group, average_gradients)
+        layer.experts = ExpertParallelExperts(layer.get_submodule("experts"), group, average_gradients)
     return model
 
 

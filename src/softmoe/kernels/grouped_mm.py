@@ -11,8 +11,8 @@ product while it is still in registers; it has no backward (a ValueError where a
 An expert with no rows costs nothing. It is a registered custom op, so torch.compile keeps it as one node whatever
 the (data-dependent) group sizes, and it never recompiles for a new pattern of sizes. Where it runs:
 
-- CUDA, bfloat16, K and N multiples of 8, torch 2.8 or later: torch's grouped GEMM (``softmoe.compat.grouped_gemm``), no host synchronization,
-  for the weight's gradient too;
+- CUDA, bfloat16, K and N multiples of 8, torch 2.8 or later: torch's grouped GEMM (``softmoe.compat.grouped_gemm``),
+  no host synchronization, for the weight's gradient too;
 - elsewhere one product per non-empty expert (the group sizes are read on the host: free on CPU, one
   synchronization on a GPU). On CPU a large weight (K * N >= LARGE_WEIGHT) read by 1-3 rows takes one contiguous
   block of the weight per thread (faster than MKL's one product); 2 to NATIVE_FORWARD_MAX_ROWS rows through a

@@ -68,8 +68,9 @@ def fused_routing_applies(
     tokens: Tensor, phi: Tensor, scale: Tensor | None, slots_per_expert: int = 1, k: int = 0
 ) -> bool:
     """Whether a layer routing ``tokens`` (batch, tokens, dim) with ``phi`` (dim, slots) and ``scale`` takes this
-    op for its softmaxes (and, with k > 0, Algorithm 1's choice) rather than torch's ops: eager inference on CUDA (:func:`~softmoe.kernels.modes.eager_inference`)
-    where the op runs its kernel on the logits (:func:`kernel_applies`)."""
+    op for its softmaxes (and, with k > 0, Algorithm 1's choice) rather than torch's ops: eager inference on CUDA
+    (:func:`~softmoe.kernels.modes.eager_inference`) where the op runs its kernel on the logits
+    (:func:`kernel_applies`)."""
     if not (tokens.is_cuda and eager_inference("cuda", tokens, phi, scale)):
         return False
     dtype = torch.promote_types(torch.promote_types(tokens.dtype, phi.dtype), torch.float32)

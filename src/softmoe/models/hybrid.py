@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from softmoe.experts import FactoryKwargs
 from softmoe.layer import SoftMoE
 from softmoe.models.vit import LN_EPS, MLP, Block, init_transformer_weights
 
@@ -45,7 +46,7 @@ class SqueezeExcite(nn.Module):
 
     def __init__(self, channels: int, reduced: int, device=None, dtype=None) -> None:
         super().__init__()
-        factory = {"device": device, "dtype": dtype}
+        factory: FactoryKwargs = {"device": device, "dtype": dtype}
         self.reduce = nn.Conv2d(channels, reduced, 1, **factory)
         self.expand = nn.Conv2d(reduced, channels, 1, **factory)
 
@@ -86,7 +87,7 @@ class MBConv(nn.Module):
         super().__init__()
         if stride not in (1, 2):
             raise ValueError(f"stride must be 1 or 2, got {stride}")
-        factory = {"device": device, "dtype": dtype}
+        factory: FactoryKwargs = {"device": device, "dtype": dtype}
         mid = out_channels * expand_ratio
         if stride == 1 and in_channels == out_channels:
             self.shortcut: nn.Module = nn.Identity()
@@ -238,7 +239,7 @@ class HybridConvTransformer(nn.Module):
             raise ValueError(f"dim {config.dim} must be a multiple of head_dim {config.head_dim}")
         if config.stem_stride not in (1, 2):
             raise ValueError(f"stem_stride must be 1 or 2, got {config.stem_stride}")
-        factory = {"device": device, "dtype": dtype}
+        factory: FactoryKwargs = {"device": device, "dtype": dtype}
         self.config = config
         self.image_size = config.image_size
         self.dim = config.dim
@@ -254,11 +255,11 @@ class HybridConvTransformer(nn.Module):
         stages: list[nn.Module] = []
         channels = config.stem_width
         for width, depth, down in zip(config.conv_widths, config.conv_depths, config.downsample_stages):
-            blocks = [
+            mbconvs = [
                 MBConv(channels if i == 0 else width, width, 2 if (down and i == 0) else 1, **factory)
                 for i in range(depth)
             ]
-            stages.append(nn.Sequential(*blocks))
+            stages.append(nn.Sequential(*mbconvs))
             channels = width
             size = _downsampled(size) if down else size
         self.conv_stages = nn.Sequential(*stages)

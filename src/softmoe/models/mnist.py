@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
+from softmoe.experts import MLPExperts
 from softmoe.layer import SoftMoE
 from softmoe.models.patches import patchify
 
@@ -115,7 +117,8 @@ class SoftMoEClassifier(nn.Module):
         if height % grid[0] or width % grid[1]:
             raise ValueError(f"a {grid[0]}x{grid[1]} patch grid must divide the image size {height}x{width}")
         self.config = mnist_model(model)
-        self.image_shape, self.grid = tuple(image_shape), tuple(grid)
+        # tuple() loses the length of the grid, (rows, cols) as typed (a list from the CLI too)
+        self.image_shape, self.grid = tuple(image_shape), cast(tuple[int, int], tuple(grid))
         self.tokens = grid[0] * grid[1]
         self.dim = channels * (height // grid[0]) * (width // grid[1])
         seed_state = torch.random.get_rng_state()
@@ -148,6 +151,7 @@ class SoftMoEClassifier(nn.Module):
             nn.init.uniform_(self.head.bias, -bound, bound)
         self.moe.phi.copy_((2 * torch.rand(self.dim, self.moe.num_slots) - 1).view_as(self.moe.phi))
         experts = self.moe.experts
+        assert isinstance(experts, MLPExperts)  # the layer is built without a custom expert: the default bank
         for j in range(1 if identical_experts else experts.num_experts):
             for weight, bias in ((experts.weight1, experts.bias1), (experts.weight2, experts.bias2)):
                 fan_in, fan_out = weight.shape[1:]

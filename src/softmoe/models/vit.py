@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from softmoe.experts import activation_fn
+from softmoe.experts import FactoryKwargs, activation_fn
 from softmoe.layer import SoftMoE, truncated_lecun_normal_
 
 LN_EPS = 1e-6
@@ -87,7 +87,7 @@ class MLP(nn.Module):
         self, dim: int, hidden: int, activation: str = "gelu_tanh", dropout: float = 0.0, device=None, dtype=None
     ) -> None:
         super().__init__()
-        factory = {"device": device, "dtype": dtype}
+        factory: FactoryKwargs = {"device": device, "dtype": dtype}
         self.fc1 = nn.Linear(dim, hidden, **factory)
         self.fc2 = nn.Linear(hidden, dim, **factory)
         self.act = activation_fn(activation)
@@ -109,7 +109,7 @@ class Attention(nn.Module):
         super().__init__()
         if dim % heads:
             raise ValueError(f"dim {dim} must be divisible by heads {heads}")
-        factory = {"device": device, "dtype": dtype}
+        factory: FactoryKwargs = {"device": device, "dtype": dtype}
         self.heads = heads
         self.qkv = nn.Linear(dim, 3 * dim, **factory)
         self.proj = nn.Linear(dim, dim, **factory)
@@ -142,7 +142,7 @@ class Block(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        factory = {"device": device, "dtype": dtype}
+        factory: FactoryKwargs = {"device": device, "dtype": dtype}
         self.norm1 = nn.LayerNorm(dim, eps=LN_EPS, **factory)
         self.attn = Attention(dim, heads, dropout, **factory)
         self.norm2 = nn.LayerNorm(dim, eps=LN_EPS, **factory)
@@ -228,10 +228,10 @@ class ViT(nn.Module):
         for name, value in (("dim", dim), ("depth", depth), ("heads", heads), ("mlp_dim", mlp_dim)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        moe_blocks = tuple(sorted(set(int(i) for i in moe_blocks)))
+        moe_blocks = tuple(sorted({int(i) for i in moe_blocks}))
         if any(not 0 <= i < depth for i in moe_blocks):
             raise ValueError(f"moe_blocks must be block indices in [0, {depth}), got {moe_blocks}")
-        factory = {"device": device, "dtype": dtype}
+        factory: FactoryKwargs = {"device": device, "dtype": dtype}
         self.image_size, self.patch_size = image_hw, patch_hw
         self.grid = (image_hw[0] // patch_hw[0], image_hw[1] // patch_hw[1])
         self.num_patches = self.grid[0] * self.grid[1]
@@ -274,6 +274,7 @@ class ViT(nn.Module):
         weight = self.patch_embed.weight
         fan_in = weight.shape[1] * weight.shape[2] * weight.shape[3]
         truncated_lecun_normal_(weight, fan_in)
+        assert self.patch_embed.bias is not None  # the patch embedding is built with a bias (Conv2d's default)
         nn.init.zeros_(self.patch_embed.bias)
         nn.init.normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:

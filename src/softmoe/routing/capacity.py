@@ -22,6 +22,7 @@ buffers for every batch size without recompiling, and with exactly the integers 
 from __future__ import annotations
 
 import math
+from typing import overload
 
 import torch
 
@@ -42,6 +43,20 @@ def _is_integer(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, torch.SymInt))
 
 
+@overload
+def buffer_capacity(
+    num_tokens: int,
+    num_experts: int,
+    capacity_factor: float = 1.0,
+    *,
+    k: int = 1,
+    rounding: str = "round",
+    multiple_of: int = 1,
+    maximum: int | None = None,
+) -> int: ...
+
+
+@overload
 def buffer_capacity(
     num_tokens: int | torch.SymInt,
     num_experts: int,
@@ -50,7 +65,19 @@ def buffer_capacity(
     k: int = 1,
     rounding: str = "round",
     multiple_of: int = 1,
-    maximum: int | None = None,
+    maximum: int | torch.SymInt | None = None,
+) -> int | torch.SymInt: ...
+
+
+def buffer_capacity(
+    num_tokens: int | torch.SymInt,
+    num_experts: int,
+    capacity_factor: float = 1.0,
+    *,
+    k: int = 1,
+    rounding: str = "round",
+    multiple_of: int = 1,
+    maximum: int | torch.SymInt | None = None,
 ) -> int | torch.SymInt:
     """vmoe's ``compute_capacity`` for ``k * num_tokens`` tokens, then clamped to ``maximum``.
 

@@ -26,7 +26,7 @@ def expert_choice_allocation(
     """Algorithm 2 on affinity (G, T, E): each expert's top-C tokens (C clamped to T, ties to the lower token);
     combine from ``combine_from`` (G, T, E) at the chosen positions (default: the affinity)."""
     check_affinity(affinity)
-    g, t, e = affinity.shape
+    _, t, _ = affinity.shape
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     values, token_index = top_k(affinity.transpose(1, 2), min(capacity, t))  # (G, E, C)

@@ -8,6 +8,8 @@ smaller group (with its own, smaller capacity).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -109,7 +111,8 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_tokens(x, self.dim)
         batch, tokens, _ = x.shape
-        outputs, losses, weights, counts, metrics = [], {}, {}, [], {}
+        outputs, weights, counts, metrics = [], {}, [], {}
+        losses: dict[str, list[torch.Tensor]] = {}  # each auxiliary loss of every group
         dropped, fill, slots = [], [], 0  # int64 0-dim tensors (counted on the device: no host synchronization)
         for part in self._groups(x):
             routing = self.router(part)
@@ -126,9 +129,11 @@ class MoELayer(nn.Module):
             for name, value in routing.auxiliary_losses.items():
                 losses.setdefault(name, []).append(value)
             weights.update(routing.auxiliary_weights)
-        # Each group counts once in the average of the per-group losses.
+        # Each group counts once in the average of the per-group losses. (A sum of tensors: every name has a loss of
+        # at least one group, so sum's start, 0, is never its result.)
         self.auxiliary_losses = {
-            name: sum(v * c for v, c in zip(values, counts)) / sum(counts) for name, values in losses.items()
+            name: cast(torch.Tensor, sum(v * c for v, c in zip(values, counts)) / sum(counts))
+            for name, values in losses.items()
         }
         total = sum((weights.get(name, 0.0) * value for name, value in self.auxiliary_losses.items()), x.new_zeros(()))
         self.auxiliary_loss = total

@@ -30,6 +30,7 @@ def sinkhorn_potentials(
     t, e = logits.shape[-2:]
     scores = logits.to(torch.promote_types(logits.dtype, torch.float32)) / epsilon
     log_a = math.log(token_marginal)
+    log_b: float | torch.Tensor
     if expert_marginal is not None:
         log_b = math.log(expert_marginal)
     elif torch.compiler.is_compiling():

@@ -3,9 +3,9 @@
 For the tokens X (T, d) of one image and slot parameters Phi (d, E, C): Z = X Phi (T, E, C),
 dispatch = softmax of Z over tokens (for each slot), combine = softmax of Z over all E*C slots (for each token).
 With ``normalize="router"`` (the default, as in :class:`softmoe.SoftMoE`) X and Phi are L2-normalized over d and the
-logits multiplied by a learnable scalar ``scale``. The parameters are laid out exactly as the ``SoftMoE`` layer's and the routing is the layer's own function
-(:func:`softmoe.layer.soft_moe_routing`), so :meth:`SoftMoERouter.from_layer` copies a layer's router and gives the
-same outputs.
+logits multiplied by a learnable scalar ``scale``. The parameters are laid out exactly as the ``SoftMoE`` layer's and
+the routing is the layer's own function (:func:`softmoe.layer.soft_moe_routing`), so
+:meth:`SoftMoERouter.from_layer` copies a layer's router and gives the same outputs.
 
 As vmoe's SoftRouter (vmoe/projects/soft_moe/router.py) the router can add Gaussian noise to the logits in training
 (``add_noise``) and report its monitoring metrics (``get_metrics`` and ``cosine_psim``): :func:`soft_moe_metrics`.
@@ -140,6 +140,7 @@ class SoftMoERouter(Router):
         with torch.no_grad():
             router.phi.copy_(layer.phi)
             if router.scale is not None:
+                assert layer.scale is not None  # the layer's normalization, so the layer has a scale too
                 router.scale.copy_(layer.scale)
         return router
 
