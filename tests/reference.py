@@ -1,6 +1,11 @@
 """Slow, obviously-correct reference pieces shared by the tests, written from the formulas."""
 
+import contextlib
+import io
 import math
+import os
+import subprocess
+from pathlib import Path
 
 import torch
 
@@ -34,3 +39,22 @@ def output_and_gradients(layer, x: torch.Tensor, grad: torch.Tensor, mask: torch
     out = layer(x) if mask is None else layer(x, mask)
     out.backward(grad)
     return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+
+def run_cli(*args: str, cwd: Path | None = None, umask: int | None = None) -> subprocess.CompletedProcess:
+    """Run the command line ``softmoe ARGS`` (``softmoe.cli.main``) in this process, from ``cwd`` and with ``umask``
+    where given, its output captured: what ``python -m softmoe ARGS`` does, without starting an interpreter."""
+    from softmoe.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_umask = os.umask(umask) if umask is not None else None
+    try:
+        with contextlib.chdir(cwd or Path.cwd()), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exit:  # argparse's usage errors and --help
+                code = exit.code if isinstance(exit.code, int) else 2
+    finally:
+        if saved_umask is not None:
+            os.umask(saved_umask)
+    return subprocess.CompletedProcess(["softmoe", *args], code, out.getvalue(), err.getvalue())

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 from torch import nn
 
+from reference import run_cli
 from softmoe import SoftMoE
 from softmoe.calibration import Setting, calibrate, choose, evaluate_setting
-from softmoe.selection import UNIFORM_HALF_MASS, NoBetterThanRandomWarning
 from softmoe.data import ImageDataset
+from softmoe.selection import UNIFORM_HALF_MASS, NoBetterThanRandomWarning
 
 
 class FourClasses(nn.Module):
@@ -181,11 +180,10 @@ def test_calibrate_says_when_random_subsets_do_as_well():
 
 def test_calibrate_command(tmp_path):
     run = tmp_path / "run"
-    train = [sys.executable, "-m", "softmoe", "train", str(run), "--dataset", "digits", "--experts", "4", "--epochs", "1",
-             "--batch-size", "64", "--no-progress"]
-    subprocess.run(train, check=True, capture_output=True)
-    proc = subprocess.run([sys.executable, "-m", "softmoe", "calibrate", str(run), "--max-drop", "100", "--strategy",
-                           "mass", "--grid", "0.5", "1.0"], capture_output=True, text=True)
+    train = run_cli("train", str(run), "--dataset", "digits", "--experts", "4", "--epochs", "1", "--batch-size", "64",
+                    "--no-progress")
+    assert train.returncode == 0, train.stderr
+    proc = run_cli("calibrate", str(run), "--max-drop", "100", "--strategy", "mass", "--grid", "0.5", "1.0")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     # the shares' uniformity is in the result, and said once on stderr exactly when nearly uniform
@@ -195,10 +193,8 @@ def test_calibrate_command(tmp_path):
     assert result["epoch"] == 1 and result["strategy"] == "mass"
     assert [s["value"] for s in result["settings"]] == [0.5, 1.0]
     assert result["chosen"]["expert_fraction"] <= 1.0 and result["test_accuracy"] is not None
-    proc = subprocess.run([sys.executable, "-m", "softmoe", "calibrate", str(run), "--target", "1.0"],
-                          capture_output=True, text=True)
+    proc = run_cli("calibrate", str(run), "--target", "1.0")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "out of reach" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "softmoe", "evaluate", str(run), "--strategy", "mass", "--tau",
-                           "0.7"], capture_output=True, text=True)
+    proc = run_cli("evaluate", str(run), "--strategy", "mass", "--tau", "0.7")
     assert proc.returncode == 0, proc.stderr
     assert 0 < json.loads(proc.stdout)["expert_fraction"] <= 1

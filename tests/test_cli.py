@@ -1,11 +1,10 @@
 """The softmoe command: the smoke reproduction end to end, train/evaluate, and user errors as one line + exit 2."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from reference import run_cli
 from softmoe.cli import main
 
 
@@ -73,6 +72,7 @@ def test_smoke_reproduction_writes_complete_results(smoke_results):
     assert "budgets" not in suite["models"]["2"] and "specialization" not in suite["models"]["2"]
 
 
+@pytest.mark.slow  # (the smoke reproduction of smoke_results)
 def test_smoke_report_is_well_formed(smoke_results):
     report = (smoke_results / "report.md").read_text()
     for heading in ("Table 1", "Figures 1 and 2a", "Table 10", "Figure 5", "How our numbers compare",
@@ -98,6 +98,7 @@ def test_calibrating_a_suite_model_says_it_trained_on_the_validation_split(smoke
     assert "note: this model was trained on the validation split too" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # (the smoke reproduction of smoke_results)
 def test_a_suite_file_of_an_older_format_is_one_line_saying_what_to_do(smoke_results, tmp_path, capsys):
     suite = json.loads((smoke_results / "mnist_suite.json").read_text())
     del suite["seeds"]
@@ -153,13 +154,13 @@ def test_user_errors_are_one_line(tmp_path, capsys, argv, message):
 @pytest.mark.slow
 def test_argument_errors_exit_2():
     for argv in (["reproduce", "--preset", "huge"], ["train", "x", "--experts", "0"], ["evaluate", "x", "--k", "a"], []):
-        proc = subprocess.run([sys.executable, "-m", "softmoe.cli", *argv], capture_output=True, text=True)
+        proc = run_cli(*argv)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and "usage:" in proc.stderr
 
 
 @pytest.mark.slow
 def test_help_explains_options():
-    proc = subprocess.run([sys.executable, "-m", "softmoe.cli", "reproduce", "--help"], capture_output=True, text=True)
+    proc = run_cli("reproduce", "--help")
     assert proc.returncode == 0
     for option in ("--preset", "--dataset", "--out", "resumes"):
         assert option in proc.stdout

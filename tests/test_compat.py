@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad
 
-from softmoe.compat import grouped_gemm, has_grouped_gemm, onednn_linear_pointwise
-from softmoe.compat import transforms_active
+from softmoe.compat import grouped_gemm, has_grouped_gemm, onednn_linear_pointwise, transforms_active
 
 
 def test_transforms_active_sees_vmap_grad_and_forward_mode_ad():

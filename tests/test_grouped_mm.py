@@ -6,12 +6,12 @@ import sys
 
 import pytest
 import torch
-from reference import kernels_called
 
 import softmoe.kernels.grouped_mm as op_module
 import softmoe.kernels.onednn as onednn_module
-from softmoe.compat import has_grouped_gemm
+from reference import kernels_called
 from softmoe.activations import ACTIVATIONS
+from softmoe.compat import has_grouped_gemm
 from softmoe.kernels import native_available
 from softmoe.kernels.grouped_mm import grouped_mm, grouped_mm_weight_grad, row_block_matmul
 

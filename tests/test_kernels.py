@@ -8,13 +8,12 @@ import importlib
 
 import pytest
 import torch
-from reference import kernels_called, output_and_gradients, ref_activation, relative_error
 
 import softmoe.kernels.onednn as onednn_module
-import softmoe.layer as layer_module
-from softmoe.tuning import set_autotune
+from reference import kernels_called, output_and_gradients, ref_activation, relative_error
 from softmoe import SoftMoE
 from softmoe.kernels import batched_matmul, native_available, onednn_applies, onednn_linear
+from softmoe.tuning import set_autotune
 
 # the module, not the function of the same name that softmoe.kernels exports
 routing_module = importlib.import_module("softmoe.kernels.soft_moe_routing")

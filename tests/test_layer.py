@@ -15,15 +15,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import kernels_called, ref_activation
 from torch import nn
 
-import softmoe.layer as layer_module
+from reference import kernels_called, ref_activation
 from softmoe import MLPExperts, Routing, SoftMoE, StackedExperts, select_experts
-from softmoe.kernels import native_available
 from softmoe.backends import REGISTRY
-from softmoe.backends.generic import token_space_mixing
 from softmoe.backends.cuda import rms_norm_logits
+from softmoe.backends.generic import token_space_mixing
+from softmoe.kernels import native_available
 from softmoe.layer import l2_normalize, soft_moe_logits, soft_moe_reference
 
 F64 = torch.float64

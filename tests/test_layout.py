@@ -3,11 +3,12 @@ library's public names; ``import softmoe`` stays light; both commands work throu
 
 from __future__ import annotations
 
-import pytest
 import ast
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import softmoe
 import softmoe_repro

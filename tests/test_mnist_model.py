@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from softmoe.models import SoftMoEClassifier
 from softmoe.cli import MNIST_MODEL_NAMES
+from softmoe.models import SoftMoEClassifier
 from softmoe.models.mnist import MNIST_MODELS, expert_hidden_for
 
 F64 = torch.float64

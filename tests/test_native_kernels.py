@@ -3,15 +3,15 @@ exactness of every kernel variant the CPU runs, gradients, and where the layer t
 
 from __future__ import annotations
 
-import softmoe.backends.cpu as cpu_backend
 import pytest
 import torch
-from reference import output_and_gradients, ref_activation, relative_error
 
-import softmoe.experts as experts_module
+import softmoe.backends.cpu as cpu_backend
 import softmoe.kernels as kernels
+from grids import pairwise
+from reference import output_and_gradients, ref_activation, relative_error
 from softmoe import SoftMoE
-from softmoe.kernels import expert_matmul, native_applies, use_isa
+from softmoe.kernels import ISAS, expert_matmul, native_applies, use_isa
 
 
 def reference(x, w, b, g):
@@ -49,10 +49,12 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "E{}xM{}xK{}xN{}".format(*s))
-def test_expert_matmul_and_gradients_match_float64(isa, shape, bias, threads):
+@pytest.mark.parametrize(
+    "shape, bias, threads, row_isa",
+    pairwise(shape=SHAPES, bias=[True, False], threads=[1, 2, 3], row_isa=ISAS),
+    indirect=["threads", "row_isa"],
+)
+def test_expert_matmul_and_gradients_match_float64(shape, bias, threads, row_isa):
     experts, rows, k, n = shape
     torch.manual_seed(sum(shape))
     x = torch.randn(experts, rows, k, requires_grad=True)
@@ -211,9 +213,12 @@ def test_autocast_leaves_the_op_in_float32(library):
     assert relative_error(out, x.double() @ w.double()) < 1e-5
 
 
-@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
-@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "E{}xM{}xK{}xN{}".format(*s))
-def test_fused_activation_matches_float64(isa, shape, activation):
+@pytest.mark.parametrize(
+    "shape, activation, row_isa",
+    pairwise(shape=SHAPES[1:], activation=["gelu", "gelu_tanh", "relu"], row_isa=ISAS),
+    indirect=["row_isa"],
+)
+def test_fused_activation_matches_float64(shape, activation, row_isa):
     experts, rows, k, n = shape
     torch.manual_seed(sum(shape))
     x, w, b = torch.randn(experts, rows, k), torch.randn(experts, k, n), torch.randn(experts, n)

@@ -4,17 +4,17 @@ slot, and where the layer takes it."""
 
 from __future__ import annotations
 
-import softmoe.backends.cpu as cpu_backend
 import math
 import sys
 
 import pytest
 import torch
-from reference import kernels_called, output_and_gradients, ref_activation, relative_error
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import softmoe.experts as experts_module
+import softmoe.backends.cpu as cpu_backend
 import softmoe.kernels as kernels
+from grids import pairwise
+from reference import kernels_called, output_and_gradients, ref_activation, relative_error
 from softmoe import SoftMoE
 from softmoe.kernels import (
     MIXING_MAX_TOKENS,
@@ -23,7 +23,7 @@ from softmoe.kernels import (
     native_mixing_applies,
     soft_moe_mixing,
 )
-from softmoe.kernels.build import LANES
+from softmoe.kernels.build import ISAS, LANES
 from softmoe.kernels.soft_moe_mixing import LAYOUTS
 
 mixing_module = sys.modules["softmoe.kernels.soft_moe_mixing"]  # the package exports the function of that name
@@ -88,24 +88,24 @@ SHAPES = [
 ]
 
 
-@pytest.fixture(params=["outputs kept", "outputs recomputed"])
-def keep_outputs(request, monkeypatch):
-    """The forward pass keeping the slots' outputs for the backward at every hidden size, or at none."""
-    keep = request.param == "outputs kept"
-    monkeypatch.setattr(mixing_module, "MIXING_KEEP_OUTPUTS_MIN_HIDDEN", 0 if keep else 1 << 30)
-    return keep
+@pytest.mark.parametrize(
+    "shape, bias, threads, row_isa, keep_outputs",
+    pairwise(shape=SHAPES, bias=[True, False], threads=[1, 2, 3], row_isa=ISAS, keep_outputs=[True, False]),
+    indirect=["threads", "row_isa"],
+)
+def test_mixing_and_all_gradients_match_float64(shape, bias, threads, row_isa, keep_outputs):
+    """The op forward and backward, the slots' outputs kept for the backward or computed again."""
+    assert_matches_float64(shape, bias, keep_outputs)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
-def test_mixing_and_all_gradients_match_float64(isa, shape, bias, threads, keep_outputs):
-    assert_matches_float64(shape, bias)
-
-
-def assert_matches_float64(shape, bias):
+def assert_matches_float64(shape, bias, keep_outputs=None):
+    """The mixing and every gradient against float64 autograd of the reference: through the entry point, or with
+    ``keep_outputs`` through the op itself (the records it keeps for the backward chosen)."""
     inputs = random_inputs(*shape, bias=bias, seed=sum(shape))
-    out = soft_moe_mixing(*inputs)
+    if keep_outputs is None:
+        out = soft_moe_mixing(*inputs)
+    else:
+        out = torch.ops.softmoe.soft_moe_mixing(*inputs, keep_outputs, kernels.cpu_isa())[0]
     grad = torch.randn_like(out)
     out.backward(grad)
     leaves = [t.detach().double().requires_grad_() if t is not None else None for t in inputs]
@@ -155,10 +155,12 @@ def slot_words(kept: torch.Tensor) -> torch.Tensor:
     return (padded.view(batch, -1, 64) << torch.arange(64)).sum(-1)  # distinct bits: the sum is their OR
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("layout", ["as they come", *LAYOUTS])
-@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
-def test_inference_skips_idle_slots_and_matches_float64(isa, shape, layout, threads):
+@pytest.mark.parametrize(
+    "shape, layout, threads, row_isa",
+    pairwise(shape=SHAPES, layout=["as they come", *LAYOUTS], threads=[1, 2, 3], row_isa=ISAS),
+    indirect=["threads", "row_isa"],
+)
+def test_inference_skips_idle_slots_and_matches_float64(shape, layout, threads, row_isa):
     """In inference, with a kept combine the work is laid out as groups of inputs
     that keep the same slots (the slots whose combine weights are zero for a whole group skipped), as the rows of
     each expert (its inputs up to 8 at a time, vectors along hidden and dim: partial blocks of rows and of vectors,
@@ -176,10 +178,12 @@ def test_inference_skips_idle_slots_and_matches_float64(isa, shape, layout, thre
             kept_mixing(inputs, layout, torch.cat([words, words], dim=1))
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
-def test_inference_lays_out_every_slot_and_matches_float64(isa, shape, layout, threads):
+@pytest.mark.parametrize(
+    "shape, layout, threads, row_isa",
+    pairwise(shape=SHAPES, layout=list(LAYOUTS), threads=[1, 2, 3], row_isa=ISAS),
+    indirect=["threads", "row_isa"],
+)
+def test_inference_lays_out_every_slot_and_matches_float64(shape, layout, threads, row_isa):
     """Inference without Algorithm 1 lays the work out as for a kept combine with every slot kept (groups of lanes,
     the rows of each expert or each input's experts one at a time) where some thread would have no full group of
     lanes, as the op finds cheaper or as forced, and skips nothing: exact in every layout."""

@@ -4,19 +4,19 @@ against the routing written in torch's ops in float64, and where the layer takes
 
 from __future__ import annotations
 
-import softmoe.backends.cpu as cpu_backend
 import pytest
 import torch
-from reference import kernels_called, output_and_gradients, relative_error
 
+import softmoe.backends.cpu as cpu_backend
 import softmoe.kernels.onednn as onednn_module
-import softmoe.layer as layer_module
-from softmoe.runtime import cpu_signature
-from softmoe.tuning import TABLE, Measured
+from grids import pairwise
+from reference import kernels_called, output_and_gradients, relative_error
 from softmoe import SoftMoE
-from softmoe.kernels import cpu_isa
+from softmoe.kernels import ISAS, cpu_isa
 from softmoe.kernels.soft_moe_routing import native_routing_applies, soft_moe_routing
 from softmoe.layer import soft_moe_logits
+from softmoe.runtime import cpu_signature
+from softmoe.tuning import TABLE, Measured
 
 NORMALIZATIONS = ["router", "inputs", "none"]
 # (batch, tokens, dim, slots): slots below every vector width, a whole AVX-512 vector plus a tail, one token, one
@@ -73,10 +73,12 @@ def leaves(*tensors, dtype=None):
     return [None if t is None else t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("normalize", NORMALIZATIONS)
-@pytest.mark.parametrize("threads", [1, 2], indirect=True)
-def test_routing_and_its_gradients_match_float64(isa, shape, normalize, threads):
+@pytest.mark.parametrize(
+    "shape, normalize, threads, row_isa",
+    pairwise(shape=SHAPES, normalize=NORMALIZATIONS, threads=[1, 2], row_isa=ISAS),
+    indirect=["threads", "row_isa"],
+)
+def test_routing_and_its_gradients_match_float64(shape, normalize, threads, row_isa):
     assert_routing_matches_float64(shape, normalize)
 
 

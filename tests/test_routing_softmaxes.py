@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import softmoe.backends.cuda as cuda_backend
 import softmoe.layer as layer_module
-from softmoe.backends import REGISTRY
 from softmoe import SoftMoE, masked_reference_forward, select_experts
+from softmoe.backends import REGISTRY
 from softmoe.selection import Selector, top_k_by_combine
 from softmoe.selection_plan import kept_slots
 

@@ -1,6 +1,7 @@
-"""Run folders a user can trust, through the real `softmoe` entry point (subprocess): no silent mixing of
-configurations, one line and exit 2 for every damaged file or OS error, nothing damaged by a failed command, the
-user's umask, portable folders, stale temporary files cleaned, reports re-rendered without changing their data."""
+"""Run folders a user can trust, through the `softmoe` command line (``softmoe.cli.main``, in this process; the real
+entry point in a subprocess where that is what is tested): no silent mixing of configurations, one line and exit 2
+for every damaged file or OS error, nothing damaged by a failed command, the user's umask, portable folders, stale
+temporary files cleaned, reports re-rendered without changing their data."""
 
 from __future__ import annotations
 
@@ -12,15 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from reference import run_cli as softmoe
+
 TRAIN = ["--dataset", "digits", "--experts", "4", "--epochs", "1", "--batch-size", "64", "--no-progress"]
 
 
-def softmoe(*args: str, cwd: Path | None = None, umask: int | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m softmoe ARGS`` as a user would; with ``umask`` set in the child before it starts."""
-    preexec = (lambda: os.umask(umask)) if umask is not None else None
-    return subprocess.run(
-        [sys.executable, "-m", "softmoe", *args], capture_output=True, text=True, cwd=cwd, preexec_fn=preexec, timeout=300
-    )
+def real_softmoe(*args: str) -> subprocess.CompletedProcess:
+    """Run ``python -m softmoe ARGS`` as a user would."""
+    return subprocess.run([sys.executable, "-m", "softmoe", *args], capture_output=True, text=True, timeout=300)
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -44,9 +44,10 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_python_dash_m_softmoe_works():
-    proc = softmoe("--help")
+def test_python_dash_m_softmoe_works(trained):
+    proc = real_softmoe("--help")
     assert proc.returncode == 0 and "reproduce" in proc.stdout
+    one_line_error(real_softmoe("train", str(trained), *TRAIN, "--lr", "0.01"), "train.lr: 0.001 -> 0.01")
 
 
 @pytest.mark.slow

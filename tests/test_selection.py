@@ -21,13 +21,12 @@ from torch import nn
 import softmoe.backends.base as base_backend
 import softmoe.backends.generic as generic_backend
 import softmoe.kernels.grouped_mm as grouped_mm_module
-import softmoe.layer as layer_module
 import softmoe.selection as selection_module
-from softmoe.backends import Backend
 from softmoe import SoftMoE, masked_reference_forward, select_experts
+from softmoe.backends import Backend
 from softmoe.selection import (
-    Selector,
     NoBetterThanRandomWarning,
+    Selector,
     combine_scores,
     experts_by_budget,
     experts_by_mass,

@@ -470,6 +470,7 @@ torch.save(out, sys.argv[1])
 """
 
 
+@pytest.mark.slow
 def test_algorithm1_gives_the_same_bits_in_another_process(tmp_path):
     """Nothing is timed by default, so a call whose plans are close gives the same bits in every process."""
     import subprocess

@@ -4,14 +4,13 @@ formulation (top_k_by_combine and the dense plan's mask); the same choice made i
 
 from __future__ import annotations
 
-import softmoe.backends.base as base_backend
-import softmoe.backends.cpu as cpu_backend
 import math
 
 import pytest
 import torch
 
-import softmoe.layer as layer_module
+import softmoe.backends.base as base_backend
+import softmoe.backends.cpu as cpu_backend
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.kernels import cpu_isa, native_available, soft_moe_routing, soft_moe_routing_top_k
 from softmoe.kernels.top_k_combine import native_top_k_applies, top_k_combine

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from softmoe_repro import l2norm
 from softmoe.theory import NORM_GAP_SLOPE
+from softmoe_repro import l2norm
 
 TINY = l2norm.L2NormPreset(
     "tiny", steps=4, batch_size=200, experts=(1, 2), tokenizations=((5, 2),), seeds=(0,), eval_size=300,

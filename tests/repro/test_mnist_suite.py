@@ -5,9 +5,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from softmoe.data import ImageDataset, Splits
+from softmoe.models import SoftMoEClassifier
+from softmoe.models.mnist import expert_hidden_for
 from softmoe.selection import random_statistics
 from softmoe_repro.common import equal_accuracy_epochs
-from softmoe.data import ImageDataset, Splits
 from softmoe_repro.mnist_suite import (
     MASKED_FORWARDS,
     PRESETS,
@@ -22,8 +24,6 @@ from softmoe_repro.mnist_suite import (
     training_config,
     training_splits,
 )
-from softmoe.models import SoftMoEClassifier
-from softmoe.models.mnist import expert_hidden_for
 
 
 @pytest.mark.parametrize("n", [2, 4, 8, 16, 32, 64, 128, 256, 512])

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from softmoe_repro import routers as exp
 from softmoe.routing import ROUTERS
 from softmoe.train import TrainConfig
+from softmoe_repro import routers as exp
 
 SMALL = exp.ModelConfig(grid=(4, 4), dim=8, heads=2, blocks=2, num_experts=4, expert_hidden=8, group_images=4)
 
