@@ -32,9 +32,9 @@ from common import (  # noqa: E402
 )
 
 from softmoe.kernels import native_available, native_status  # noqa: E402
-from softmoe.kernels.expert_matmul import NATIVE_FORWARD_MAX_ROWS  # noqa: E402
 from softmoe.kernels.grouped_mm import native_product  # noqa: E402
 from softmoe.kernels.onednn import onednn_linear  # noqa: E402
+from softmoe.tuning import value  # noqa: E402
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -78,7 +78,7 @@ def main() -> None:
             stats = measure_interleaved(products, warmup=1, repeats=args.repeats)
             flops = 2 * args.experts * rows * k * n
             rate = {name: flops / s["median"] / 1e9 for name, s in stats.items()}
-            chosen = "native" if rows <= NATIVE_FORWARD_MAX_ROWS else "mkl/onednn"
+            chosen = "native" if rows <= value("native_forward_max_rows") else "mkl/onednn"
             records.append({"k": k, "n": n, "rows": rows, "gflops": rate, "grouped_mm_takes": chosen})
             rows_out.append([f"{k} x {n}", rows, f"{rate['native']:.0f}", f"{rate['mkl']:.0f}",
                              f"{rate['onednn']:.0f}", f"{rate['native'] / rate['mkl']:.2f}", chosen])

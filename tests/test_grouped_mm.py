@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -14,8 +12,7 @@ from softmoe.activations import ACTIVATIONS
 from softmoe.compat import has_grouped_gemm
 from softmoe.kernels import native_available
 from softmoe.kernels.grouped_mm import grouped_mm, grouped_mm_weight_grad, row_block_matmul
-
-expert_matmul_module = sys.modules["softmoe.kernels.expert_matmul"]  # the package exports a function of that name
+from softmoe.tuning import TABLE, Measured, value
 
 F64 = torch.float64
 
@@ -79,10 +76,10 @@ def test_a_fused_activation_equals_it_applied_after(monkeypatch, activation, nat
     if native:
         if not native_available():
             pytest.skip("softmoe's native kernels are not built here")
-        monkeypatch.setattr(op_module, "LARGE_WEIGHT", 1)
-        monkeypatch.setattr(expert_matmul_module, "NATIVE_MIN_WEIGHT", 1)
+        monkeypatch.setitem(TABLE, "large_weight", Measured(1, "a test"))
+        monkeypatch.setitem(TABLE, "native_min_weight", Measured(1, "a test"))
     torch.manual_seed(3)
-    counts = [2, 0, 5, expert_matmul_module.NATIVE_FORWARD_MAX_ROWS + 1]
+    counts = [2, 0, 5, value("native_forward_max_rows") + 1]
     for k, n in ((6, 40), (40, 6)):
         x, weight, bias = torch.randn(sum(counts) + 1, k), torch.randn(4, k, n), torch.randn(4, n)
         got = grouped_mm(x, weight, ends_of(counts), bias, activation)
@@ -163,8 +160,8 @@ def test_grouped_mm_compiles_once_for_every_pattern_of_group_sizes():
 def large_weights_on_two_threads(monkeypatch):
     """Every weight counts as large (the faster CPU kernels of group_product apply), every product as large enough
     for oneDNN, on 2 threads."""
-    monkeypatch.setattr(op_module, "LARGE_WEIGHT", 1)
-    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_PRODUCT_FLOPS", 1)
+    monkeypatch.setitem(TABLE, "large_weight", Measured(1, "a test"))
+    monkeypatch.setitem(TABLE, "onednn_min_product_flops", Measured(1, "a test"))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
@@ -206,34 +203,34 @@ def test_large_float32_weights_take_onednn_where_it_outruns_mkl(large_weights_on
     monkeypatch.setattr(onednn_module, "onednn_outruns_mkl", lambda: onednn_faster)
     torch.manual_seed(0)
     weight = torch.randn(2, 12, 40)
-    x = torch.randn(op_module.BLAS_MIN_ROWS + 2, 12)
-    counts = [2, op_module.BLAS_MIN_ROWS]
+    x = torch.randn(value("blas_min_rows") + 2, 12)
+    counts = [2, value("blas_min_rows")]
     called = kernels_called(lambda: grouped_mm(x, weight, ends_of(counts)))
     assert ("mkldnn::_linear_pointwise" in called) == onednn_faster
     assert ("aten::mm" in called) == (not onednn_faster)
     want = loop_reference(x.double(), weight.double(), counts)
     assert (grouped_mm(x, weight, ends_of(counts)).double() - want).abs().max().item() < 1e-5
-    few = [2, op_module.BLAS_MIN_ROWS - 1]
+    few = [2, value("blas_min_rows") - 1]
     assert "mkldnn::_linear_pointwise" not in kernels_called(lambda: grouped_mm(x[:-1], weight, ends_of(few)))
 
 
 @pytest.mark.skipif(not native_available(), reason="softmoe's native kernels are not built here")
 @pytest.mark.parametrize("k, n", [(24, 40), (40, 24), (41, 24)], ids=["wide", "tall", "tall-odd"])
 def test_large_weights_take_the_native_expert_matmul_for_few_rows(large_weights_on_two_threads, monkeypatch, k, n):
-    """Groups of NATIVE_MIN_ROWS..NATIVE_FORWARD_MAX_ROWS rows through a large weight run softmoe::expert_matmul
-    (a tall weight cut in two row blocks where 2 divides K), one row, more rows and a transposed weight (the
-    backward) do not; equal to float64, gradients included."""
-    monkeypatch.setattr(expert_matmul_module, "NATIVE_MIN_WEIGHT", 1)
+    """Groups of native_min_rows..native_forward_max_rows rows (softmoe.tuning.TABLE) through a large weight run
+    softmoe::expert_matmul (a tall weight cut in two row blocks where 2 divides K), one row, more rows and a
+    transposed weight (the backward) do not; equal to float64, gradients included."""
+    monkeypatch.setitem(TABLE, "native_min_weight", Measured(1, "a test"))
     torch.manual_seed(1)
-    most = expert_matmul_module.NATIVE_FORWARD_MAX_ROWS
-    assert most > expert_matmul_module.NATIVE_MAX_ROWS  # forward-only products take the native kernel further
-    counts = [1, expert_matmul_module.NATIVE_MIN_ROWS, most, 0, most + 1]
+    most = value("native_forward_max_rows")
+    assert most > value("native_max_rows")  # forward-only products take the native kernel further
+    counts = [1, value("native_min_rows"), most, 0, most + 1]
     x = torch.randn(sum(counts), k, requires_grad=True)
     weight = torch.randn(5, k, n, requires_grad=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         grouped_mm(x, weight, ends_of(counts))
     calls = {event.key: event.count for event in prof.key_averages()}
-    assert calls.get("softmoe::expert_matmul") == 2  # the groups of 2 and NATIVE_FORWARD_MAX_ROWS rows
+    assert calls.get("softmoe::expert_matmul") == 2  # the groups of 2 and native_forward_max_rows rows
     out = grouped_mm(x, weight, ends_of(counts))
     x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     want = loop_reference(x64, w64, counts)

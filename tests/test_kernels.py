@@ -13,7 +13,7 @@ import softmoe.kernels.onednn as onednn_module
 from reference import kernels_called, output_and_gradients, ref_activation, relative_error
 from softmoe import SoftMoE
 from softmoe.kernels import batched_matmul, native_available, onednn_applies, onednn_linear
-from softmoe.tuning import set_autotune
+from softmoe.tuning import TABLE, Measured, set_autotune
 
 # the module, not the function of the same name that softmoe.kernels exports
 routing_module = importlib.import_module("softmoe.kernels.soft_moe_routing")
@@ -58,8 +58,7 @@ def test_the_package_exports_what_the_layer_and_experts_import():
 
     names = ["expert_matmul", "soft_moe_mixing", "native_applies", "native_mixing_applies", "onednn_applies",
              "onednn_linear", "needs_grad", "plain_eager_mode", "NATIVE_ACTIVATIONS", "MIXING_MAX_TOKENS",
-             "MIXING_MAX_WEIGHT_BYTES_PER_LANE", "NATIVE_MIN_ROWS", "NATIVE_MAX_ROWS", "NATIVE_MIN_WEIGHT", "native_available",
-             "native_status", "cpu_isa", "use_isa", "supported_isas"]
+             "native_available", "native_status", "cpu_isa", "use_isa", "supported_isas"]
     missing = [name for name in names if not hasattr(kernels, name)]
     assert missing == []
     assert set(kernels.__all__) >= set(names)
@@ -67,13 +66,27 @@ def test_the_package_exports_what_the_layer_and_experts_import():
     assert kernels.onednn_linear is kernels.onednn.onednn_linear
 
 
+def test_the_measured_thresholds_live_in_the_tuning_table_only():
+    moved = {"expert_matmul": ["NATIVE_MIN_ROWS", "NATIVE_MAX_ROWS", "NATIVE_FORWARD_MAX_ROWS", "NATIVE_MIN_WEIGHT"],
+             "grouped_mm": ["LARGE_WEIGHT", "BLAS_MIN_ROWS"],
+             "onednn": ["ONEDNN_MIN_PRODUCT_FLOPS", "ONEDNN_MIN_BATCH_FLOPS", "ONEDNN_MARGIN"],
+             "soft_moe_mixing": ["MIXING_MAX_WEIGHT_BYTES_PER_LANE"]}
+    import softmoe.kernels as kernels
+
+    for module, names in moved.items():
+        module = importlib.import_module(f"softmoe.kernels.{module}")
+        for name in names:
+            assert not hasattr(module, name) and not hasattr(kernels, name)
+            assert isinstance(TABLE[name.lower()], Measured) and TABLE[name.lower()].measured_on
+
+
 @pytest.fixture
 def onednn_products(monkeypatch):
     """batched_matmul takes oneDNN for every product that may run there, on any CPU (the rule of
     onednn_outruns_mkl is tested on its own)."""
     monkeypatch.setattr(onednn_module, "onednn_outruns_mkl", lambda: True)
-    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_PRODUCT_FLOPS", 1)
-    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_BATCH_FLOPS", 1)
+    monkeypatch.setitem(TABLE, "onednn_min_product_flops", Measured(1, "a test"))
+    monkeypatch.setitem(TABLE, "onednn_min_batch_flops", Measured(1, "a test"))
 
 
 def test_batched_matmul_runs_onednn_and_equals_float64(onednn_products):
@@ -112,12 +125,12 @@ def test_batched_matmul_keeps_torch_where_onednn_may_not_run(onednn_products, mo
         torch_only(lambda: batched_matmul(a, w))
     out = torch.func.vmap(lambda x: batched_matmul(x, w))(a.unsqueeze(0).expand(2, -1, -1, -1))
     assert (out - torch.bmm(a, w)).abs().max().item() < 1e-5
-    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_PRODUCT_FLOPS", 2 * 5 * 12 * 9 + 1)
+    monkeypatch.setitem(TABLE, "onednn_min_product_flops", Measured(2 * 5 * 12 * 9 + 1, "a test"))
     torch_only(lambda: batched_matmul(a, w))  # too small a product to pay for a oneDNN call
-    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_PRODUCT_FLOPS", 1)
-    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_BATCH_FLOPS", 3 * 2 * 5 * 12 * 9 + 1)
+    monkeypatch.setitem(TABLE, "onednn_min_product_flops", Measured(1, "a test"))
+    monkeypatch.setitem(TABLE, "onednn_min_batch_flops", Measured(3 * 2 * 5 * 12 * 9 + 1, "a test"))
     torch_only(lambda: batched_matmul(a, w))  # too little work in all
-    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_BATCH_FLOPS", 1)
+    monkeypatch.setitem(TABLE, "onednn_min_batch_flops", Measured(1, "a test"))
     monkeypatch.setattr(onednn_module, "onednn_outruns_mkl", lambda: False)
     torch_only(lambda: batched_matmul(a, w))
 
@@ -183,8 +196,8 @@ def test_products_that_cannot_take_onednn_never_time_it(fresh_probe, monkeypatch
     """A vmapped layer, a float64 layer, products too small: torch's products, and no probe (it would time two
     products for nothing, and draw nothing under vmap's randomness rules)."""
     monkeypatch.setattr(onednn_module, "_time_probe", lambda: pytest.fail("timed for a product oneDNN cannot run"))
-    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_PRODUCT_FLOPS", 1)
-    monkeypatch.setattr(onednn_module, "ONEDNN_MIN_BATCH_FLOPS", 1)
+    monkeypatch.setitem(TABLE, "onednn_min_product_flops", Measured(1, "a test"))
+    monkeypatch.setitem(TABLE, "onednn_min_batch_flops", Measured(1, "a test"))
     torch.manual_seed(0)
     layer = SoftMoE(12, 4, 2, expert_hidden=10)  # under vmap: the reference backend, MLPExperts.forward
     x = torch.randn(3, 7, 12)
@@ -192,7 +205,7 @@ def test_products_that_cannot_take_onednn_never_time_it(fresh_probe, monkeypatch
     with torch.no_grad():
         want = copy.deepcopy(layer).double()(x.double())  # float64: torch's products
         assert (per_input.double() - want).abs().max().item() < 1e-5
-        monkeypatch.setattr(onednn_module, "ONEDNN_MIN_BATCH_FLOPS", 1 << 40)
+        monkeypatch.setitem(TABLE, "onednn_min_batch_flops", Measured(1 << 40, "a test"))
         # too little work in all (the routing's own products, which pass the lowered per-product minimum, are
         # tested with oneDNN in test_native_routing)
         monkeypatch.setattr(routing_module, "onednn_pays", lambda flops: False)

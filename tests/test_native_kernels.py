@@ -12,6 +12,7 @@ from grids import pairwise
 from reference import output_and_gradients, ref_activation, relative_error
 from softmoe import SoftMoE
 from softmoe.kernels import ISAS, expert_matmul, native_applies, use_isa
+from softmoe.tuning import value
 
 
 def reference(x, w, b, g):
@@ -185,11 +186,11 @@ def test_the_slot_backends_large_weight_gradients_reuse_a_block_once_it_is_free(
 def test_native_applies_to_few_rows_through_large_float32_weights(library):
     w = torch.empty(4, 64, 4096)
     assert native_applies(torch.empty(4, 8, 64), w)
-    assert native_applies(torch.empty(4, kernels.NATIVE_MIN_ROWS, 64), w)
-    assert native_applies(torch.empty(4, kernels.NATIVE_MAX_ROWS, 64), w)
+    assert native_applies(torch.empty(4, value("native_min_rows"), 64), w)
+    assert native_applies(torch.empty(4, value("native_max_rows"), 64), w)
     assert not native_applies(torch.empty(4, 1, 64), w)  # one row: MKL's matrix-vector product is as fast
-    assert not native_applies(torch.empty(4, kernels.NATIVE_MAX_ROWS + 1, 64), w)
-    assert not native_applies(torch.empty(4, 8, 64), torch.empty(4, 64, 4095))  # below NATIVE_MIN_WEIGHT
+    assert not native_applies(torch.empty(4, value("native_max_rows") + 1, 64), w)
+    assert not native_applies(torch.empty(4, 8, 64), torch.empty(4, 64, 4095))  # below native_min_weight
     assert not native_applies(torch.empty(4, 8, 64, dtype=torch.float64), w.double())
     assert not native_applies(torch.empty(4, 8, 64, device="meta"), w.to("meta"))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # a custom op: autocast leaves its float32 inputs alone
@@ -324,11 +325,11 @@ def test_auto_takes_the_op_only_in_its_range(library, monkeypatch):
 
 
 def test_auto_takes_the_op_for_more_rows_without_grad_mode(library, monkeypatch):
-    """Where only the forward products run, the op serves up to NATIVE_FORWARD_MAX_ROWS rows per expert; equal to
+    """Where only the forward products run, the op serves up to native_forward_max_rows rows per expert; equal to
     the float64 layer there."""
     layer = large_layer(backend="auto")
-    most = kernels.NATIVE_FORWARD_MAX_ROWS // layer.slots_per_expert  # inputs
-    assert kernels.NATIVE_FORWARD_MAX_ROWS > kernels.NATIVE_MAX_ROWS
+    most = value("native_forward_max_rows") // layer.slots_per_expert  # inputs
+    assert value("native_forward_max_rows") > value("native_max_rows")
     calls = count_native_calls(monkeypatch)
     x = torch.randn(9, 10, 64)  # 18 rows per expert
     with torch.no_grad():

@@ -16,15 +16,10 @@ import softmoe.kernels as kernels
 from grids import pairwise
 from reference import kernels_called, output_and_gradients, ref_activation, relative_error
 from softmoe import SoftMoE
-from softmoe.kernels import (
-    MIXING_MAX_TOKENS,
-    MIXING_MAX_WEIGHT_BYTES_PER_LANE,
-    cpu_isa,
-    native_mixing_applies,
-    soft_moe_mixing,
-)
+from softmoe.kernels import MIXING_MAX_TOKENS, cpu_isa, native_mixing_applies, soft_moe_mixing
 from softmoe.kernels.build import ISAS, LANES
 from softmoe.kernels.soft_moe_mixing import LAYOUTS
+from softmoe.tuning import value
 
 mixing_module = sys.modules["softmoe.kernels.soft_moe_mixing"]  # the package exports the function of that name
 
@@ -70,7 +65,7 @@ def random_inputs(batch, tokens, dim, experts, slots_per_expert, hidden, bias, s
 # group (27).
 SHAPES = [
     (37, 4, 20, 6, 1, 2),
-    (64, 4, 21, 2, 1, MIXING_MAX_WEIGHT_BYTES_PER_LANE * 16 // (8 * 21)),
+    (64, 4, 21, 2, 1, value("mixing_max_weight_bytes_per_lane") * 16 // (8 * 21)),
     (16, 4, 33, 5, 2, 8),
     (5, 3, 7, 3, 3, 9),
     (70, MIXING_MAX_TOKENS, 12, 2, 1, 6),
@@ -400,7 +395,7 @@ def test_layer_is_the_same_with_and_without_the_fused_pass(library, monkeypatch)
 
 def test_the_fused_pass_applies_only_where_it_serves(library):
     x = torch.randn(2, 4, 8)
-    largest = MIXING_MAX_WEIGHT_BYTES_PER_LANE * LANES[cpu_isa()] // 64  # weights of 2 x 8 x hidden floats
+    largest = value("mixing_max_weight_bytes_per_lane") * LANES[cpu_isa()] // 64  # weights of 2 x 8 x hidden floats
     assert native_mixing_applies(x, largest, "relu")
     assert not native_mixing_applies(x, largest + 1, "relu")
     assert not native_mixing_applies(x, 4, "gelu")

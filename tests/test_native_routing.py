@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import softmoe.backends.cpu as cpu_backend
-import softmoe.kernels.onednn as onednn_module
 from grids import pairwise
 from reference import kernels_called, output_and_gradients, relative_error
 from softmoe import SoftMoE
@@ -16,7 +15,7 @@ from softmoe.kernels import ISAS, cpu_isa
 from softmoe.kernels.soft_moe_routing import native_routing_applies, soft_moe_routing
 from softmoe.layer import soft_moe_logits
 from softmoe.runtime import cpu_signature
-from softmoe.tuning import TABLE, Measured
+from softmoe.tuning import TABLE, Measured, value
 
 NORMALIZATIONS = ["router", "inputs", "none"]
 # (batch, tokens, dim, slots): slots below every vector width, a whole AVX-512 vector plus a tail, one token, one
@@ -91,7 +90,7 @@ def test_products_in_onednn_or_mkl_match_float64(library, onednn, normalize, sha
     or none. The second shape's 1200 rows of dim 100 leave partial blocks in both directions of that transpose."""
     cpus = ((cpu_signature()[0], 0, None),) if onednn == "1" else ()
     monkeypatch.setitem(TABLE, "onednn_cpus", Measured(cpus, "a test"))
-    assert 2 * shape[0] * shape[1] * shape[2] * shape[3] >= onednn_module.ONEDNN_MIN_PRODUCT_FLOPS
+    assert 2 * shape[0] * shape[1] * shape[2] * shape[3] >= value("onednn_min_product_flops")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         assert_routing_matches_float64(shape, normalize)
     ran = sum(event.count for event in prof.key_averages() if event.key == "mkldnn::_linear_pointwise")

@@ -40,6 +40,7 @@ from softmoe.selection import (
     top_k_by_combine,
 )
 from softmoe.topk import top_k
+from softmoe.tuning import TABLE, Measured
 
 DIM, HIDDEN, N, BATCH, TOKENS = 6, 12, 8, 3, 5
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -910,7 +911,7 @@ def test_gradients_reach_phi_and_only_selected_experts(custom, renormalize):
 @pytest.mark.parametrize("batch", [1, 12])  # one row per expert (row blocks) and several (oneDNN in inference)
 def test_fast_path_with_large_expert_kernels_equals_masked_reference(k, batch, monkeypatch):
     """The kernels softmoe::grouped_mm uses for large weights on several CPU threads keep Algorithm 1 exact."""
-    monkeypatch.setattr(grouped_mm_module, "LARGE_WEIGHT", 1)
+    monkeypatch.setitem(TABLE, "large_weight", Measured(1, "a test"))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

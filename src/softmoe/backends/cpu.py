@@ -16,13 +16,14 @@ import torch
 from softmoe.backends.base import algorithm1_k
 from softmoe.backends.generic import SlotsBackend, TokensBackend, expert_rows, slot_rows, token_space_is_cheaper
 from softmoe.kernels import native_available, native_status
-from softmoe.kernels.expert_matmul import NATIVE_FORWARD_MAX_ROWS, NATIVE_MAX_ROWS, expert_matmul, native_applies
+from softmoe.kernels.expert_matmul import expert_matmul, native_applies
 from softmoe.kernels.modes import needs_grad
 from softmoe.kernels.onednn import batched_matmul
 from softmoe.kernels.soft_moe_mixing import native_mixing_applies, soft_moe_mixing
 from softmoe.kernels.soft_moe_routing import soft_moe_routing, soft_moe_routing_top_k
 from softmoe.kernels.top_k_combine import top_k_combine
 from softmoe.layer import renormalized
+from softmoe.tuning import value
 
 _SLOTS, _TOKENS = SlotsBackend(), TokensBackend()
 
@@ -69,7 +70,7 @@ class CpuBackend(SlotsBackend):
         if token_space_is_cheaper(experts, tokens, layer.slots_per_expert):
             return "tokens"
         # without grad mode only the forward products run: the native kernel serves more rows there
-        most = NATIVE_MAX_ROWS if torch.is_grad_enabled() else NATIVE_FORWARD_MAX_ROWS
+        most = value("native_max_rows" if torch.is_grad_enabled() else "native_forward_max_rows")
         if native_applies(x, experts.weight1, batch * layer.slots_per_expert, max_rows=most):
             return "native"
         return "slots"

@@ -1,7 +1,9 @@
 """Faster kernels: on CPU for the products where torch's defaults (MKL) run far below the machine's limits, on CUDA
 for the launches of Algorithm 1's choice.
 
-Two kinds, each taken only where it applies (float32 CPU tensors), with torch's own ops everywhere else:
+Two kinds, each taken only where it applies (float32 CPU tensors), with torch's own ops everywhere else; the
+measured thresholds that decide where each runs (rows, weight sizes, FLOPs) are entries of
+:data:`softmoe.tuning.TABLE`, not constants of this package:
 
 - oneDNN's linear for inference (:mod:`softmoe.kernels.onednn`): bias and activation fused, faster than MKL for
   the few-row products of a Soft MoE layer; no backward, so only where no gradient is recorded.
@@ -42,47 +44,19 @@ from softmoe.kernels.build import (
     supported_isas,
     use_isa,
 )
-from softmoe.kernels.expert_matmul import (
-    NATIVE_ACTIVATIONS,
-    NATIVE_FORWARD_MAX_ROWS,
-    NATIVE_MAX_ROWS,
-    NATIVE_MIN_ROWS,
-    NATIVE_MIN_WEIGHT,
-    expert_matmul,
-    native_applies,
-)
+from softmoe.kernels.expert_matmul import NATIVE_ACTIVATIONS, expert_matmul, native_applies
 from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
-from softmoe.kernels.onednn import (
-    ONEDNN_ACTIVATIONS,
-    ONEDNN_MIN_BATCH_FLOPS,
-    ONEDNN_MIN_PRODUCT_FLOPS,
-    batched_matmul,
-    onednn_applies,
-    onednn_linear,
-    onednn_outruns_mkl,
-)
+from softmoe.kernels.onednn import ONEDNN_ACTIVATIONS, batched_matmul, onednn_applies, onednn_linear, onednn_outruns_mkl
 from softmoe.kernels.routing_softmaxes import fused_routing_applies, routing_softmaxes
-from softmoe.kernels.soft_moe_mixing import (
-    MIXING_MAX_TOKENS,
-    MIXING_MAX_WEIGHT_BYTES_PER_LANE,
-    native_mixing_applies,
-    soft_moe_mixing,
-)
+from softmoe.kernels.soft_moe_mixing import MIXING_MAX_TOKENS, native_mixing_applies, soft_moe_mixing
 from softmoe.kernels.soft_moe_routing import native_routing_applies, soft_moe_routing, soft_moe_routing_top_k
 from softmoe.kernels.top_k_combine import native_top_k_applies, top_k_combine
 
 __all__ = [
     "ISAS",
     "MIXING_MAX_TOKENS",
-    "MIXING_MAX_WEIGHT_BYTES_PER_LANE",
     "NATIVE_ACTIVATIONS",
-    "NATIVE_FORWARD_MAX_ROWS",
-    "NATIVE_MAX_ROWS",
-    "NATIVE_MIN_ROWS",
-    "NATIVE_MIN_WEIGHT",
     "ONEDNN_ACTIVATIONS",
-    "ONEDNN_MIN_BATCH_FLOPS",
-    "ONEDNN_MIN_PRODUCT_FLOPS",
     "batched_matmul",
     "compiled_in_this_process",
     "cpu_isa",

@@ -28,18 +28,7 @@ from torch import Tensor
 
 from softmoe.kernels.build import native_available, native_module, required_isa
 from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
-
-# The native expert matmul serves NATIVE_MIN_ROWS..NATIVE_MAX_ROWS rows per expert through weights of at least
-# NATIVE_MIN_WEIGHT elements per expert: forward+backward it beats MKL's baddbmm at a few rows through large
-# weights (its lead shrinks as the rows grow, and at one row it has none), and it is slower through weights small
-# enough (196 x 392 and smaller) for MKL to keep them in cache (docs/performance.md has the measurements).
-NATIVE_MIN_ROWS = 2
-NATIVE_MAX_ROWS = 16
-# Where only the forward product runs (grad mode off; softmoe::grouped_mm's products), up to NATIVE_FORWARD_MAX_ROWS:
-# with the later row passes reading a copy of each tile, the forward alone keeps up with MKL and oneDNN to more rows
-# (docs/performance.md has the measurements).
-NATIVE_FORWARD_MAX_ROWS = 48
-NATIVE_MIN_WEIGHT = 1 << 18
+from softmoe.tuning import value
 
 # The activations expert_matmul can apply to its output, by their codes in csrc/expert_matmul.h.
 NATIVE_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3}
@@ -178,18 +167,20 @@ def reusable_empty(shape: tuple[int, ...], like: Tensor) -> Tensor:
     return like.new_empty(shape)
 
 
-def native_applies(x: Tensor, weight: Tensor, rows: int | None = None, max_rows: int = NATIVE_MAX_ROWS) -> bool:
+def native_applies(x: Tensor, weight: Tensor, rows: int | None = None, max_rows: int | None = None) -> bool:
     """Whether :func:`expert_matmul` serves x (E, rows, K) @ weight (E, K, N): float32 CPU tensors,
-    NATIVE_MIN_ROWS to ``max_rows`` rows, at least NATIVE_MIN_WEIGHT weight elements per expert, no torch.func
-    transform active (the ops have no vmap rule) and the kernels built. Eager, torch.compile and autocast all
-    qualify. ``rows`` overrides x.shape[1], for a caller asking before it has built x; ``max_rows`` is for callers
-    that run only the forward product (the default bound holds for forward and backward together)."""
+    softmoe.tuning.TABLE's "native_min_rows" to ``max_rows`` rows, at least its "native_min_weight" weight elements
+    per expert, no torch.func transform active (the ops have no vmap rule) and the kernels built. Eager,
+    torch.compile and autocast all qualify. ``rows`` overrides x.shape[1], for a caller asking before it has built x;
+    ``max_rows`` (by default the table's "native_max_rows", the bound for forward and backward together) is for
+    callers that run only the forward product ("native_forward_max_rows")."""
     rows = x.shape[1] if rows is None else rows
+    max_rows = value("native_max_rows") if max_rows is None else max_rows
     return (
         x.device.type == weight.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
-        and NATIVE_MIN_ROWS <= rows <= max_rows
-        and weight.shape[1] * weight.shape[2] >= NATIVE_MIN_WEIGHT
+        and value("native_min_rows") <= rows <= max_rows
+        and weight.shape[1] * weight.shape[2] >= value("native_min_weight")
         and not transforms_active()
         and native_available()
     )

@@ -14,12 +14,12 @@ the (data-dependent) group sizes, and it never recompiles for a new pattern of s
 - CUDA, bfloat16, K and N multiples of 8, torch 2.8 or later: torch's grouped GEMM (``softmoe.compat.grouped_gemm``),
   no host synchronization, for the weight's gradient too;
 - elsewhere one product per non-empty expert (the group sizes are read on the host: free on CPU, one
-  synchronization on a GPU). On CPU a large weight (K * N >= LARGE_WEIGHT) read by 1-3 rows takes one contiguous
-  block of the weight per thread (faster than MKL's one product); 2 to NATIVE_FORWARD_MAX_ROWS rows through a
-  contiguous weight take softmoe's native expert matmul (float32); more rows take oneDNN where it pays on this CPU
-  (float32 inference; :func:`softmoe.kernels.onednn.onednn_pays`: enough FLOPs, oneDNN timed faster than MKL
-  once), else MKL. ``benchmarks/bench_products.py --isa avx512,avx2`` compares them (docs/performance.md has the
-  measurements).
+  synchronization on a GPU). On CPU a large weight (K * N at least softmoe.tuning.TABLE's "large_weight") read by
+  fewer rows than its "blas_min_rows" takes one contiguous block of the weight per thread (faster than MKL's one
+  product); its "native_min_rows" to "native_forward_max_rows" rows through a contiguous weight take softmoe's
+  native expert matmul (float32); more rows take oneDNN where it pays on this CPU (float32 inference;
+  :func:`softmoe.kernels.onednn.onednn_pays`: enough FLOPs, oneDNN timed faster than MKL once), else MKL.
+  ``benchmarks/bench_products.py --isa avx512,avx2`` compares them (docs/performance.md has the measurements).
 
 Differentiable in x, weight and bias (``softmoe::grouped_mm_weight_grad`` gives the weight's gradient).
 """
@@ -31,15 +31,9 @@ import torch
 from softmoe.activations import ACTIVATIONS
 from softmoe.compat import grouped_gemm, has_grouped_gemm
 from softmoe.kernels.build import cpu_isa
-from softmoe.kernels.expert_matmul import NATIVE_FORWARD_MAX_ROWS, native_applies
+from softmoe.kernels.expert_matmul import native_applies
 from softmoe.kernels.onednn import onednn_applies, onednn_linear, onednn_pays
-
-# A weight of at least LARGE_WEIGHT elements run by few CPU rows takes the faster kernels above: the native kernel
-# up to NATIVE_FORWARD_MAX_ROWS rows (a forward product: the bound of the layer's native path in training, which
-# must also win backward, is lower), fewer than BLAS_MIN_ROWS rows where it does not serve them row blocks, more
-# rows MKL or oneDNN.
-LARGE_WEIGHT = 1 << 20
-BLAS_MIN_ROWS = 4
+from softmoe.tuning import value
 
 
 def row_block_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int, native: bool = False) -> torch.Tensor:
@@ -63,10 +57,10 @@ def group_product(
 ) -> torch.Tensor:
     """act(x (rows, K) @ w (K, N) + bias (N,)) with the fastest kernel for few rows through a large CPU weight
     (module doc); the native kernel and oneDNN apply bias and activation themselves."""
-    if x.device.type == "cpu" and w.numel() >= LARGE_WEIGHT:
-        if w.is_contiguous() and native_applies(x[None], w[None], max_rows=NATIVE_FORWARD_MAX_ROWS):
+    if x.device.type == "cpu" and w.numel() >= value("large_weight"):
+        if w.is_contiguous() and native_applies(x[None], w[None], max_rows=value("native_forward_max_rows")):
             return native_product(x, w, bias, activation)
-        if x.shape[0] < BLAS_MIN_ROWS:
+        if x.shape[0] < value("blas_min_rows"):
             return _finish(row_block_matmul(x, w, torch.get_num_threads()), bias, activation)
         if onednn_applies(x, w) and onednn_pays(2 * x.shape[0] * w.numel()):
             return onednn_linear(x, w, bias, None if activation == "none" else activation)

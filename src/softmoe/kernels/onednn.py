@@ -45,8 +45,6 @@ def onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # regime of the products that take it (tens to hundreds of rows through a weight of megabytes). With AVX2 only, a
 # smaller product can rank the two the other way round from the larger ones.
 PROBE_SHAPE = (128, 768, 3072)
-# oneDNN is taken where it takes at most this fraction of MKL's time on the probe: a clear win, not noise.
-ONEDNN_MARGIN = 0.8
 
 
 _probe_lock = threading.Lock()
@@ -56,7 +54,7 @@ def onednn_outruns_mkl() -> bool:
     """Whether oneDNN's float32 products are clearly faster than MKL's (torch's matmul) on this CPU: where the CPU
     (:func:`softmoe.runtime.cpu_signature`) matches an entry of softmoe.tuning.TABLE's "onednn_cpus". With
     autotuning on (:func:`softmoe.tuning.set_autotune`) the two are timed instead, once per process, on a
-    ``PROBE_SHAPE`` product with torch's thread count (fastest of 3 each, ``ONEDNN_MARGIN``)."""
+    ``PROBE_SHAPE`` product with torch's thread count (fastest of 3 each, the table's "onednn_margin")."""
     if not torch.backends.mkldnn.is_available():
         return False
     if autotune_enabled():
@@ -72,15 +70,16 @@ def _timed_choice() -> bool:
 
 
 def _time_probe() -> bool:
-    """oneDNN's time <= ONEDNN_MARGIN x MKL's on the probe. Its own float32 CPU tensors, filled without a random
-    draw (the caller's generator is left as it was), outside autocast and autograd, whatever the caller's defaults."""
+    """oneDNN's time <= softmoe.tuning.TABLE's "onednn_margin" x MKL's on the probe. Its own float32 CPU tensors,
+    filled without a random draw (the caller's generator is left as it was), outside autocast and autograd, whatever
+    the caller's defaults."""
     rows, inner, cols = PROBE_SHAPE
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         x = torch.linspace(-1.0, 1.0, rows * inner, dtype=torch.float32, device="cpu").view(rows, inner)
         w = torch.linspace(-1.0, 1.0, inner * cols, dtype=torch.float32, device="cpu").view(inner, cols)
         mkl = _fastest(lambda: torch.mm(x, w))
         onednn = _fastest(lambda: onednn_linear(x, w))
-    return onednn <= ONEDNN_MARGIN * mkl
+    return onednn <= value("onednn_margin") * mkl
 
 
 def _fastest(fn, repeats: int = 3) -> float:
@@ -93,38 +92,30 @@ def _fastest(fn, repeats: int = 3) -> float:
     return min(times)
 
 
-# A product of fewer FLOPs pays more for oneDNN's call than it gains over MKL (docs/performance.md has the
-# measurements).
-ONEDNN_MIN_PRODUCT_FLOPS = 1 << 24
-# And a batch of less work in all gains nothing inside a layer in a default process: each entry's output and their
-# stack are fresh memory that glibc may have returned to the system (page faults).
-ONEDNN_MIN_BATCH_FLOPS = 1 << 28
-
-
 def onednn_pays(flops: int) -> bool:
     """Whether a float32 CPU product of ``flops`` FLOPs that oneDNN may run (the caller checks
-    :func:`onednn_applies` or its equivalent) should: at least ``ONEDNN_MIN_PRODUCT_FLOPS``, and oneDNN faster than
-    MKL on this CPU (:func:`onednn_outruns_mkl`, asked only after the FLOPs)."""
-    return flops >= ONEDNN_MIN_PRODUCT_FLOPS and onednn_outruns_mkl()
+    :func:`onednn_applies` or its equivalent) should: at least softmoe.tuning.TABLE's "onednn_min_product_flops",
+    and oneDNN faster than MKL on this CPU (:func:`onednn_outruns_mkl`, asked only after the FLOPs)."""
+    return flops >= value("onednn_min_product_flops") and onednn_outruns_mkl()
 
 
 def batched_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """a (E, M, K) @ b (E, K, N) (+ bias (E, N)) -> (E, M, N), as ``torch.bmm`` / ``torch.baddbmm`` compute it.
 
     Where oneDNN may run (:func:`onednn_applies`: float32 CPU tensors, no gradient recorded; no torch.func transform,
-    autocast or torch.compile tracing), the work is large enough (``ONEDNN_MIN_PRODUCT_FLOPS`` per entry,
-    ``ONEDNN_MIN_BATCH_FLOPS`` in all) and oneDNN outruns MKL (:func:`onednn_outruns_mkl`), one oneDNN product per
-    entry, stacked; else torch's. oneDNN is taken only for rows of ``a`` in unit stride, entries of ``b`` that are
-    dense matrices, row-major or transposed (``w.transpose(1, 2)``), and a bias of shape (E, N) (others broadcast in
-    ``baddbmm``): other strides made oneDNN reorder the matrix on every call (e.g. a combine product through slots
-    in expert order).
+    autocast or torch.compile tracing), the work is large enough (softmoe.tuning.TABLE's "onednn_min_product_flops"
+    per entry, "onednn_min_batch_flops" in all) and oneDNN outruns MKL (:func:`onednn_outruns_mkl`), one oneDNN
+    product per entry, stacked; else torch's. oneDNN is taken only for rows of ``a`` in unit stride, entries of ``b``
+    that are dense matrices, row-major or transposed (``w.transpose(1, 2)``), and a bias of shape (E, N) (others
+    broadcast in ``baddbmm``): other strides made oneDNN reorder the matrix on every call (e.g. a combine product
+    through slots in expert order).
     """
     experts, rows, inner = a.shape
     cols = b.shape[2]
     if (
         a.is_cpu
         and plain_eager_mode("cpu")
-        and 2 * experts * rows * inner * cols >= ONEDNN_MIN_BATCH_FLOPS
+        and 2 * experts * rows * inner * cols >= value("onednn_min_batch_flops")
         and a.stride(2) == 1
         and (b.stride(1), b.stride(2)) in ((cols, 1), (1, inner))
         and (bias is None or (bias.shape == (experts, cols) and bias.dtype == torch.float32))

@@ -37,15 +37,12 @@ from torch import Tensor
 
 from softmoe.kernels.build import LANES, native_available, required_isa
 from softmoe.kernels.modes import needs_grad, transforms_active
+from softmoe.tuning import value
 
 # The fused kernel serves inputs of at most MIXING_MAX_TOKENS tokens (their routing weights stay in registers) and
-# experts whose two weight matrices (2 dim hidden floats) take at most MIXING_MAX_WEIGHT_BYTES_PER_LANE per vector
-# lane of the kernel variant (1.75 MiB with AVX-512's 16 lanes, 896 KiB with AVX2's 8): each group of `lanes`
-# inputs streams every expert's weights (and, backward, their gradients) through a core's cache, so their traffic
-# per input is the weights' size over the lanes. Beyond that the fused kernel no longer beats the slot backend's
-# batched products (docs/performance.md has the measurements).
+# experts whose weights fit softmoe.tuning.TABLE's "mixing_max_weight_bytes_per_lane" (docs/performance.md has the
+# measurements).
 MIXING_MAX_TOKENS = 8
-MIXING_MAX_WEIGHT_BYTES_PER_LANE = 112 << 10
 # From this many hidden units up the forward pass keeps the slots' outputs (batch * slots * dim floats) for the
 # backward pass, which otherwise runs each slot's second layer again (hidden * dim multiply-adds per input and slot,
 # a fifth of the backward's). Below it writing, holding (100 MB at the layer's n = 512) and reading the outputs
@@ -115,8 +112,9 @@ def _(x, dispatch, combine, weight1, bias1, weight2, bias2, kept_combine, kept_s
 def native_mixing_applies(x: Tensor, hidden: int, activation: str) -> bool:
     """Whether :func:`soft_moe_mixing` serves x (batch, tokens, dim) with relu experts of ``hidden`` units: float32
     CPU, 1..MIXING_MAX_TOKENS tokens, no torch.func transform active (the ops have no vmap rule), the kernels built,
-    and an expert's weights (2 dim hidden floats) of at most MIXING_MAX_WEIGHT_BYTES_PER_LANE per vector lane of the
-    variant :func:`~softmoe.kernels.cpu_isa` names. Eager, torch.compile and autocast all qualify."""
+    and an expert's weights (2 dim hidden floats) of at most softmoe.tuning.TABLE's
+    "mixing_max_weight_bytes_per_lane" per vector lane of the variant :func:`~softmoe.kernels.cpu_isa` names. Eager,
+    torch.compile and autocast all qualify."""
     return (
         activation == "relu"
         and x.is_cpu
@@ -124,7 +122,7 @@ def native_mixing_applies(x: Tensor, hidden: int, activation: str) -> bool:
         and 1 <= x.shape[1] <= MIXING_MAX_TOKENS
         and not transforms_active()
         and native_available()
-        and 8 * x.shape[2] * hidden <= MIXING_MAX_WEIGHT_BYTES_PER_LANE * LANES[required_isa()]
+        and 8 * x.shape[2] * hidden <= value("mixing_max_weight_bytes_per_lane") * LANES[required_isa()]
     )
 
 
