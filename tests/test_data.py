@@ -348,7 +348,7 @@ def test_fashion_mnist_real_files():
 
 
 def test_fashion_mnist_default_dir_missing_says_how_to_install(monkeypatch, tmp_path):
-    monkeypatch.setattr("softmoe.data.mnist.FASHION_MNIST_DIR", tmp_path / "absent")
+    monkeypatch.setattr("softmoe.data.mnist.FASHION_MNIST_DIR", tmp_path / "absent")  # a machine without the package
     with pytest.raises(DatasetError, match="apt-get install dataset-fashion-mnist"):
         load_fashion_mnist()
 

@@ -24,6 +24,8 @@ from softmoe.backends.cuda import rms_norm_logits
 from softmoe.backends.generic import token_space_mixing
 from softmoe.kernels import native_available
 from softmoe.layer import l2_normalize, soft_moe_logits, soft_moe_reference
+from softmoe.runtime import cpu_signature
+from softmoe.tuning import TABLE, Measured
 
 F64 = torch.float64
 EPS = 1e-6
@@ -193,22 +195,11 @@ def make_mask(batch: int, tokens: int, seed: int = 1) -> torch.Tensor:
     return mask
 
 
-class PathSpy:
-    """Records the backend that computed each forward's mixing: the name of the registered backend whose ``mix``
-    ran."""
-
-    def __init__(self, layer: SoftMoE, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.ran: list[str] = []
-        for name, backend in REGISTRY.items():
-            def spy_mix(mixed_layer, *args, _name=name, _mix=backend.mix, **kwargs):
-                if mixed_layer is layer:
-                    self.ran.append(_name)
-                return _mix(mixed_layer, *args, **kwargs)
-
-            monkeypatch.setattr(backend, "mix", spy_mix)
-
-    def assert_path(self, path: str, calls: int = 1) -> None:
-        assert self.ran == [path] * calls, f"expected the {path} backend to run {calls} time(s), ran {self.ran}"
+def assert_ran(layer: SoftMoE, x: torch.Tensor, path: str) -> None:
+    """The backend that runs ``layer``'s forward of x in the current mode is ``path`` (layer.backend_for, which the
+    forward asks)."""
+    ran = layer.backend_for(x).name
+    assert ran == path, f"expected the {path} backend to run, ran {ran}"
 
 
 def assert_path_chosen(layer: SoftMoE, tokens: int, path: str) -> None:
@@ -234,17 +225,16 @@ def force_path(layer: SoftMoE, path: str) -> None:
 @pytest.mark.parametrize("slots_per_expert", [1, 3])
 @pytest.mark.parametrize("expert_bias", [True, False])
 @pytest.mark.parametrize("use_mask", [False, True])
-def test_forward_matches_reference(path, normalize, slots_per_expert, expert_bias, use_mask, monkeypatch):
+def test_forward_matches_reference(path, normalize, slots_per_expert, expert_bias, use_mask):
     activation = ["gelu", "gelu_tanh", "relu"][(slots_per_expert + expert_bias + 2 * use_mask) % 3]
     layer = make_layer(path, slots_per_expert, normalize=normalize, expert_bias=expert_bias, activation=activation)
     assert_path_chosen(layer, TOKENS, path)
     torch.manual_seed(1)
     x = torch.randn(2, TOKENS, layer.dim, dtype=F64) * 2.0
     mask = make_mask(2, TOKENS) if use_mask else None
-    spy = PathSpy(layer, monkeypatch)
     with torch.no_grad():
         out = layer(x, mask)
-    spy.assert_path(path)
+        assert_ran(layer, x, path)
     expected = reference_forward(layer, x, mask)
     assert out.shape == x.shape and out.dtype == F64
     assert (out - expected).abs().max().item() < PARITY_TOL
@@ -254,16 +244,15 @@ def test_forward_matches_reference(path, normalize, slots_per_expert, expert_bia
 
 @pytest.mark.parametrize("path", ["tokens", "slots"])
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
-def test_forward_matches_reference_every_activation(path, activation, monkeypatch):
+def test_forward_matches_reference_every_activation(path, activation):
     layer = make_layer(path, 2, activation=activation)
     assert_path_chosen(layer, TOKENS, path)
     torch.manual_seed(2)
     x = torch.randn(3, TOKENS, layer.dim, dtype=F64)
     mask = make_mask(3, TOKENS, seed=5)
-    spy = PathSpy(layer, monkeypatch)
     with torch.no_grad():
         out = layer(x, mask)
-    spy.assert_path(path)
+        assert_ran(layer, x, path)
     assert (out - reference_forward(layer, x, mask)).abs().max().item() < PARITY_TOL
 
 
@@ -610,7 +599,7 @@ def test_normalized_logits_backward_with_a_zero_token_and_under_torch_func():
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
 @pytest.mark.parametrize("slots_per_expert", [1, 3])
 @pytest.mark.parametrize("expert_bias", [True, False])
-def test_slot_path_in_one_autograd_node_equals_the_composed_one(activation, slots_per_expert, expert_bias, monkeypatch):
+def test_slot_path_in_one_autograd_node_equals_the_composed_one(activation, slots_per_expert, expert_bias):
     """MLPExperts.forward_through_slots (backward written out) against the layer's dispatch / run_experts / combine
     in float64 autograd: output and every gradient (x, phi, scale, all expert weights), with a mask."""
     torch.manual_seed(11)
@@ -628,9 +617,8 @@ def test_slot_path_in_one_autograd_node_equals_the_composed_one(activation, slot
         grads = torch.autograd.grad(out, [x_leaf, *params], grad)
         return [out.detach(), *grads]
 
-    spy = PathSpy(layer, monkeypatch)
     one_node = run()
-    spy.assert_path("slots")
+    assert_ran(layer, x, "slots")
     assert len(one_node) == 2 + len(list(layer.parameters()))
     force_path(layer, "reference")
     composed = run()
@@ -639,7 +627,7 @@ def test_slot_path_in_one_autograd_node_equals_the_composed_one(activation, slot
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_slot_path_in_one_autograd_node_has_second_derivatives(activation, monkeypatch):
+def test_slot_path_in_one_autograd_node_has_second_derivatives(activation):
     """Double backward through MLPExperts.forward_through_slots equals the composed path's (a gradient penalty)."""
     torch.manual_seed(12)
     layer = SoftMoE(6, 3, 2, expert_hidden=5, activation=activation, dtype=F64)
@@ -651,9 +639,8 @@ def test_slot_path_in_one_autograd_node_has_second_derivatives(activation, monke
         (grad_x,) = torch.autograd.grad(layer(x_leaf).square().sum(), x_leaf, create_graph=True)
         return list(torch.autograd.grad(grad_x.square().sum(), [x_leaf, *layer.parameters()]))
 
-    spy = PathSpy(layer, monkeypatch)
     one_node = penalty_grads()
-    spy.assert_path("slots")
+    assert_ran(layer, x, "slots")
     force_path(layer, "reference")
     for got, want in zip(one_node, penalty_grads(), strict=True):
         assert (got - want).abs().max().item() < 1e-10
@@ -666,8 +653,8 @@ def test_forward_mode_ad_in_inference_keeps_its_tangents(monkeypatch, plan):
     dual's tangent without a word and its autograd Functions have no jvp, and oneDNN's linear drops it too. The
     float32 layer's jvp (native kernels built, oneDNN taken wherever it may run; Algorithm 1 with either plan)
     equals central differences of a float64 copy (gelu experts: relu's kinks would break the differences)."""
-    onednn = __import__("softmoe.kernels.onednn", fromlist=["onednn"])
-    monkeypatch.setattr(onednn, "onednn_outruns_mkl", lambda: True)
+    vendor, family, _ = cpu_signature()  # oneDNN outruns MKL on this CPU, as the table would say
+    monkeypatch.setitem(TABLE, "onednn_cpus", Measured(((vendor, family, None),), "a test: this CPU"))
     torch.manual_seed(13)
     layer = SoftMoE(256, 4, expert_hidden=512).eval()  # products of 134 MFLOP: oneDNN's size
     exact = SoftMoE(256, 4, expert_hidden=512, dtype=F64).eval()
@@ -830,7 +817,7 @@ def mlp_module(dim: int, hidden: int, activation: str = "gelu") -> nn.Module:
 
 @pytest.mark.parametrize("path", ["tokens", "slots"])
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
-def test_custom_expert_matches_builtin_mlp(path, activation, monkeypatch):
+def test_custom_expert_matches_builtin_mlp(path, activation):
     builtin = make_layer(path, 2, activation=activation)
     cfg = PATH_CONFIGS[path]
     torch.manual_seed(11)
@@ -851,11 +838,10 @@ def test_custom_expert_matches_builtin_mlp(path, activation, monkeypatch):
     torch.manual_seed(12)
     x = torch.randn(2, TOKENS, cfg["dim"], dtype=F64)
     mask = make_mask(2, TOKENS)
-    spy = PathSpy(builtin, monkeypatch)
     with torch.no_grad():
         expected = builtin(x, mask)
         got = custom(x, mask)
-    spy.assert_path(path)
+        assert_ran(builtin, x, path)
     assert (got - expected).abs().max().item() < PARITY_TOL
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._dynamo.testing import EagerAndRecordGraphs
+import torch.utils.cpp_extension
 
 import softmoe.kernels as kernels
 from grids import pairwise
@@ -191,14 +191,25 @@ def test_mixing_gradients_through_the_registration_match_float64(isa):
 # ---- torch.compile ---------------------------------------------------------------------------------------------
 
 
-def graph_targets(recorder: EagerAndRecordGraphs) -> set[str]:
+class GraphRecorder:
+    """A torch.compile backend that keeps each graph it is given and runs it as traced (eagerly)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, graph_module, example_inputs):
+        self.graphs.append(graph_module)
+        return graph_module.forward
+
+
+def graph_targets(recorder: GraphRecorder) -> set[str]:
     """The graphs' targets, operators named without the overload ("softmoe.soft_moe_mixing")."""
     return {str(node.target).removesuffix(".default") for graph in recorder.graphs for node in graph.graph.nodes}
 
 
 @pytest.mark.slow
 def test_compiled_expert_matmul_holds_the_op_and_matches_eager(library):
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
     def f(x, w, b):
         assert kernels.native_applies(x, w)  # traced: the ops are visible to torch.compile
@@ -206,7 +217,7 @@ def test_compiled_expert_matmul_holds_the_op_and_matches_eager(library):
 
     torch.manual_seed(0)
     x, w, b = torch.randn(4, 8, 64), torch.randn(4, 64, 4096, requires_grad=True), torch.randn(4, 4096)
-    recorder = EagerAndRecordGraphs()
+    recorder = GraphRecorder()
     compiled = torch.compile(f, backend=recorder, fullgraph=True)
     got = compiled(x, w, b)
     assert "softmoe.expert_matmul" in graph_targets(recorder)
@@ -225,13 +236,13 @@ def test_compiled_expert_matmul_holds_the_op_and_matches_eager(library):
 
 @pytest.mark.slow
 def test_compiled_soft_moe_mixing_holds_the_op_and_matches_eager(library):
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
     def f(*inputs):
         return soft_moe_mixing(*inputs) * 2.0
 
     inputs = mixing_inputs(37, 4, 20, 6, 1, 3, bias=True, seed=1)
-    recorder = EagerAndRecordGraphs()
+    recorder = GraphRecorder()
     got = torch.compile(f, backend=recorder, fullgraph=True)(*inputs)
     assert "softmoe.soft_moe_mixing" in graph_targets(recorder)
     want = f(*inputs)
@@ -244,7 +255,7 @@ def test_compiled_soft_moe_mixing_holds_the_op_and_matches_eager(library):
 
 
 def test_inductor_runs_both_ops_forward_and_backward(library):
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
     def matmul(x, w, b):
         return expert_matmul(x, w, b).relu()
@@ -264,8 +275,8 @@ def test_inductor_runs_both_ops_forward_and_backward(library):
 
 def test_compiled_code_follows_use_isa(library):
     """torch.compile guards on the variant use_isa asks for: another variant recompiles, and runs that variant."""
-    torch._dynamo.reset()
-    recorder = EagerAndRecordGraphs()
+    torch.compiler.reset()
+    recorder = GraphRecorder()
     compiled = torch.compile(lambda x, w: expert_matmul(x, w), backend=recorder, fullgraph=True)
     x, w = torch.randn(2, 3, 20), torch.randn(2, 20, 30)
     compiled(x, w)
@@ -429,22 +440,23 @@ def test_the_key_follows_every_source(tmp_path):
 
 
 def test_a_new_key_builds_and_a_complete_build_is_imported(library, reload_state, monkeypatch, tmp_path):
-    """A key with no complete build in the cache runs the build (here a stand-in that fails), with one warning."""
+    """A key with no complete build in the cache (an empty one) runs the build, here a compile that fails (the
+    fault: torch's cpp_extension.load raising the compiler's error), with one warning naming its first error."""
     monkeypatch.setenv("SOFTMOE_CACHE", str(tmp_path))
-    monkeypatch.setattr(build, "build_key", lambda csrc=build.CSRC: "0123456789abcdef")
+    key = build.build_key()
     builds = []
 
-    def recorded(directory, key):
-        builds.append((directory, key))
-        raise build._Unavailable("building the native kernels failed: stand-in")
+    def failing_compile(**kwargs):
+        builds.append((kwargs["build_directory"], kwargs["name"]))
+        raise RuntimeError("Error building extension 'softmoe'\nkernels.cpp:1:1: error: stand-in")
 
-    monkeypatch.setattr(build, "_build", recorded)
-    build._reset()
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", failing_compile)
     with pytest.warns(UserWarning, match="native CPU kernels are unavailable.*stand-in"):
         assert not kernels.native_available()
-    assert builds == [(tmp_path / "native-0123456789abcdef", "0123456789abcdef")]
-    assert not (tmp_path / "native-0123456789abcdef" / "complete").exists()
-    assert kernels.native_status() == "building the native kernels failed: stand-in"
+    assert builds == [(str(tmp_path / f"native-{key}"), build.module_name(key))]
+    assert not (tmp_path / f"native-{key}" / "complete").exists()
+    assert kernels.native_status() == (f"building the native kernels in {tmp_path / f'native-{key}'} failed: "
+                                       "kernels.cpp:1:1: error: stand-in")
     assert kernels.cpu_isa() is None and kernels.supported_isas() == ()
 
 

@@ -1,6 +1,11 @@
 """softmoe::routing_softmaxes: both softmaxes and Algorithm 1's choice from the logits, in torch's ops everywhere and
 in one Triton kernel on CUDA; and the layer that takes it in CUDA inference (forced here on the CPU)."""
 
+# Why this file patches: the "cuda" backend's fused path and the kernel's launch logic run only on a GPU, and CI has
+# none. So the tests below simulate one (the backend's device check lifted, fused_routing_applies forced, a CUDA
+# tensor, Triton's JIT and its devices stood in for), and inject the faults no CPU shows (a launch that fails); the
+# rest goes through the public API (layer.backend, select_experts, layer.selector, the op itself) and the profiler.
+
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +22,7 @@ import softmoe.backends.cuda as cuda_backend
 import softmoe.layer as layer_module
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.backends import REGISTRY
-from softmoe.selection import Selector, top_k_by_combine
+from softmoe.selection import top_k_by_combine
 from softmoe.selection_plan import kept_slots
 
 fused = sys.modules["softmoe.kernels.routing_softmaxes"]  # the package exports the op of that name
@@ -202,20 +207,47 @@ def cuda_backend_on_the_cpu(monkeypatch, layer: SoftMoE) -> None:
     layer.backend = "cuda"
 
 
-def kernel_stand_in(logits, slots_per_expert, k, kernel, out_dtype, x, eps):
-    """The op's torch implementation in place of its computation (whose kernel needs CUDA)."""
-    return fused.reference_routing_softmaxes(logits, slots_per_expert, k, out_dtype, x, eps)
+class WatchedSelector:
+    """A layer's selector (``layer.selector``, the ExpertSelector protocol) that records each select() call (the
+    selector's top_k): a backend that makes Algorithm 1's choice itself never calls it."""
+
+    def __init__(self, selector):
+        self.selector, self.calls = selector, []
+        self.renormalize, self.plan, self.top_k = selector.renormalize, selector.plan, selector.top_k
+
+    def select(self, combine):
+        self.calls.append(self.top_k)
+        return self.selector.select(combine)
+
+
+def watch_selector(layer: SoftMoE) -> WatchedSelector:
+    """Wrap the selector select_experts gave ``layer`` (restored when its block ends)."""
+    layer.selector = WatchedSelector(layer.selector)
+    return layer.selector
+
+
+class RoutingCalls(TorchDispatchMode):
+    """Records each softmoe::routing_softmaxes call the dispatcher sees while active: (k, out_dtype, whether tokens
+    x were passed). On the CPU the op is its torch implementation, the kernel's reference."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.softmoe.routing_softmaxes:
+            self.calls.append((args[2], args[3] if len(args) > 3 else None, len(args) > 4 and args[4] is not None))
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("p", [1, 2])
 @pytest.mark.parametrize("plan", ["auto", "dense", "selected"])
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_the_layer_runs_algorithm1_from_the_op_as_from_its_selector(monkeypatch, p, plan, renormalize):
-    """The layer's fused path (forced on the CPU: the op's torch implementation stands in for the kernel): the
-    selector's select() is not called, and every plan equals the paper's masked forward; the plain forward too."""
+    """The layer's fused path (forced on the CPU, where the op is its torch implementation, the kernel's reference):
+    the selector's select() is not called, and every plan equals the paper's masked forward; the plain forward
+    too."""
     monkeypatch.setattr(cuda_backend, "fused_routing_applies", lambda *args: True)
-    monkeypatch.setattr(fused, "_compute", kernel_stand_in)
-    monkeypatch.setattr(Selector, "select", lambda self, combine: pytest.fail("select() called"))
     torch.manual_seed(0)
     layer = SoftMoE(12, 6, slots_per_expert=p, expert_hidden=20, dtype=F64).eval()
     cuda_backend_on_the_cpu(monkeypatch, layer)
@@ -225,8 +257,10 @@ def test_the_layer_runs_algorithm1_from_the_op_as_from_its_selector(monkeypatch,
     with torch.no_grad():
         selected = top_k_by_combine(layer.route(x).combine, 2)
         want = masked_reference_forward(layer, x, selected, renormalize=renormalize)
-        with select_experts(layer, k=2, plan=plan, renormalize=renormalize):
+        with select_experts(layer, k=2, plan=plan, renormalize=renormalize), RoutingCalls() as routing:
+            selector = watch_selector(layer)
             got = layer(x)
+        assert selector.calls == [] and routing.calls == [(2, None, True)]  # the op chose
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(layer(x), layer_module.soft_moe_reference(
             x, layer.phi, layer.scale, layer.experts, layer.normalize), rtol=1e-12, atol=1e-12)
@@ -241,25 +275,18 @@ def test_a_bfloat16_layer_takes_its_weights_from_the_op_in_its_dtype(monkeypatch
     combine in x's dtype where the mixing would cast them, not for a renormalization; with the "router"
     normalization it gets the tokens and the unnormalized product. The plain layer keeps torch's softmaxes (the op
     paid under 1.2x there). Both equal the unfused paths (the selector's choice, torch's softmaxes)."""
-    asked = []
-
-    def stand_in(logits, p, k, kernel, out_dtype, x, eps):
-        asked.append((k, out_dtype, x is not None))
-        return fused.reference_routing_softmaxes(logits, p, k, out_dtype, x, eps)
-
-    monkeypatch.setattr(fused, "_compute", stand_in)
     torch.manual_seed(0)
     layer = SoftMoE(12, 6, expert_hidden=20, normalize=normalize, dtype=dtype).eval()
     cuda_backend_on_the_cpu(monkeypatch, layer)
     x = torch.randn(5, 7, 12, dtype=dtype)
-    with torch.no_grad():
+    with torch.no_grad(), RoutingCalls() as routing:
         want_plain = layer(x)
         with select_experts(layer, k=2, renormalize=renormalize):
             want = layer(x)
             monkeypatch.setattr(cuda_backend, "fused_routing_applies", lambda *args: True)
             got = layer(x)
         got_plain = layer(x)
-    assert asked == [(2, dtype if narrow else None, tokens)]
+    assert routing.calls == [(2, dtype if narrow else None, tokens)]
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(got_plain, want_plain, rtol=2e-2, atol=2e-3)
 
@@ -269,8 +296,6 @@ def test_a_watched_layer_calls_the_op_through_the_dispatcher(monkeypatch, watche
     """The layer's fused path is the op (forced on the CPU, where the op is torch's ops): the profiler and a dispatch
     mode see it."""
     monkeypatch.setattr(cuda_backend, "fused_routing_applies", lambda *args: True)
-    monkeypatch.setattr(fused, "_compute",  # the op's torch implementation for the kernel, both ways
-                        lambda logits, p, k, kernel, *args: fused.reference_routing_softmaxes(logits, p, k, *args))
     torch.manual_seed(0)
     layer = SoftMoE(12, 6, expert_hidden=20, dtype=F64).eval()
     cuda_backend_on_the_cpu(monkeypatch, layer)
@@ -515,14 +540,12 @@ def test_algorithm1_on_cuda_launches_no_more_kernels_than_every_expert(dtype):
 def test_other_strategies_choose_through_their_selector(monkeypatch, strategy, options):
     """Only Algorithm 1 with a fixed k ("combine") has a top_k; every other strategy keeps calling select()."""
     monkeypatch.setattr(cuda_backend, "fused_routing_applies", lambda *args: True)
-    calls = []
-    original = Selector.select
-    monkeypatch.setattr(Selector, "select", lambda self, combine: calls.append(self.top_k) or original(self, combine))
     layer = SoftMoE(12, 6, expert_hidden=20).eval()
     cuda_backend_on_the_cpu(monkeypatch, layer)
     x = torch.randn(3, 7, 12)
     if strategy == "mask":
         strategy = torch.tensor([[True, False, True, False, False, False]] * 3)
-    with torch.no_grad(), select_experts(layer, strategy=strategy, **options):
+    with torch.no_grad(), select_experts(layer, strategy=strategy, **options), RoutingCalls() as routing:
+        selector = watch_selector(layer)
         layer(x)
-    assert calls == [None]
+    assert selector.calls == [None] and routing.calls == []

@@ -12,12 +12,55 @@ from torch import nn
 
 import softmoe.selection_plan as plans
 from softmoe import SoftMoE, select_experts
+from softmoe.kernels import ISAS, supported_isas, use_isa
 from softmoe.selection import masked_reference_forward
 from softmoe.selection_plan import plan_costs
 from softmoe.tuning import TABLE, Measured, autotune_enabled, set_autotune, value
 
 F64 = torch.float64
 CPU = torch.device("cpu")
+
+
+def selected_runs(layer, fn):
+    """``fn()``'s result and the groups (one per (input, kept expert) pair) of each selected-plan run of ``layer``'s
+    experts it made: that plan runs the MLP experts as grouped products (``softmoe::grouped_mm``, the first on rows of
+    the experts' input, seen by the profiler); the dense plan runs none."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        result = fn()
+    first = list(layer.experts.weight1.shape)
+    return result, [event.input_shapes[0][0] // layer.slots_per_expert for event in prof.events()
+                    if event.name == "softmoe::grouped_mm" and event.input_shapes[1] == first]
+
+
+@contextlib.contextmanager
+def kernels_running(monkeypatch, isa):
+    """The native kernels' variant ``isa`` for the block, through softmoe.kernels.use_isa. A CPU without it (CI's
+    may lack AVX-512), or isa None (no native kernels, which no switch turns off in a process that has them), is
+    simulated: the cost model's cpu_isa() answers ``isa``."""
+    if isa is not None and isa in supported_isas():
+        with use_isa(isa):
+            yield
+    else:
+        with monkeypatch.context() as simulated:
+            simulated.setattr(plans, "cpu_isa", lambda: isa)
+            yield
+
+
+def close_calls(monkeypatch, margin=0.63):
+    """softmoe.tuning.TABLE's plan constants set so that this file's Algorithm 1 calls (8 experts, 1 slot, k = 2 of
+    batch 2 or 3) are close ones, which autotuning times on the CPU: no cost per expert in use, so the selected
+    plan's cost is its share of rows, 0.5 (batch 2) and 0.625 (batch 3) of the dense plan's at every row floor,
+    within TIMING_BAND of ``margin`` (where both run selected). margin=6.3 makes them clear calls instead."""
+    monkeypatch.setitem(TABLE, "plan_call_flops", Measured(0.0, "a test"))
+    monkeypatch.setitem(TABLE, "plan_margin", Measured({"cpu": margin, "cuda": 0.4}, "a test"))
+
+
+@pytest.fixture
+def fresh_timings():
+    """No plan timed before the test, and none kept after it (softmoe.selection_plan.forget_timed_plans)."""
+    plans.forget_timed_plans()
+    yield
+    plans.forget_timed_plans()
 
 
 def cheaper(*shape, kept=None):
@@ -62,19 +105,15 @@ def test_both_plans_have_the_same_gradients():
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
-def test_the_dense_plan_runs_every_expert_and_the_selected_plan_only_the_kept(monkeypatch):
+def test_the_dense_plan_runs_every_expert_and_the_selected_plan_only_the_kept():
     layer = make_layer()
-    runs = []
-    original = layer.experts.forward_selected
-    monkeypatch.setattr(layer.experts, "forward_selected", lambda rows, expert: runs.append(expert) or
-                        original(rows, expert))
     x = torch.randn(2, 5, 12, dtype=F64)
     with torch.no_grad(), select_experts(layer, k=2, plan="dense"):
-        layer(x)
+        _, runs = selected_runs(layer, lambda: layer(x))
     assert runs == []  # the plain forward's mixing, every expert
     with torch.no_grad(), select_experts(layer, k=2, plan="selected"):
-        layer(x)
-    assert len(runs) == 1 and runs[0].numel() == 4
+        _, runs = selected_runs(layer, lambda: layer(x))
+    assert runs == [4]  # one run, on the 2 x 2 kept (input, expert) pairs
 
 
 def test_cost_model_golden_values(monkeypatch):
@@ -89,19 +128,19 @@ def test_cost_model_golden_values(monkeypatch):
     batch 100, k = 6: max(600, 128) + 16 = 616 against 8 * (100 + 2) = 816: 0.755 -> selected; k = 7: 716: 0.877
     -> dense.
     """
-    monkeypatch.setattr(plans, "cpu_isa", lambda: "avx512")
-    assert (plans.row_floor("cpu"), value("plan_row_overhead")["cpu"], value("plan_margin")["cpu"]) == (16, 2, 0.85)
-    f = 1e9
-    assert cheaper(1, 2, 8, 1, f, CPU)
-    assert cheaper(1, 6, 8, 1, f, CPU)
-    assert not cheaper(1, 7, 8, 1, f, CPU)
-    assert cheaper(4, 2, 8, 1, f, CPU, kept=(8, 6))
-    assert not cheaper(4, 2, 8, 1, f, CPU, kept=(8, 8))
-    assert not cheaper(4, 2, 8, 1, f, CPU)
-    assert cheaper(16, 1, 8, 1, f, CPU, kept=(16, 6))
-    assert not cheaper(16, 2, 8, 1, f, CPU, kept=(32, 8))
-    assert cheaper(100, 6, 8, 1, f, CPU)
-    assert not cheaper(100, 7, 8, 1, f, CPU)
+    with kernels_running(monkeypatch, "avx512"):
+        assert (plans.row_floor("cpu"), value("plan_row_overhead")["cpu"], value("plan_margin")["cpu"]) == (16, 2, 0.85)
+        f = 1e9
+        assert cheaper(1, 2, 8, 1, f, CPU)
+        assert cheaper(1, 6, 8, 1, f, CPU)
+        assert not cheaper(1, 7, 8, 1, f, CPU)
+        assert cheaper(4, 2, 8, 1, f, CPU, kept=(8, 6))
+        assert not cheaper(4, 2, 8, 1, f, CPU, kept=(8, 8))
+        assert not cheaper(4, 2, 8, 1, f, CPU)
+        assert cheaper(16, 1, 8, 1, f, CPU, kept=(16, 6))
+        assert not cheaper(16, 2, 8, 1, f, CPU, kept=(32, 8))
+        assert cheaper(100, 6, 8, 1, f, CPU)
+        assert not cheaper(100, 7, 8, 1, f, CPU)
 
 
 def test_cost_model_golden_values_with_avx2(monkeypatch):
@@ -113,16 +152,16 @@ def test_cost_model_golden_values_with_avx2(monkeypatch):
     batch 4, k = 3, eight in use: max(12, 64) + 16 = 80 against 80: dense.
     Without the native kernels the floor stays ROW_FLOOR's 16.
     """
-    monkeypatch.setattr(plans, "cpu_isa", lambda: "avx2")
-    assert plans.row_floor("cpu") == 8 and plans.row_floor("cuda") == 0
     f = 1e9
-    assert cheaper(16, 1, 8, 1, f, CPU, kept=(16, 8))
-    assert cheaper(16, 5, 8, 1, f, CPU, kept=(80, 8))
-    assert not cheaper(16, 7, 8, 1, f, CPU, kept=(112, 8))
-    assert not cheaper(4, 3, 8, 1, f, CPU, kept=(12, 8))
-    monkeypatch.setattr(plans, "cpu_isa", lambda: None)
-    assert plans.row_floor("cpu") == value("plan_row_floor")["cpu"] == 16
-    assert not cheaper(16, 1, 8, 1, f, CPU, kept=(16, 8))
+    with kernels_running(monkeypatch, "avx2"):
+        assert plans.row_floor("cpu") == 8 and plans.row_floor("cuda") == 0
+        assert cheaper(16, 1, 8, 1, f, CPU, kept=(16, 8))
+        assert cheaper(16, 5, 8, 1, f, CPU, kept=(80, 8))
+        assert not cheaper(16, 7, 8, 1, f, CPU, kept=(112, 8))
+        assert not cheaper(4, 3, 8, 1, f, CPU, kept=(12, 8))
+    with kernels_running(monkeypatch, None):
+        assert plans.row_floor("cpu") == value("plan_row_floor")["cpu"] == 16
+        assert not cheaper(16, 1, 8, 1, f, CPU, kept=(16, 8))
 
 
 def test_small_experts_run_dense_because_each_group_costs_a_call():
@@ -138,23 +177,26 @@ def test_eager_cuda_runs_dense():
     assert not cheaper(1, 1, 8, 1, 1e9, torch.device("cuda"))
 
 
-def test_compiled_cuda_selects_where_it_was_measured_faster(monkeypatch):
+def test_compiled_cuda_selects_where_it_was_measured_faster():
     """Table 3's layer (8 experts of 768 -> 30720 -> 768, one slot each) compiled on an H100: the selected plan ran
-    1.16-1.23x as fast as all experts at batch 1, k = 2, but not faster at k = 4 or 6, nor at batch 100."""
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    1.16-1.23x as fast as all experts at batch 1, k = 2, but not faster at k = 4 or 6, nor at batch 100. (The cost
+    model's answers under torch.compile, which takes them while it traces.)"""
     cuda, table3 = torch.device("cuda"), 2 * (768 * 30720 * 2)
-    assert cheaper(1, 2, 8, 1, table3, cuda)
-    assert not any(cheaper(1, k, 8, 1, table3, cuda) for k in (4, 6))
-    assert not any(cheaper(100, k, 8, 1, table3, cuda) for k in (2, 4, 6))
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def compiled():
+        return [cheaper(batch, k, 8, 1, table3, cuda) for batch in (1, 100) for k in (2, 4, 6)]
+
+    assert compiled() == [True, False, False, False, False, False]
+    assert not cheaper(1, 2, 8, 1, table3, cuda)  # eager: the dense plan
 
 
-def test_timed_plan_takes_the_faster_run_and_remembers_it(monkeypatch):
+def test_timed_plan_takes_the_faster_run_and_remembers_it(monkeypatch, fresh_timings):
     """Each run is called once untimed and TIMED_ROUNDS times timed, between synchronizations, without gradients;
     the faster wins and is remembered per key (the same key is not timed again); forgetting times it anew."""
-    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
     syncs, calls = [], {"dense": 0, "selected": 0}
+    # A spy: on the CPU a synchronization does nothing that could be observed (a GPU's would wait for its queue).
     monkeypatch.setattr(plans, "synchronize", syncs.append)
-    monkeypatch.setattr(plans, "may_synchronize", lambda device: True)
 
     def run(name, seconds):
         def call():
@@ -177,10 +219,9 @@ def test_timed_plan_takes_the_faster_run_and_remembers_it(monkeypatch):
 
 
 @pytest.mark.parametrize("ratio, chosen", [(0.95, "selected"), (0.975, "dense"), (1.05, "dense")])
-def test_a_timed_plan_beats_the_default_only_by_the_margin(monkeypatch, ratio, chosen):
+def test_a_timed_plan_beats_the_default_only_by_the_margin(monkeypatch, fresh_timings, ratio, chosen):
     """Each call advances a fake clock by its plan's time: "selected" in `ratio` of "dense"'s time wins only at
-    ratio <= TIMED_MARGIN (0.97)."""
-    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
+    ratio <= TIMED_MARGIN (0.97). (Real runs cannot be timed to within these 2.5%: the clock is simulated.)"""
     clock = [0.0]
     monkeypatch.setattr(plans, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
@@ -198,14 +239,14 @@ def autotune():
     set_autotune(previous)
 
 
-def record_timings(monkeypatch, plan: str | None = None) -> list:
-    """Replace timed_plan with a stand-in that records each key it is asked for and answers ``plan`` (None: the
-    real timing)."""
-    keys, original = [], plans.timed_plan
+def record_timings(monkeypatch, plan: str) -> list:
+    """Replace timed_plan with a stand-in that records each key it is asked for and answers ``plan``: which plan a
+    real timing finds faster cannot be chosen, and these tests need each answer."""
+    keys = []
 
     def timed_plan(key, runs, device):
         keys.append(key)
-        return original(key, runs, device) if plan is None else plan
+        return plan
 
     monkeypatch.setattr(plans, "timed_plan", timed_plan)
     return keys
@@ -215,22 +256,23 @@ def record_timings(monkeypatch, plan: str | None = None) -> list:
 def test_a_close_call_is_not_timed_by_default_nor_in_training(monkeypatch, case):
     """Autotuning is off unless turned on: plan "auto" is the cost model's, untimed, even for a close call, and the
     same in every process. With it on, a training layer is not timed either: timing runs the experts again, which in
-    training would draw their dropout anew."""
+    training would draw their dropout anew. (Timing would run the selected plan TIMED_ROUNDS + 1 more times.)"""
     if case == "default":
         assert not autotune_enabled()
         assert not plans.plans_are_timed(CPU) and not plans.plans_are_timed(torch.device("cuda"))
     else:
         previous = set_autotune(True)
-        monkeypatch.setattr(plans, "worth_timing", lambda costs: True)
     try:
-        keys = record_timings(monkeypatch, "dense")
-        monkeypatch.setattr(plans, "plan_costs", lambda *args: (value("plan_margin")["cpu"], 1.0))  # a close call
+        close_calls(monkeypatch)  # the selected plan's cost 0.625 of the dense one's against a margin of 0.63
         layer = make_layer().train(case == "training")
         x, selected = torch.randn(3, 5, 12, dtype=F64), torch.tensor([[0, 3], [2, 7], [7, 1]])
+        assert plans.worth_timing(plan_costs(3, 2, 8, 1, 2 * layer.parameters_per_expert(), CPU, kept=(6, 5)))
         with torch.no_grad():
-            torch.testing.assert_close(layer.forward_selected(x, selected),
-                                       masked_reference_forward(layer, x, selected), atol=1e-12, rtol=1e-12)
-        assert keys == [] and layer.selected_plan_is_cheaper(x, selected)
+            got, runs = selected_runs(layer, lambda: layer.forward_selected(x, selected))
+            torch.testing.assert_close(got, masked_reference_forward(layer, x, selected), atol=1e-12, rtol=1e-12)
+        assert runs == [6]  # the cost model's selected plan, once: nothing timed
+        cheaper, runs = selected_runs(layer, lambda: layer.selected_plan_is_cheaper(x, selected))
+        assert cheaper and runs == []
     finally:
         if case == "training":
             set_autotune(previous)
@@ -238,18 +280,14 @@ def test_a_close_call_is_not_timed_by_default_nor_in_training(monkeypatch, case)
 
 @pytest.mark.parametrize("faster", ["dense", "selected"])
 def test_auto_runs_the_plan_timed_faster_where_plans_are_timed(monkeypatch, autotune, faster):
-    """With autotuning on and every shape worth timing, "auto" runs the plan the timing names, with gradients, and
+    """With autotuning on and close calls (worth timing), "auto" runs the plan the timing names, with gradients, and
     the layer reports it; another batch size is another key."""
-    monkeypatch.setattr(plans, "worth_timing", lambda costs: True)
+    close_calls(monkeypatch)
     keys = record_timings(monkeypatch, faster)
     layer = make_layer().eval()
     x = torch.randn(3, 5, 12, dtype=F64, requires_grad=True)
     selected = torch.tensor([[0, 3], [2, 7], [7, 1]])
-    runs = []
-    original = layer.experts.forward_selected
-    monkeypatch.setattr(layer.experts, "forward_selected", lambda rows, expert: runs.append(expert) or
-                        original(rows, expert))
-    got = layer.forward_selected(x, selected)
+    got, runs = selected_runs(layer, lambda: layer.forward_selected(x, selected))
     assert len(runs) == (faster == "selected") and layer.selected_plan_is_cheaper(x, selected) is (faster == "selected")
     torch.testing.assert_close(got, masked_reference_forward(layer, x, selected), atol=1e-12, rtol=1e-12)
     got.square().sum().backward()
@@ -259,15 +297,24 @@ def test_auto_runs_the_plan_timed_faster_where_plans_are_timed(monkeypatch, auto
     assert len(set(keys)) == 2
 
 
-def test_plans_are_timed_eagerly_on_cuda_and_cpu(monkeypatch, autotune):
+def test_plans_are_timed_eagerly_on_cuda_and_cpu(autotune):
     cuda = torch.device("cuda")
     assert plans.plans_are_timed(CPU) and plans.plans_are_timed(cuda)
     assert not plans.plans_are_timed(torch.device("meta"))
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert not plans.plans_are_timed(cuda) and not plans.plans_are_timed(CPU)  # the plans round differently
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not plans.plans_are_timed(cuda) and not plans.plans_are_timed(CPU)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not plans.plans_are_timed(cuda) and not plans.plans_are_timed(CPU)  # the plans round differently
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    assert plans.plans_are_timed(CPU)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def compiled():
+        return plans.plans_are_timed(cuda), plans.plans_are_timed(CPU)
+
+    assert compiled() == (False, False)
 
 
 def test_only_close_calls_are_worth_timing_on_the_cpu():
@@ -279,32 +326,25 @@ def test_only_close_calls_are_worth_timing_on_the_cpu():
 
 
 @pytest.mark.parametrize("close", [False, True])
-def test_the_cpu_times_close_calls_and_leaves_clear_ones_to_the_cost_model(monkeypatch, autotune, close):
+def test_the_cpu_times_close_calls_and_leaves_clear_ones_to_the_cost_model(monkeypatch, autotune, fresh_timings,
+                                                                           close):
     """Eager CPU with autotuning on, plan "auto": a close call is timed once (each plan TIMED_ROUNDS + 1 times, then
     the faster runs), a clear one runs the cost model's plan untimed; the output is Algorithm 1's either way."""
-    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
-    cheap = value("plan_margin")["cpu"] * (1.0 if close else 0.1)  # the selected plan's cost, the dense one's 1
-    monkeypatch.setattr(plans, "plan_costs", lambda *args: (cheap, 1.0))
-    keys = record_timings(monkeypatch)
+    close_calls(monkeypatch, 0.63 if close else 6.3)  # the selected plan's cost 0.625 of the dense one's
     layer = make_layer().eval()
     x = torch.randn(3, 5, 12, dtype=F64)
     selected = torch.tensor([[0, 3], [2, 7], [7, 1]])
-    runs = []
-    original = layer.experts.forward_selected
-    monkeypatch.setattr(layer.experts, "forward_selected", lambda rows, expert: runs.append(expert) or
-                        original(rows, expert))
     with torch.no_grad():
-        got = layer.forward_selected(x, selected)
+        got, runs = selected_runs(layer, lambda: layer.forward_selected(x, selected))
     torch.testing.assert_close(got, masked_reference_forward(layer, x, selected), atol=1e-12, rtol=1e-12)
+    chose_selected = layer.selected_plan_is_cheaper(x, selected)  # (for a timed shape, the timing's answer)
     if close:
-        chose_selected = plans.timed_choice(keys[0]) == "selected"
         assert len(runs) == plans.TIMED_ROUNDS + 1 + chose_selected
     else:
-        assert keys == [] and len(runs) == 1  # the cost model's selected plan, once
-    runs.clear()
+        assert chose_selected and runs == [6]  # the cost model's selected plan, once
     with torch.no_grad():
-        layer.forward_selected(x, selected)
-    assert len(runs) == (plans.timed_choice(keys[0]) == "selected" if close else 1)  # not timed again
+        _, runs = selected_runs(layer, lambda: layer.forward_selected(x, selected))
+    assert len(runs) == chose_selected  # not timed again
 
 
 def test_a_timed_shape_does_not_overrule_the_cost_model_for_a_clear_call(monkeypatch, autotune):
@@ -319,39 +359,39 @@ def test_a_timed_shape_does_not_overrule_the_cost_model_for_a_clear_call(monkeyp
     most[:, 7] = -1  # 7 of 8 kept: selected cost 1.2x the margin's, a close call
     few = torch.full((64, 8), -1)
     few[:, 0] = torch.arange(64) % 8  # 1 of 8 kept: 0.33x, a clear one
-    runs = []
-    original = layer.experts.forward_selected
-    monkeypatch.setattr(layer.experts, "forward_selected",
-                        lambda rows, expert: runs.append(1) or original(rows, expert))
     with torch.no_grad():
-        layer.forward_selected(x, most)
+        _, runs = selected_runs(layer, lambda: layer.forward_selected(x, most))
         assert len(keys) == 1 and runs == [] and not layer.selected_plan_is_cheaper(x, most)
-        torch.testing.assert_close(layer.forward_selected(x, few), masked_reference_forward(layer, x, few),
-                                   rtol=1e-5, atol=1e-5)
-    assert runs == [1] and len(keys) == 2 and layer.selected_plan_is_cheaper(x, few)  # (the second: "most" above)
+        got, runs = selected_runs(layer, lambda: layer.forward_selected(x, few))
+        torch.testing.assert_close(got, masked_reference_forward(layer, x, few), rtol=1e-5, atol=1e-5)
+    assert runs == [64 * 8] and len(keys) == 2 and layer.selected_plan_is_cheaper(x, few)  # (the second: "most")
 
 
-def test_the_cpu_plan_key_tells_threads_and_instruction_sets_apart(monkeypatch, autotune):
-    monkeypatch.setattr(plans, "worth_timing", lambda costs: True)
-    keys = record_timings(monkeypatch, "dense")
+def timed(layer, x, selected) -> bool:
+    """Whether asking ``layer`` for its plan timed the plans (each TIMED_ROUNDS + 1 times): the first call with a
+    new key (the shape, its settings and host) does, later ones with that key do not."""
+    _, runs = selected_runs(layer, lambda: layer.selected_plan_is_cheaper(x, selected))
+    return len(runs) == plans.TIMED_ROUNDS + 1
+
+
+def test_the_cpu_plan_key_tells_threads_and_instruction_sets_apart(monkeypatch, autotune, fresh_timings):
+    close_calls(monkeypatch)
     layer = make_layer().eval()
     x, selected = torch.randn(2, 5, 12, dtype=F64), torch.tensor([[0, 1], [2, 3]])
-    layer.selected_plan_is_cheaper(x, selected)
+    assert timed(layer, x, selected)
     threads = torch.get_num_threads()
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
-    layer.selected_plan_is_cheaper(x, selected)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    layer.selected_plan_is_cheaper(x, selected)
-    other = "portable" if plans.cpu_isa() != "portable" else "avx2"
-    monkeypatch.setattr(plans, "cpu_isa", lambda: other)
-    layer.selected_plan_is_cheaper(x, selected)
-    assert keys[0] != keys[1] and keys[0] == keys[2] and keys[3] != keys[0]
+    torch.set_num_threads(threads + 1)
+    try:
+        assert timed(layer, x, selected)  # another key
+    finally:
+        torch.set_num_threads(threads)
+    assert not timed(layer, x, selected)  # the first key again
+    other = next(isa for isa in (*supported_isas(), *ISAS) if isa != plans.cpu_isa())  # one this CPU runs, if any
+    with kernels_running(monkeypatch, other):
+        assert timed(layer, x, selected)
 
 
-def test_a_plan_that_runs_out_of_memory_loses(monkeypatch):
-    monkeypatch.setattr(plans, "_TIMED_PLANS", {})
-    monkeypatch.setattr(plans, "synchronize", lambda device: None)
-    monkeypatch.setattr(plans, "may_synchronize", lambda device: True)
+def test_a_plan_that_runs_out_of_memory_loses(fresh_timings):
     calls = []
 
     def out_of_memory():
@@ -365,8 +405,8 @@ def test_a_plan_that_runs_out_of_memory_loses(monkeypatch):
 
 
 def test_the_plan_key_tells_autocast_backends_and_expert_sizes_apart(monkeypatch, autotune):
-    monkeypatch.setattr(plans, "worth_timing", lambda costs: True)
-    keys = record_timings(monkeypatch, "dense")
+    close_calls(monkeypatch)
+    keys = record_timings(monkeypatch, "dense")  # (the swapped weight below could not run: keys, not timings)
     layer, wide = make_layer().eval(), SoftMoE(12, 8, expert_hidden=40, dtype=F64).eval()
     x, selected = torch.randn(2, 5, 12, dtype=F64), torch.tensor([[0, 1], [2, 3]])
     layer.backend = "slots"
@@ -382,10 +422,11 @@ def test_the_plan_key_tells_autocast_backends_and_expert_sizes_apart(monkeypatch
     assert len(set(keys)) == 5
 
 
-def test_a_shape_is_not_timed_where_synchronizing_is_unwelcome(monkeypatch):
+def test_a_shape_is_not_timed_where_synchronizing_is_unwelcome(monkeypatch, fresh_timings):
     """CUDA's sync debug mode set or a CUDA graph being captured: an untimed key gives None (the layer then takes
-    the cost model's plan), a timed one its plan, without synchronizing."""
-    monkeypatch.setattr(plans, "_TIMED_PLANS", {"timed": "selected"})
+    the cost model's plan), a timed one its plan, without synchronizing. (CUDA simulated: CI has none.)"""
+    slow = {"dense": lambda: time.sleep(0.004), "selected": lambda: None}
+    assert plans.timed_plan("timed", slow, CPU) == "selected"
     monkeypatch.setattr(plans, "synchronize", lambda device: pytest.fail("synchronized"))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # no CUDA here
     runs = {"dense": lambda: None, "selected": lambda: None}
@@ -395,7 +436,7 @@ def test_a_shape_is_not_timed_where_synchronizing_is_unwelcome(monkeypatch):
         assert not plans.may_synchronize(torch.device("cuda"))
         assert plans.timed_plan("untimed", runs, torch.device("cuda")) is None
         assert plans.timed_plan("timed", runs, torch.device("cuda")) == "selected"
-    assert "untimed" not in plans._TIMED_PLANS
+    assert plans.timed_choice("untimed") is None
 
 
 def test_auto_follows_the_cost_model(monkeypatch):
@@ -428,19 +469,22 @@ def test_a_bad_plan_is_a_value_error():
 
 
 @pytest.mark.parametrize("host", [True, False], ids=["host", "torch"])
-def test_kept_counts_in_python_and_in_torch_agree_beside_the_mask(monkeypatch, host):
-    """Small selections are counted in Python, larger ones with torch's bincount; both give the pairs kept and the
-    experts in use (unused places -1 counted nowhere), as the mask says."""
-    monkeypatch.setattr(plans, "HOST_COUNT_MAX_PLACES", 10**9 if host else 0)
+def test_kept_counts_in_python_and_in_torch_agree_beside_the_mask(host):
+    """Small selections (at most HOST_COUNT_MAX_PLACES places) are counted in Python, larger ones with torch's
+    bincount; both give the pairs kept and the experts in use (unused places -1 counted nowhere), as the mask says."""
     selected = torch.tensor([[0, 3, -1], [3, 5, 6], [-1, -1, 1], [6, 0, 3]])
-    want = torch.zeros(4, 8, dtype=torch.bool)
+    copies = 1 if host else plans.HOST_COUNT_MAX_PLACES // selected.numel() + 1
+    selected = selected.repeat(copies, 1)
+    assert (selected.numel() <= plans.HOST_COUNT_MAX_PLACES) is host
+    want = torch.zeros(len(selected), 8, dtype=torch.bool)
     for b, row in enumerate(selected.tolist()):
         for j in row:
             if j >= 0:
                 want[b, j] = True
     assert torch.equal(plans.mask_from_subsets(selected, 8), want)
-    assert plans.kept_counts(selected, 8) == (int(want.sum()), int(want.any(0).sum())) == (9, 5)  # 0, 1, 3, 5, 6
-    assert plans.kept_counts(selected.t().contiguous().t(), 8) == (9, 5)  # a strided view
+    kept = (9 * copies, 5)  # 0, 1, 3, 5, 6
+    assert plans.kept_counts(selected, 8) == (int(want.sum()), int(want.any(0).sum())) == kept
+    assert plans.kept_counts(selected.t().contiguous().t(), 8) == kept  # a strided view
     assert plans.kept_counts(torch.zeros(0, 2, dtype=torch.int64), 8) == (0, 0)
 
 

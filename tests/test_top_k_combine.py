@@ -4,20 +4,53 @@ formulation (top_k_by_combine and the dense plan's mask); the same choice made i
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
 
 import pytest
 import torch
 
-import softmoe.backends.base as base_backend
 import softmoe.backends.cpu as cpu_backend
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.kernels import cpu_isa, native_available, soft_moe_routing, soft_moe_routing_top_k
 from softmoe.kernels.top_k_combine import native_top_k_applies, top_k_combine
-from softmoe.selection import Selector, top_k_by_combine
+from softmoe.selection import top_k_by_combine
 from softmoe.selection_plan import kept_slots
+from softmoe.tuning import TABLE, Measured
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="native kernels not built")
+
+
+@contextlib.contextmanager
+def softmoe_ops():
+    """The softmoe ops the block runs, seen by torch's profiler: {name ("top_k_combine"): [each call's arguments,
+    the int and bool ones by value, the others None]}, filled when the block ends."""
+    calls = collections.defaultdict(list)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        yield calls
+    for event in prof.events():
+        if event.name.startswith("softmoe::"):
+            calls[event.name.removeprefix("softmoe::")].append(tuple(event.concrete_inputs))
+
+
+class WatchedSelector:
+    """A layer's selector (``layer.selector``, the ExpertSelector protocol) whose select() calls are counted: a
+    backend that chooses itself never calls it."""
+
+    def __init__(self, selector):
+        self.selector, self.calls = selector, 0
+        self.renormalize, self.plan, self.top_k = selector.renormalize, selector.plan, selector.top_k
+
+    def select(self, combine):
+        self.calls += 1
+        return self.selector.select(combine)
+
+
+def watch_selector(layer) -> WatchedSelector:
+    """Wrap the selector select_experts gave ``layer`` (restored when its block ends)."""
+    layer.selector = WatchedSelector(layer.selector)
+    return layer.selector
 
 
 def torch_top_k_combine(combine: torch.Tensor, p: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,15 +185,10 @@ def test_the_routing_with_the_choice_checks_its_arguments_and_declines_what_it_c
 @pytest.mark.parametrize("plan", ["auto", "dense", "selected"])
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("grad", [False, True])
-def test_the_layer_runs_algorithm1_through_the_ops_on_the_cpu(monkeypatch, p, plan, renormalize, grad):
+def test_the_layer_runs_algorithm1_through_the_ops_on_the_cpu(p, plan, renormalize, grad):
     """A float32 CPU layer with strategy "combine": in inference the routing chooses in its pass, with gradients
     recorded the op does (the selector's select() is never called), and every plan equals the paper's masked
     forward, as the selector's choice does."""
-    chosen, routed = [], []
-    monkeypatch.setattr(cpu_backend, "top_k_combine", lambda *args: chosen.append(args) or top_k_combine(*args))
-    monkeypatch.setattr(cpu_backend, "soft_moe_routing_top_k",
-                        lambda *args, **kwargs: routed.append(soft_moe_routing_top_k(*args, **kwargs)) or routed[-1])
-    monkeypatch.setattr(Selector, "select", lambda self, combine: pytest.fail("select() called"))
     torch.manual_seed(3)
     layer = SoftMoE(12, 6, slots_per_expert=p, expert_hidden=20).eval()
     with torch.no_grad():
@@ -170,23 +198,22 @@ def test_the_layer_runs_algorithm1_through_the_ops_on_the_cpu(monkeypatch, p, pl
         selected = top_k_by_combine(layer.route(x).combine.double(), 2)
         want = masked_reference_forward(layer, x, selected, renormalize=renormalize)
     with torch.set_grad_enabled(grad), select_experts(layer, k=2, plan=plan, renormalize=renormalize):
-        got = layer(x)
-    assert len(routed) == 1 and (routed[0] is None) == grad
-    assert len(chosen) == grad and (not grad or chosen[0][1:] == (p, 2))
+        selector = watch_selector(layer)
+        with softmoe_ops() as ops:
+            got = layer(x)
+    assert selector.calls == 0
+    assert [args[4:6] for args in ops["soft_moe_routing_top_k"]] == ([] if grad else [(p, 2)])  # in its pass
+    assert [args[1:3] for args in ops["top_k_combine"]] == ([(p, 2)] if grad else [])  # (that records no gradient)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("batch", [1, 37])
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("renormalize", [False, True])
-def test_algorithm1_on_the_fused_small_experts_equals_the_masked_forward(monkeypatch, batch, k, renormalize):
+def test_algorithm1_on_the_fused_small_experts_equals_the_masked_forward(batch, k, renormalize):
     """The paper's kind of layer (4 tokens, small relu experts: the fused native mixing): in inference the dense
     plan runs the mixing with the inputs grouped by their kept experts and idle slots skipped, exactly; the routing
     hands it the kept slots as bits and lists the kept experts only for plan "selected"."""
-    listed = []
-    monkeypatch.setattr(cpu_backend, "soft_moe_routing_top_k",
-                        lambda *args, with_selected: listed.append(with_selected)
-                        or soft_moe_routing_top_k(*args, with_selected=with_selected))
     torch.manual_seed(batch + k)
     layer = SoftMoE(20, 8, expert_hidden=6, activation="relu").eval()
     x = torch.randn(batch, 4, 20)
@@ -194,29 +221,32 @@ def test_algorithm1_on_the_fused_small_experts_equals_the_masked_forward(monkeyp
     with torch.no_grad():
         selected = top_k_by_combine(layer.route(x).combine.double(), k)
         want = masked_reference_forward(layer, x, selected, renormalize=renormalize)
-        for plan in ("auto", "dense", "selected"):
-            with select_experts(layer, k=k, plan=plan, renormalize=renormalize):
-                torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
-    assert listed == [False, False, True]
+        with softmoe_ops() as ops:
+            for plan in ("auto", "dense", "selected"):
+                with select_experts(layer, k=k, plan=plan, renormalize=renormalize):
+                    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
+    assert [args[6] for args in ops["soft_moe_routing_top_k"]] == [False, False, True]  # with_selected
 
 
 def test_algorithm1_on_the_fused_small_experts_takes_the_dense_plan_without_the_cost_model(monkeypatch):
     """Where the fused mixing itself skips the unkept experts' work (inference), plan "auto" is the dense plan and
-    the cost model and its timings are not consulted; with gradients (the op keeps every slot) they are."""
+    the cost model and its timings are not consulted; with gradients (the op keeps every slot) they are. Here the
+    cost model would always answer the selected plan (a margin of 1e9), whose grouped products
+    (softmoe::grouped_mm) show where it was followed."""
+    monkeypatch.setitem(TABLE, "plan_margin", Measured({"cpu": 1e9, "cuda": 1e9}, "a test"))
     torch.manual_seed(5)
     layer = SoftMoE(20, 8, expert_hidden=6, activation="relu").eval()
     x = torch.randn(40, 4, 20)
-    consulted = []
-    plan = base_backend.choose_plan
-    monkeypatch.setattr(base_backend, "choose_plan", lambda *args: consulted.append(1) or plan(*args))
     with select_experts(layer, k=3):
         with torch.no_grad():
             assert cpu_backend.skips_unkept(layer, x)
-            layer(x)
-        assert not consulted
+            with softmoe_ops() as inference:
+                layer(x)
+        assert inference["soft_moe_mixing_inference"] and not inference["grouped_mm"]  # the dense plan
         assert not cpu_backend.skips_unkept(layer, x)  # grad mode, parameters that require grad
-        layer(x)
-    assert consulted
+        with softmoe_ops() as training:
+            layer(x)
+    assert training["grouped_mm"]  # the cost model's selected plan
     layer.experts.requires_grad_(False)  # frozen experts, a router that learns: the mixing records a gradient
     dispatch = layer.route(x).dispatch.flatten(2)
     assert dispatch.requires_grad and not cpu_backend.skips_unkept(layer, x, dispatch)
@@ -238,24 +268,24 @@ def test_the_fused_path_takes_parametrized_expert_weights():
             torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
 
 
-def test_gradients_flow_through_the_layers_choice(monkeypatch):
+def test_gradients_flow_through_the_layers_choice():
     """Training through Algorithm 1 on the CPU (the op's autograd): the same gradients as the selector's path."""
     torch.manual_seed(4)
     layer = SoftMoE(12, 6, expert_hidden=20)
     x = torch.randn(3, 5, 12, requires_grad=True)
-    calls = []
-    monkeypatch.setattr(cpu_backend, "top_k_combine", lambda *args: calls.append(args) or top_k_combine(*args))
 
     def gradients():
         with select_experts(layer, k=3):
-            out = layer(x)
-        return torch.autograd.grad(out.square().sum(), (x, layer.phi, layer.experts.weight1))
+            selector = watch_selector(layer)
+            with softmoe_ops() as ops:
+                out = layer(x)
+        return torch.autograd.grad(out.square().sum(), (x, layer.phi, layer.experts.weight1)), selector, ops
 
-    through_op = gradients()
-    assert len(calls) == 1
+    through_op, selector, ops = gradients()
+    assert selector.calls == 0 and len(ops["top_k_combine"]) == 1  # the layer's own choice, by the op
     layer.backend = "slots"  # torch's ops: the selector chooses
-    through_selector = gradients()
-    assert len(calls) == 1
+    through_selector, selector, _ = gradients()
+    assert selector.calls == 1
     for got, want in zip(through_op, through_selector, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -271,20 +301,21 @@ def test_the_selector_chooses_as_the_layer_on_float32_cpu_tensors():
 
 
 @pytest.mark.parametrize("case", ["mask", "noise", "float64"])
-def test_masks_noise_and_float64_choose_through_the_selector(monkeypatch, case):
-    monkeypatch.setattr(cpu_backend, "top_k_combine", lambda *args: pytest.fail("the op ran"))
+def test_masks_noise_and_float64_choose_through_the_selector(case):
+    """The selector chooses, once; the layer does not run the op besides (the selector's own top_k_by_combine
+    takes it for float32 combine weights)."""
     torch.manual_seed(5)
     dtype = torch.float64 if case == "float64" else torch.float32
     layer = SoftMoE(12, 6, expert_hidden=20, noise_std=0.5 if case == "noise" else 0.0, dtype=dtype)
     layer.train(case == "noise")
     x = torch.randn(3, 5, 12, dtype=dtype)
     mask = torch.ones(3, 5, dtype=torch.bool) if case == "mask" else None
-    chosen = []
-    original = Selector.select
-    monkeypatch.setattr(Selector, "select", lambda self, combine: chosen.append(1) or original(self, combine))
     with torch.no_grad(), select_experts(layer, k=2):
-        layer(x, mask)
-    assert chosen == [1]
+        selector = watch_selector(layer)
+        with softmoe_ops() as ops:
+            layer(x, mask)
+    assert selector.calls == 1
+    assert len(ops["top_k_combine"]) == (dtype == torch.float32) and not ops["soft_moe_routing_top_k"]
 
 
 def test_the_layers_choice_compiles_with_the_op_in_its_graph():

@@ -34,6 +34,18 @@ def factory():
 CONFIG = TrainConfig(epochs=3, batch_size=16, lr=1e-2, seed=1)
 
 
+def watched(model_factory, seen: list):
+    """``model_factory`` whose models append the input of each training-mode forward to ``seen`` (a forward
+    pre-hook): what the loop trains on, in order."""
+
+    def make():
+        model = model_factory()
+        model.register_forward_pre_hook(lambda module, args: seen.append(args[0]) if module.training else None)
+        return model
+
+    return make
+
+
 def test_training_learns_and_is_deterministic(tmp_path):
     splits = tiny_splits()
     model_a, history_a = train_classifier(factory, splits, CONFIG, tmp_path / "a", progress=False)
@@ -107,24 +119,17 @@ def test_resuming_a_folder_of_another_model_is_a_clear_error(tmp_path):
         train_classifier(other, tiny_splits(), TrainConfig(epochs=2, batch_size=16), tmp_path, progress=False)
 
 
-def test_authors_protocol_frozen_first_epoch_and_stored_order(tmp_path, monkeypatch):
+def test_authors_protocol_frozen_first_epoch_and_stored_order(tmp_path):
     """frozen_first_epoch: epoch 1 changes no weight (and saves the initial ones); shuffle=False: every epoch sees
     the training set in stored order, so a run over a permuted set differs."""
     splits = tiny_splits()
     config = TrainConfig(epochs=2, batch_size=16, lr=1e-2, seed=1, shuffle=False, frozen_first_epoch=True)
     torch.manual_seed(config.seed)
     initial = factory().state_dict()
-    orders = []
-    real_batches = train_module.batches
-
-    def recorded(dataset, batch_size, shuffle=False, generator=None, **kwargs):
-        if dataset is splits.train:
-            orders.append((shuffle, generator))
-        return real_batches(dataset, batch_size, shuffle, generator, **kwargs)
-
-    monkeypatch.setattr(train_module, "batches", recorded)
-    model, history = train_classifier(factory, splits, config, tmp_path / "run", progress=False)
-    assert orders == [(False, None), (False, None)]
+    seen = []
+    model, history = train_classifier(watched(factory, seen), splits, config, tmp_path / "run", progress=False)
+    assert len(seen) == 2 * 4  # 64 / 16 batches per epoch
+    assert all(torch.equal(torch.cat(seen[start:start + 4]), splits.train.images) for start in (0, 4))
     first = load_epoch(factory(), tmp_path / "run", 1).state_dict()
     assert all(torch.equal(first[k], initial[k]) for k in initial)
     assert not all(torch.equal(model.state_dict()[k], initial[k]) for k in initial)
@@ -259,37 +264,36 @@ def test_resume_after_interruption_equals_uninterrupted_run(tmp_path, monkeypatc
     real_batches = train_module.batches
     calls = {"n": 0}
 
-    def interrupted(*args, **kwargs):
+    def interrupted(*args, **kwargs):  # the fault: the run is killed at its 7th batch
         for batch in real_batches(*args, **kwargs):
             calls["n"] += 1
             if calls["n"] == 7:
                 raise KeyboardInterrupt
             yield batch
 
-    monkeypatch.setattr(train_module, "batches", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with monkeypatch.context() as crash, pytest.raises(KeyboardInterrupt):
+        crash.setattr(train_module, "batches", interrupted)
         train_classifier(model_factory, splits, config, tmp_path / "run", progress=False)
-    monkeypatch.setattr(train_module, "batches", real_batches)
     assert [h["epoch"] for h in finished_epochs(tmp_path / "run")] == [1]
 
-    trained = []
-    write_json = train_module.write_json
+    def epoch_files():  # each epoch's metrics file, as written: name -> (bytes, modification time)
+        return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / "run").glob("epoch_*.json")}
 
-    def record(path, data):
-        trained.append(data["epoch"])
-        write_json(path, data)
-
-    monkeypatch.setattr(train_module, "write_json", record)
-    resumed, history = train_classifier(model_factory, splits, config, tmp_path / "run", progress=False)
-    assert trained == [2, 3]  # epoch 1 is not trained again, nothing is lost
+    steps = -(-len(splits.train) // config.batch_size)
+    before, seen = epoch_files(), []
+    resumed, history = train_classifier(watched(model_factory, seen), splits, config, tmp_path / "run",
+                                        progress=False)
+    after = epoch_files()
+    assert [name for name in sorted(after) if after[name] != before.get(name)] == ["epoch_002.json", "epoch_003.json"]
+    assert len(seen) == 2 * steps  # epoch 1 is not trained again, nothing is lost
     assert same_weights(reference, resumed)
     assert without_seconds(history) == without_seconds(reference_history)
     with open(tmp_path / "run" / "metrics.csv") as f:
         assert [int(r["epoch"]) for r in csv.DictReader(f)] == [1, 2, 3]
 
-    trained.clear()
-    again, _ = train_classifier(model_factory, splits, config, tmp_path / "run", progress=False)
-    assert trained == [] and same_weights(again, reference)  # a finished run is only loaded
+    seen.clear()
+    again, _ = train_classifier(watched(model_factory, seen), splits, config, tmp_path / "run", progress=False)
+    assert seen == [] and epoch_files() == after and same_weights(again, reference)  # a finished run is only loaded
 
 
 def test_resume_refuses_a_different_config(tmp_path):

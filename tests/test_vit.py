@@ -9,8 +9,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import softmoe.backends.generic as generic_backend
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.models.vit import (
     LN_EPS,
@@ -234,30 +234,43 @@ def test_selection_across_all_layers_equals_masked_reference(strategy, k, p):
     assert all(layer.selector is None for layer in model.moe_layers())
 
 
-def test_each_layer_picks_its_own_experts_and_skips_the_others(monkeypatch):
+class WeightReads(TorchDispatchMode):
+    """Records each op the dispatcher sees, while active, that reads one of ``weights`` (or a view of it), by the
+    weight's name: (the op, its arguments)."""
+
+    def __init__(self, weights: dict):
+        super().__init__()
+        self.storages = {weight.untyped_storage().data_ptr(): name for name, weight in weights.items()}
+        self.reads = {name: [] for name in weights}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.untyped_storage().data_ptr() in self.storages:
+                self.reads[self.storages[arg.untyped_storage().data_ptr()]].append((func.overloadpacket, args))
+        return func(*args, **(kwargs or {}))
+
+
+def test_each_layer_picks_its_own_experts_and_skips_the_others():
+    """Each layer's experts run only in its grouped products (softmoe::grouped_mm), on the rows of the experts that
+    layer chose for each input; no op reads an expert weight otherwise (as running all experts would)."""
     model = tiny_moe_vit(n=8, p=1)
     images = torch.rand(6, 1, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    rows, full_runs, chosen = {}, [], {}
+    chosen, weights = {}, {}
     for index, layer in enumerate(model.moe_layers()):
-        experts = layer.experts
-        grouped = experts.forward_selected
-
-        def forward_selected(x, expert, index=index, grouped=grouped):
-            rows[index] = torch.bincount(expert, minlength=8) * x.shape[1]
-            return grouped(x, expert)
-
-        monkeypatch.setattr(experts, "forward_selected", forward_selected)
-        monkeypatch.setattr(experts, "forward", lambda *a, **k: full_runs.append(1))
-        monkeypatch.setattr(generic_backend, "token_space_mixing", lambda *a, **k: full_runs.append(1))
+        named = zip(("w1", "b1", "w2", "b2"), layer.experts.weights())
+        weights.update({(index, name): weight for name, weight in named if weight is not None})
 
         def hook(module, args, output, index=index):
             chosen[index] = top_k_by_combine(module.route(args[0]).combine, 2)
 
         layer.register_forward_hook(hook)
-    with torch.no_grad(), select_experts(model, k=2, plan="selected"):
+    with torch.no_grad(), select_experts(model, k=2, plan="selected"), WeightReads(weights) as watched:
         model(images)
-    assert full_runs == []  # no layer ran all of its experts
+    assert all(op is torch.ops.softmoe.grouped_mm for reads in watched.reads.values() for op, _ in reads)
     for index in (0, 1):
+        (_, (x, _, ends, _, _)), = watched.reads[index, "w1"]  # the first product: one per layer
+        rows = torch.diff(ends.long(), prepend=ends.new_zeros(1).long())  # its rows per expert
         want = torch.bincount(chosen[index].reshape(-1), minlength=8)
-        assert torch.equal(rows[index], want) and int(rows[index].sum()) == 6 * 2
+        assert torch.equal(rows, want) and int(rows.sum()) == x.shape[0] == 6 * 2
+        assert len(watched.reads[index, "w2"]) == 1
     assert not torch.equal(chosen[0], chosen[1])  # the two layers chose independently

@@ -11,6 +11,7 @@ from softmoe.models import SoftMoEClassifier
 
 
 def test_default_dataset_falls_back(monkeypatch, tmp_path):
+    # A machine without Debian's dataset-fashion-mnist, then one with it (the default is a fixed system path).
     monkeypatch.setattr(common, "FASHION_MNIST_DIR", tmp_path / "missing")
     name, notice = common.default_vision_dataset()
     assert name == "mnist5k" and "falling back" in notice and "dataset-fashion-mnist" in notice
