@@ -385,15 +385,6 @@ def test_an_unknown_softmoe_isa_warns_and_takes_the_best(library, reload_state, 
 # ---- the build: cache, key, concurrency, failures -----------------------------------------------------------------
 
 
-def run_python(code: str, **env: str) -> dict:
-    """Run ``code`` in a fresh interpreter with ``env`` added to the environment; its last stdout line, as JSON."""
-    environment = {**os.environ, **env}
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environment, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 REPORT = """
     import json, warnings
     warnings.simplefilter("always")
@@ -414,16 +405,47 @@ REPORT = """
 """
 
 
-@pytest.mark.slow
-def test_a_second_process_reuses_the_build(library):
-    directory = build.build_directory(build.build_key())
+@pytest.fixture(scope="module")
+def reports(library, tmp_path_factory) -> dict:
+    """REPORT's results in fresh interpreters, run side by side (each mostly imports torch): "reuse" with the
+    suite's cache, "no compiler", "failing" (a compiler that fails) and "off" (SOFTMOE_NATIVE=0) with caches of their
+    own; and the built library's modification time before and after ("mtime")."""
+    root = tmp_path_factory.mktemp("reports")
+    failing = root / "failing-c++"
+    failing.write_text("#!/bin/sh\necho 'error: this compiler fails' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    (root / "off").mkdir()
     library_file = build.library_file(build.build_key())
-    assert (directory / "complete").exists() and library_file.exists()
     before = library_file.stat().st_mtime_ns
-    report = run_python(REPORT, SOFTMOE_CACHE=str(build.native_cache_dir()))
+    environments = {
+        "reuse": {"SOFTMOE_CACHE": str(build.native_cache_dir())},
+        "no compiler": {"CXX": "/nonexistent/c++", "SOFTMOE_CACHE": str(root / "none")},
+        "failing": {"CXX": str(failing), "SOFTMOE_CACHE": str(root / "failing")},
+        "off": {"SOFTMOE_NATIVE": "0", "SOFTMOE_CACHE": str(root / "off")},
+    }
+    processes = {
+        name: subprocess.Popen([sys.executable, "-c", textwrap.dedent(REPORT)], env={**os.environ, **env}, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for name, env in environments.items()
+    }
+    results: dict = {"root": root}
+    for name, process in processes.items():
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, (name, err)
+        results[name] = json.loads(out.strip().splitlines()[-1])
+    results["mtime"] = (before, library_file.stat().st_mtime_ns)
+    return results
+
+
+@pytest.mark.slow
+def test_a_second_process_reuses_the_build(library, reports):
+    directory = build.build_directory(build.build_key())
+    assert (directory / "complete").exists() and build.library_file(build.build_key()).exists()
+    report = reports["reuse"]
     assert report["available"] == [True, True] and report["applies"] and report["error"] is None
     assert report["compiled"] is False and report["warnings"] == []
-    assert library_file.stat().st_mtime_ns == before
+    before, after = reports["mtime"]
+    assert after == before
 
 
 def test_the_key_follows_every_source(tmp_path):
@@ -461,8 +483,8 @@ def test_a_new_key_builds_and_a_complete_build_is_imported(library, reload_state
 
 
 @pytest.mark.slow
-def test_without_a_compiler_the_ops_are_unavailable_with_one_warning(tmp_path):
-    report = run_python(REPORT, CXX="/nonexistent/c++", SOFTMOE_CACHE=str(tmp_path))
+def test_without_a_compiler_the_ops_are_unavailable_with_one_warning(reports):
+    report = reports["no compiler"]
     assert report["available"] == [False, False] and not report["applies"] and report["isa"] is None
     assert report["status"].startswith("no C++ compiler: '/nonexistent/c++'")
     assert len(report["warnings"]) == 1 and "no C++ compiler" in report["warnings"][0]
@@ -470,23 +492,20 @@ def test_without_a_compiler_the_ops_are_unavailable_with_one_warning(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failing_build_leaves_no_complete_build(tmp_path):
-    failing = tmp_path / "failing-c++"
-    failing.write_text("#!/bin/sh\necho 'error: this compiler fails' >&2\nexit 1\n")
-    failing.chmod(0o755)
-    report = run_python(REPORT, CXX=str(failing), SOFTMOE_CACHE=str(tmp_path / "cache"))
+def test_a_failing_build_leaves_no_complete_build(reports):
+    report = reports["failing"]
     assert report["available"] == [False, False]
     assert report["status"].startswith("building the native kernels in ") and "failed" in report["status"]
     assert len(report["warnings"]) == 1
-    assert not list((tmp_path / "cache").glob("native-*/complete"))
+    assert not list((reports["root"] / "failing").glob("native-*/complete"))
 
 
 @pytest.mark.slow
-def test_native_off_means_no_build_and_no_warning(tmp_path):
-    report = run_python(REPORT, SOFTMOE_NATIVE="0", SOFTMOE_CACHE=str(tmp_path))
+def test_native_off_means_no_build_and_no_warning(reports):
+    report = reports["off"]
     assert report["available"] == [False, False] and report["warnings"] == []
     assert report["status"] == "SOFTMOE_NATIVE=0: the native kernels are turned off"
-    assert list(tmp_path.iterdir()) == []
+    assert list((reports["root"] / "off").iterdir()) == []
 
 
 @pytest.mark.slow

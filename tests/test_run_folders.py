@@ -78,7 +78,8 @@ def test_smoke_presets_on_two_datasets_do_not_share_a_folder(tmp_path, monkeypat
 
     monkeypatch.chdir(tmp_path)
     for dataset in ("digits", "mnist5k"):
-        assert main(["reproduce", "mnist", "--preset", "smoke", "--dataset", dataset, "--no-progress"]) == 0
+        args = ["reproduce", "mnist", "--preset", "smoke", "--dataset", dataset, "--experts", "2", "--seeds", "1"]
+        assert main([*args, "--no-progress"]) == 0
     assert (tmp_path / "runs" / "smoke-digits" / "mnist_suite.json").exists()
     suite = json.loads((tmp_path / "runs" / "smoke-mnist5k" / "mnist_suite.json").read_text())
     assert suite["data"]["name"] == "mnist5k"
