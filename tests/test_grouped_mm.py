@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import softmoe.kernels.grouped_mm as op_module
-import softmoe.kernels.onednn as onednn_module
 from reference import kernels_called
 from softmoe.activations import ACTIVATIONS
 from softmoe.compat import has_grouped_gemm
 from softmoe.kernels import native_available
 from softmoe.kernels.grouped_mm import grouped_mm, grouped_mm_weight_grad, row_block_matmul
+from softmoe.runtime import cpu_signature
 from softmoe.tuning import TABLE, Measured, value
 
 F64 = torch.float64
@@ -200,7 +200,10 @@ def test_large_weights_take_row_blocks_exactly_with_gradients(large_weights_on_t
 @pytest.mark.parametrize("onednn_faster", [True, False])
 def test_large_float32_weights_take_onednn_where_it_outruns_mkl(large_weights_on_two_threads, monkeypatch,
                                                                 onednn_faster):
-    monkeypatch.setattr(onednn_module, "onednn_outruns_mkl", lambda: onednn_faster)
+    """oneDNN where the tuning table says it outruns MKL on this CPU ("onednn_cpus"), MKL where it does not."""
+    vendor, family, _ = cpu_signature()
+    cpus = ((vendor, family, None),) if onednn_faster else ()
+    monkeypatch.setitem(TABLE, "onednn_cpus", Measured(cpus, "a test: this CPU" if onednn_faster else "a test: no CPU"))
     torch.manual_seed(0)
     weight = torch.randn(2, 12, 40)
     x = torch.randn(value("blas_min_rows") + 2, 12)
@@ -248,6 +251,7 @@ def test_the_grouped_gemm_branch_with_bias_activation_and_padding_rows(monkeypat
     """The branch CUDA bf16 takes (torch._grouped_mm, bias gathered by row group, no host read), run on the CPU,
     where torch 2.13 has _grouped_mm too: bias per expert, activation, zero rows past the last end, the bias gradient
     summed per expert."""
+    # CI has no GPU: the branch is taken on the CPU where the op decides whether torch's grouped GEMM serves
     monkeypatch.setattr(op_module, "uses_grouped_gemm", lambda a, b, k, n: True)
     torch.manual_seed(9)
     counts = [5, 0, 3, 9]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import types
 
 import pytest
 import torch
@@ -12,11 +13,10 @@ import torch
 import softmoe.kernels.onednn as onednn_module
 from reference import kernels_called, output_and_gradients, ref_activation, relative_error
 from softmoe import SoftMoE
-from softmoe.kernels import batched_matmul, native_available, onednn_applies, onednn_linear
-from softmoe.tuning import TABLE, Measured, set_autotune
-
-# the module, not the function of the same name that softmoe.kernels exports
-routing_module = importlib.import_module("softmoe.kernels.soft_moe_routing")
+from softmoe.kernels import batched_matmul, native_available, onednn_applies, onednn_linear, onednn_outruns_mkl
+from softmoe.kernels.onednn import PROBE_SHAPE
+from softmoe.runtime import cpu_signature
+from softmoe.tuning import TABLE, Measured, autotune_enabled, set_autotune
 
 ONEDNN = "mkldnn::_linear_pointwise"
 
@@ -80,11 +80,19 @@ def test_the_measured_thresholds_live_in_the_tuning_table_only():
             assert isinstance(TABLE[name.lower()], Measured) and TABLE[name.lower()].measured_on
 
 
+def onednn_cpus(monkeypatch, this_cpu: bool) -> None:
+    """softmoe.tuning.TABLE's "onednn_cpus" set so that oneDNN outruns MKL on this CPU (this_cpu), as the table
+    would say of a CPU it names, or on no CPU (the rule itself is tested on its own)."""
+    vendor, family, _ = cpu_signature()
+    cpus = ((vendor, family, None),) if this_cpu else ()
+    monkeypatch.setitem(TABLE, "onednn_cpus", Measured(cpus, "a test: this CPU" if this_cpu else "a test: no CPU"))
+
+
 @pytest.fixture
 def onednn_products(monkeypatch):
-    """batched_matmul takes oneDNN for every product that may run there, on any CPU (the rule of
-    onednn_outruns_mkl is tested on its own)."""
-    monkeypatch.setattr(onednn_module, "onednn_outruns_mkl", lambda: True)
+    """batched_matmul takes oneDNN for every product that may run there, on any CPU: oneDNN outruns MKL on this
+    CPU (softmoe.tuning.TABLE's "onednn_cpus") and the FLOP minimums are 1."""
+    onednn_cpus(monkeypatch, this_cpu=True)
     monkeypatch.setitem(TABLE, "onednn_min_product_flops", Measured(1, "a test"))
     monkeypatch.setitem(TABLE, "onednn_min_batch_flops", Measured(1, "a test"))
 
@@ -131,13 +139,15 @@ def test_batched_matmul_keeps_torch_where_onednn_may_not_run(onednn_products, mo
     monkeypatch.setitem(TABLE, "onednn_min_batch_flops", Measured(3 * 2 * 5 * 12 * 9 + 1, "a test"))
     torch_only(lambda: batched_matmul(a, w))  # too little work in all
     monkeypatch.setitem(TABLE, "onednn_min_batch_flops", Measured(1, "a test"))
-    monkeypatch.setattr(onednn_module, "onednn_outruns_mkl", lambda: False)
+    onednn_cpus(monkeypatch, this_cpu=False)  # oneDNN slower than MKL on this CPU
     torch_only(lambda: batched_matmul(a, w))
 
 
 @pytest.fixture
-def fresh_probe(monkeypatch):
-    """onednn_outruns_mkl as in a new process with autotuning on: nothing timed yet."""
+def fresh_probe():
+    """onednn_outruns_mkl as in a new process with autotuning on: nothing timed yet. (The probe's answer is kept for
+    the process, and only a new process forgets it publicly: the cache of the private _timed_choice is cleared
+    instead of starting an interpreter per test.)"""
     onednn_module._timed_choice.cache_clear()
     previous = set_autotune(True)
     yield
@@ -148,31 +158,64 @@ def fresh_probe(monkeypatch):
 MKLDNN = torch.backends.mkldnn.is_available()
 
 
+def ops_and_probe_runs(fn) -> tuple[set[str], int]:
+    """The operators ``fn()`` ran and how many of them were the probe's products (PROBE_SHAPE's rows through its
+    weight, in MKL or oneDNN: none unless the two were timed), seen by torch's profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    rows, inner, _ = PROBE_SHAPE
+    probe = [event for event in prof.events() if event.name in ("aten::mm", ONEDNN)
+             and event.input_shapes[:1] == [[rows, inner]]]
+    return {event.name for event in prof.events()}, len(probe)
+
+
+def probe_runs(fn) -> int:
+    """How many of the probe's products ``fn()`` ran (:func:`ops_and_probe_runs`)."""
+    return ops_and_probe_runs(fn)[1]
+
+
 @pytest.mark.parametrize(("cpu", "onednn"), [
     (("AuthenticAMD", 26, True), True), (("AuthenticAMD", 25, False), True), (("AuthenticAMD", 25, True), False),
     (("GenuineIntel", 6, True), False), (("GenuineIntel", 6, False), False), (("", 0, False), False)])
 def test_onednn_outruns_mkl_by_the_cpu_without_timing(cpu, onednn, monkeypatch):
     """By default nothing is timed: oneDNN on the CPUs the tuning table names (Zen 5; Zen 3, without AVX-512),
     MKL on Zen 4 and Intel's."""
+    # CI runs on one CPU: the others are simulated where the module reads the CPU's signature
     monkeypatch.setattr(onednn_module, "cpu_signature", lambda: cpu)
-    monkeypatch.setattr(onednn_module, "_time_probe", lambda: pytest.fail("timed without autotuning"))
-    assert onednn_module.onednn_outruns_mkl() is (onednn and MKLDNN)
+    assert not autotune_enabled()
+    answers = []
+    assert probe_runs(lambda: answers.append(onednn_outruns_mkl())) == 0  # nothing timed
+    assert answers == [onednn and MKLDNN]
+
+
+def fake_clock(seconds: list[float]):
+    """A time.perf_counter that reads ``seconds[i]`` between the start and the end of the i-th timed run (each run
+    reads the clock twice) and never goes back. (Real runs cannot be told apart by a chosen margin: the clock is
+    simulated.)"""
+    reads = []
+
+    def perf_counter() -> float:
+        runs, end = divmod(len(reads), 2)
+        reads.append(runs)
+        return sum(seconds[:runs]) + (seconds[runs] if end else 0.0)
+
+    return perf_counter, reads
 
 
 @pytest.mark.parametrize(("mkl_seconds", "onednn_seconds", "expected"),
                          [(1.0, 0.5, True), (1.0, 0.8, True), (1.0, 0.81, False), (1.0, 1.2, False)])
 def test_onednn_outruns_mkl_where_timed_clearly_faster(mkl_seconds, onednn_seconds, expected, fresh_probe,
                                                        monkeypatch):
-    timed = []
-
-    def fastest(fn):
-        timed.append(fn)
-        return (mkl_seconds, onednn_seconds)[len(timed) - 1]
-
-    monkeypatch.setattr(onednn_module, "_fastest", fastest)
-    assert onednn_module.onednn_outruns_mkl() is (expected and MKLDNN)
-    assert onednn_module.onednn_outruns_mkl() is (expected and MKLDNN)
-    assert len(timed) == (2 if MKLDNN else 0)  # timed once per process
+    """The probe takes the fastest of 3 timed runs of each library, MKL's first: oneDNN is chosen where it takes at
+    most the table's onednn_margin (0.8) of MKL's time, and the choice is timed once per process."""
+    perf_counter, reads = fake_clock([mkl_seconds] * 3 + [onednn_seconds] * 3)
+    monkeypatch.setattr(onednn_module, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    answers = []
+    # each library's product once untimed and 3 times timed
+    assert probe_runs(lambda: answers.append(onednn_outruns_mkl())) == (8 if MKLDNN else 0)
+    assert probe_runs(lambda: answers.append(onednn_outruns_mkl())) == 0  # timed once per process
+    assert answers == [expected and MKLDNN] * 2
+    assert len(reads) == (12 if MKLDNN else 0)  # 3 timed runs of each library, 2 clock reads each
 
 
 def test_the_probe_times_both_libraries_on_its_own_float32_cpu_tensors(fresh_probe):
@@ -183,10 +226,10 @@ def test_the_probe_times_both_libraries_on_its_own_float32_cpu_tensors(fresh_pro
     torch.set_default_dtype(torch.float64)
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            called = kernels_called(onednn_module.onednn_outruns_mkl)
+            called = kernels_called(onednn_outruns_mkl)
     finally:
         torch.set_default_dtype(previous)
-    assert isinstance(onednn_module.onednn_outruns_mkl(), bool)
+    assert isinstance(onednn_outruns_mkl(), bool)
     assert torch.equal(torch.get_rng_state(), rng)
     if MKLDNN:
         assert {"aten::mm", ONEDNN} <= called and "aten::_to_copy" not in called
@@ -195,21 +238,31 @@ def test_the_probe_times_both_libraries_on_its_own_float32_cpu_tensors(fresh_pro
 def test_products_that_cannot_take_onednn_never_time_it(fresh_probe, monkeypatch):
     """A vmapped layer, a float64 layer, products too small: torch's products, and no probe (it would time two
     products for nothing, and draw nothing under vmap's randomness rules)."""
-    monkeypatch.setattr(onednn_module, "_time_probe", lambda: pytest.fail("timed for a product oneDNN cannot run"))
     monkeypatch.setitem(TABLE, "onednn_min_product_flops", Measured(1, "a test"))
     monkeypatch.setitem(TABLE, "onednn_min_batch_flops", Measured(1, "a test"))
     torch.manual_seed(0)
     layer = SoftMoE(12, 4, 2, expert_hidden=10)  # under vmap: the reference backend, MLPExperts.forward
     x = torch.randn(3, 7, 12)
-    per_input = torch.func.vmap(layer)(x.unsqueeze(1)).squeeze(1)
+    outputs = {}
+
+    def run():
+        outputs["per_input"] = torch.func.vmap(layer)(x.unsqueeze(1)).squeeze(1)
+        with torch.no_grad():
+            outputs["want"] = copy.deepcopy(layer).double()(x.double())  # float64: torch's products
+
+    called, probes = ops_and_probe_runs(run)
+    assert probes == 0 and ONEDNN not in called and called & {"aten::bmm", "aten::baddbmm"}
+    assert (outputs["per_input"].double() - outputs["want"]).abs().max().item() < 1e-5
+    monkeypatch.setitem(TABLE, "onednn_min_batch_flops", Measured(1 << 40, "a test"))
+    # too little work in all: the slot formulation in batched products, which the auto backend runs for this layer
+    # too; on the slot backend with the routing in torch's ops (the native routing's products, which pass the
+    # lowered per-product minimum, are tested with oneDNN in test_native_routing)
     with torch.no_grad():
-        want = copy.deepcopy(layer).double()(x.double())  # float64: torch's products
-        assert (per_input.double() - want).abs().max().item() < 1e-5
-        monkeypatch.setitem(TABLE, "onednn_min_batch_flops", Measured(1 << 40, "a test"))
-        # too little work in all (the routing's own products, which pass the lowered per-product minimum, are
-        # tested with oneDNN in test_native_routing)
-        monkeypatch.setattr(routing_module, "onednn_pays", lambda flops: False)
-        assert (layer(x).double() - want).abs().max().item() < 1e-5
+        assert layer.backend_for(x).backend.mixing(layer, x) == "slots"
+        layer.backend = "slots"
+        called, probes = ops_and_probe_runs(lambda: outputs.update(got=layer(x)))
+        assert probes == 0 and ONEDNN not in called and called & {"aten::bmm", "aten::baddbmm"}
+        assert (outputs["got"].double() - outputs["want"]).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])

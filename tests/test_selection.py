@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -17,14 +18,14 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
-import softmoe.backends.base as base_backend
-import softmoe.backends.generic as generic_backend
-import softmoe.kernels.grouped_mm as grouped_mm_module
-import softmoe.selection as selection_module
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.backends import Backend
+from softmoe.experts import MLPExperts
 from softmoe.selection import (
+    HOST_TOPK_MAX_SCORES,
+    TOPK_MIN_SCORES,
     NoBetterThanRandomWarning,
     Selector,
     combine_scores,
@@ -114,7 +115,12 @@ def _restore_mix_selected():
 
 def capture_selections(layers):
     """Record the experts each layer's forward selects (per layer, per call), whether its selector's ``select``
-    chose them or the backend's own kernel did (Algorithm 1 on a float32 CPU layer: softmoe::top_k_combine)."""
+    chose them or the backend's own kernel did (Algorithm 1 on a float32 CPU layer: softmoe::top_k_combine).
+
+    A wrapper of Backend.mix_selected, which every backend's Algorithm 1 goes through: the experts a backend chooses
+    itself are the values of its ops' outputs (softmoe::soft_moe_routing_top_k, softmoe::top_k_combine), which no
+    public observation shows (the profiler records shapes and scalar arguments, and wrapping ``layer.selector`` sees
+    only the choices the selector makes)."""
     records = {id(layer): [] for layer in layers}
     original = Backend.mix_selected
 
@@ -125,6 +131,90 @@ def capture_selections(layers):
 
     Backend.mix_selected = mix_selected
     return records
+
+
+def ops_run(fn):
+    """``fn()``'s result and the operators it ran, in order, each with its input shapes (torch's profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        result = fn()
+    return result, [(event.name, event.input_shapes) for event in prof.events()]
+
+
+class ExpertWork(NamedTuple):
+    """What torch's profiler saw of a forward's expert work (:func:`expert_work`)."""
+
+    grouped: list[tuple[tuple, int, list[tuple[int, int]]]]  # each grouped product: (weight shape, rows, blocks)
+    slots: list[tuple[int, int, int]]  # the slot tensors built, D^T X
+    whole: list[str]  # the ops that took an MLP bank's stacked weight whole, outside the grouped products
+
+
+def in_grouped_product(event) -> bool:
+    """Whether a profiler event ran inside a grouped product (softmoe::grouped_mm)."""
+    while event.cpu_parent is not None:
+        event = event.cpu_parent
+        if event.name == "softmoe::grouped_mm":
+            return True
+    return False
+
+
+def expert_blocks(grouped) -> list[tuple[int, int]]:
+    """(expert, rows) of each block of rows a grouped product (softmoe::grouped_mm's event) ran, in order: the
+    entry of the weight it read (weight[j]) and the rows it took (x[start:stop]) before it."""
+    x_shape, weight_shape = grouped.input_shapes[0], grouped.input_shapes[1]
+    blocks, rows = [], None
+    for event in sorted(grouped.cpu_children, key=lambda event: event.time_range.start):
+        if event.name == "aten::slice" and event.input_shapes[0] == x_shape and event.concrete_inputs[1] == 0:
+            start, stop = event.concrete_inputs[2:4]
+            rows = stop - start
+        elif event.name == "aten::select" and event.input_shapes[0] == weight_shape and event.concrete_inputs[1] == 0:
+            blocks.append((event.concrete_inputs[2], rows))
+    return blocks
+
+
+def expert_work(layers, tokens, fn):
+    """``fn()``'s result and the expert work it ran, seen by torch's profiler (record_shapes), for ``layers`` whose
+    inputs have the shape ``tokens`` (batch, tokens, dim):
+
+    - ``grouped``: each grouped product (softmoe::grouped_mm: the selected plan runs an MLP bank's two layers as
+      two of them), as its weight's shape, its rows and its blocks (:func:`expert_blocks`);
+    - ``slots``: the shape of each slot tensor built, D^T X (a torch.bmm by the tokens);
+    - ``whole``: the ops outside the grouped products that took the stacked weights of the layers' MLP experts
+      (every expert run: the plain forward's batched products, the token-space rewrite, the native kernels).
+    """
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        result = fn()
+    stacked = [list(weight.shape) for layer in layers if isinstance(layer.experts, MLPExperts)
+               for weight in (layer.experts.weight1, layer.experts.weight2)]
+    work = ExpertWork([], [], [])
+    for event in prof.events():
+        shapes = event.input_shapes
+        if event.name == "softmoe::grouped_mm":
+            work.grouped.append((tuple(shapes[1]), shapes[0][0], expert_blocks(event)))
+        elif in_grouped_product(event):
+            continue
+        elif event.name == "aten::bmm" and shapes[1] == list(tokens):
+            work.slots.append((shapes[0][0], shapes[0][1], shapes[1][2]))
+        elif any(shape in stacked for shape in shapes):
+            work.whole.append(event.name)
+    return result, work
+
+
+def expert_flops(layer, fn):
+    """``fn()``'s result and, counted by torch's FLOP counter by module, the FLOPs of ``layer``'s custom experts
+    (the template every copy runs, under vmap: each group of rows through the module) and those of any module but
+    the layer and the template (the bank's forward, every expert on its slots; 0 where it did not run)."""
+    with FlopCounterMode(display=False) as counter:
+        result = fn()
+    flops = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
+    template = type(layer.experts.template).__name__  # its submodules counted as "template.name"
+    elsewhere = sum(count for name, count in flops.items()
+                    if name not in ("Global", type(layer).__name__) and name.split(".")[0] != template)
+    return result, flops.get(template, 0), elsewhere
+
+
+def template_flops_per_group(layer) -> int:
+    """The FLOPs of one group of p slot rows through make_layer's custom expert (its two Linear layers)."""
+    return 2 * 2 * layer.slots_per_expert * DIM * HIDDEN
 
 
 def independent_reference(layer, x, selected, mask=None, renormalize=False):
@@ -308,24 +398,23 @@ def test_k_equal_n_equals_plain_forward_when_plain_uses_token_space(strategy):
 
 
 @pytest.mark.parametrize("custom", [False, True], ids=["mlp", "custom"])
-def test_strategy_all_is_the_plain_forward(custom, monkeypatch):
+def test_strategy_all_is_the_plain_forward(custom):
+    """The same output and the same operators, in order and with the same shapes, as the plain forward: strategy
+    "all" does not take the selection path."""
     layer = make_layer(2, custom=custom)
     x = make_input()
     mask = padding_mask()
     with torch.no_grad():
-        plain = layer(x, mask)
+        plain, plain_ops = ops_run(lambda: layer(x, mask))
         with select_experts(nn.Sequential(layer), strategy="all") as layers:
             assert layers == [layer] and layer.selector is None
-
-            def boom(*args, **kwargs):
-                raise AssertionError("strategy 'all' must not take the selection path")
-
-            monkeypatch.setattr(Backend, "mix_selected", boom)
-            out = layer(x, mask)
+            out, ops = ops_run(lambda: layer(x, mask))
         with select_experts(layer, k=3, strategy="all"):  # k is ignored for "all"
-            out_k = layer(x, mask)
+            assert layer.selector is None
+            out_k, ops_k = ops_run(lambda: layer(x, mask))
     assert torch.equal(out, plain)
     assert torch.equal(out_k, plain)
+    assert ops == ops_k == plain_ops
 
 
 # ------------------------------------------------------------------------------------- 3. batch independence
@@ -362,119 +451,92 @@ def test_batch_independence_under_selection(strategy, custom):
 # ------------------------------------------------------------------------ 4. unselected experts do not run
 
 
-def instrument(layer, monkeypatch):
-    """Record the rows per expert handed to experts.forward_selected, the slot tensors built, and forbid every
-    full-expert entry point."""
-    log = {"counts": [], "rows": [], "slots": []}
-    original_selected = layer.experts.forward_selected
-    original_dispatch = base_backend.dispatch_slots
-
-    def forward_selected(rows, expert):
-        log["counts"].append(torch.bincount(expert, minlength=layer.num_experts) * rows.shape[1])
-        log["rows"].append(rows.shape[0] * rows.shape[1])
-        return original_selected(rows, expert)
-
-    def dispatch_slots(x, dispatch):
-        out = original_dispatch(x, dispatch)
-        log["slots"].append(tuple(out.shape))
-        return out
-
-    def forbidden(name):
-        def fail(*args, **kwargs):
-            raise AssertionError(f"{name} must not be called under selection")
-
-        return fail
-
-    monkeypatch.setattr(layer.experts, "forward_selected", forward_selected)
-    monkeypatch.setattr(base_backend, "dispatch_slots", dispatch_slots)
-    monkeypatch.setattr(layer, "run_experts", forbidden("run_experts"))
-    monkeypatch.setattr(layer.experts, "forward", forbidden("experts.forward"))
-    monkeypatch.setattr(generic_backend, "token_space_mixing", forbidden("token_space_mixing"))
-    return log
-
-
-def record_block_rows(monkeypatch) -> list[int]:
-    """The rows of every per-expert product of softmoe::grouped_mm, in call order."""
-    block_rows = []
-    original_product = grouped_mm_module.group_product
-
-    def group_product(x, w, *args):
-        block_rows.append(x.shape[0])
-        return original_product(x, w, *args)
-
-    monkeypatch.setattr(grouped_mm_module, "group_product", group_product)
-    return block_rows
-
-
 def expected_counts(selected, n, p):
     return torch.bincount(selected.reshape(-1), minlength=n) * p
 
 
+def blocks_of(counts) -> list[tuple[int, int]]:
+    """The blocks (expert, rows) of a grouped product that runs ``counts`` rows per expert: the experts with rows,
+    in order."""
+    return [(j, rows) for j, rows in enumerate(counts.tolist()) if rows > 0]
+
+
 @pytest.mark.parametrize("entry", ["forward_selected", "select_experts"])
 @pytest.mark.parametrize("p", [1, 2])
-def test_unselected_experts_do_not_run_mlp(p, entry, monkeypatch):
+def test_unselected_experts_do_not_run_mlp(p, entry):
+    """One run of the selected experts on the batch * k * p slot rows built for them (no others): both layers of
+    the MLP as grouped products, each reading only the kept experts' weights, each on its own rows; no expert runs
+    anywhere else (the plain forward's products, the token-space rewrite)."""
     layer = make_layer(p)
     x = make_input(batch=4)
     # experts 3 and 6 are chosen by nobody; expert 0 by every input
     selected = torch.tensor([[0, 1], [0, 2], [0, 5], [0, 7]])
     keep = mask_from_subsets(selected, N)
-    # the per-expert computation itself: each grouped product runs one matmul per expert block it has rows for
-    block_rows = record_block_rows(monkeypatch)
-    log = instrument(layer, monkeypatch)
-    with torch.no_grad():
+
+    def run():
         if entry == "forward_selected":
-            layer.forward_selected(x, selected, plan="selected")
-        else:
-            with select_experts(layer, strategy=keep, plan="selected"):
-                layer(x)
-    assert len(log["counts"]) == 1
-    counts = log["counts"][0]
-    assert counts.tolist() == expected_counts(selected, N, p).tolist() == [4 * p, p, p, 0, 0, p, 0, p]
-    assert log["rows"] == [4 * 2 * p]
-    assert log["slots"] == [(4, 2 * p, DIM)]  # batch * k * p slot rows built, no more
-    assert block_rows == [c for c in counts.tolist() if c > 0] * 2  # both layers of the MLP
+            return layer.forward_selected(x, selected, plan="selected")
+        with select_experts(layer, strategy=keep, plan="selected"):
+            return layer(x)
+
+    with torch.no_grad():
+        out, work = expert_work([layer], x.shape, run)
+        torch.testing.assert_close(out, masked_reference_forward(layer, x, selected), atol=1e-5, rtol=1e-5)
+    counts = expected_counts(selected, N, p)
+    assert counts.tolist() == [4 * p, p, p, 0, 0, p, 0, p]
+    experts = layer.experts
+    assert work.grouped == [(tuple(experts.weight1.shape), 4 * 2 * p, blocks_of(counts)),
+                            (tuple(experts.weight2.shape), 4 * 2 * p, blocks_of(counts))]
+    assert work.slots == [(4, 2 * p, DIM)]  # batch * k * p slot rows built, no more
+    assert work.whole == []
 
 
 @pytest.mark.parametrize("strategy", ["combine", "random"])
-def test_unselected_experts_do_not_run_custom_expert(strategy, monkeypatch):
-    """Custom experts gather the parameters of the selected experts only: NaN in every unselected expert's
-    parameters cannot reach the output, which stays what it was before the poisoning."""
+def test_unselected_experts_do_not_run_custom_expert(strategy):
+    """Custom experts gather the parameters of the selected experts only: the module runs on the batch * k groups
+    of p slot rows built for them (torch's FLOP counter), the bank's forward (every expert) never, and NaN in every
+    unselected expert's parameters cannot reach the output, which stays what it was before the poisoning (the
+    paper's masked forward)."""
     p, k, batch = 2, 2, 3
     layer = make_layer(p, custom=True)
     x = make_input(batch=batch)
-    log = instrument(layer, monkeypatch)
     with torch.no_grad(), select_experts(layer, k=k, strategy=strategy, seed=4, plan="selected") as layers:
         records = capture_selections(layers)
-        before = layer(x)
+        before, flops, elsewhere = expert_flops(layer, lambda: layer(x))
     (selected,) = records[id(layer)]
-    want = expected_counts(selected, N, p)
-    assert log["counts"][0].tolist() == want.tolist()
-    assert log["slots"] == [(batch, k * p, DIM)]
+    assert flops == batch * k * template_flops_per_group(layer) and elsewhere == 0
+    torch.testing.assert_close(before, masked_reference_forward(layer, x, selected), atol=1e-5, rtol=1e-5)
     unused = [j for j in range(N) if j not in selected.unique().tolist()]
     assert unused
     with torch.no_grad():
         for _, value in layer.experts.named_parameters():
             value[unused] = float("nan")
-        with select_experts(layer, k=k, strategy=strategy, seed=4, plan="selected"):
-            after = layer(x)
+        with select_experts(layer, k=k, strategy=strategy, seed=4, plan="selected") as layers:
+            records = capture_selections(layers)
+            after, work = expert_work([layer], x.shape, lambda: layer(x))
+    assert torch.equal(records[id(layer)][0], selected)
+    assert work.slots == [(batch, k * p, DIM)]
     torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
-def test_unselected_experts_do_not_run_multi_layer_model(monkeypatch):
+def test_unselected_experts_do_not_run_multi_layer_model():
     model = TwoLayerModel()
     x = make_input(batch=4)
-    logs = [instrument(layer, monkeypatch) for layer in (model.moe_a, model.moe_b)]
     with torch.no_grad(), select_experts(model, k=0.25, plan="selected") as layers:
         records = capture_selections(layers)
-        model(x)
-    built = []  # the slot tensors built, layer by layer (dispatch_slots is one function, so both logs see both)
-    for layer, log in zip((model.moe_a, model.moe_b), logs):
+        _, work = expert_work(layers, x.shape, lambda: model(x))
+    grouped, built = [], []  # layer by layer: both layers of its MLP, the slot tensor built
+    for layer in (model.moe_a, model.moe_b):
         (selected,) = records[id(layer)]
         k = layer.num_experts // 4
         assert selected.shape == (4, k)
-        assert log["counts"][0].tolist() == expected_counts(selected, layer.num_experts, layer.slots_per_expert).tolist()
+        blocks = blocks_of(expected_counts(selected, layer.num_experts, layer.slots_per_expert))
+        rows = 4 * k * layer.slots_per_expert
+        grouped += [(tuple(weight.shape), rows, blocks) for weight in (layer.experts.weight1, layer.experts.weight2)]
         built.append((4, k * layer.slots_per_expert, DIM))
-    assert logs[0]["slots"] == logs[1]["slots"] == built
+    assert work.grouped == grouped
+    assert work.slots == built
+    assert work.whole == []
 
 
 # ------------------------------------------------------------------------- 5. hand-worked Algorithm 1 example
@@ -991,20 +1053,20 @@ def test_adaptive_fast_path_equals_masked_reference(setting, p, custom, padded, 
         assert int(counts.sum()) == value * 6
 
 
-def test_adaptive_selection_skips_the_work_of_dropped_experts(monkeypatch):
+def test_adaptive_selection_skips_the_work_of_dropped_experts():
     p = 2
     layer = adaptive_layer(p)
     x = make_input(torch.float64, batch=6)
-    block_rows = record_block_rows(monkeypatch)
     with torch.no_grad(), select_experts(layer, strategy="mass", tau=0.7, plan="selected") as layers:
         records = capture_selections(layers)
-        layer(x)
+        _, work = expert_work([layer], x.shape, lambda: layer(x))
     selected = records[id(layer)][0]
     kept = selected[selected >= 0]
-    per_expert = torch.bincount(kept, minlength=N) * p
+    blocks = blocks_of(torch.bincount(kept, minlength=N) * p)
     assert kept.numel() < selected.numel()  # some places are unused ...
-    assert block_rows == [c for c in per_expert.tolist() if c > 0] * 2  # ... and no product reads them
-    assert sum(block_rows) == 2 * p * kept.numel()
+    assert [run_blocks for _, _, run_blocks in work.grouped] == [blocks] * 2  # ... and no product reads them
+    assert sum(rows for _, rows in blocks) == p * kept.numel()
+    assert work.whole == []
 
 
 @pytest.mark.parametrize("custom", [False, True], ids=["mlp", "custom"])
@@ -1078,43 +1140,55 @@ def test_bad_adaptive_settings_name_the_value(kwargs, message):
             pass
 
 
-def test_custom_experts_leave_unused_places_out_on_cpu(monkeypatch):
+def test_custom_experts_leave_unused_places_out_on_cpu():
     layer = make_layer(2, torch.float64, custom=True)
     x = make_input(torch.float64, batch=3)
     selected = torch.tensor([[0, 3, -1], [2, -1, -1], [1, 4, 6]])
-    groups = []
-    original = layer.experts._vmap_selected
-
-    def spy(rows, expert):
-        groups.append(int(expert.shape[0]))
-        return original(rows, expert)
-
-    monkeypatch.setattr(layer.experts, "_vmap_selected", spy)
     with torch.no_grad():
-        out = layer.forward_selected(x, selected, plan="selected")
-    assert groups == [6]  # of the 9 places, only the 6 used ones run through the experts
+        out, flops, elsewhere = expert_flops(layer, lambda: layer.forward_selected(x, selected, plan="selected"))
+    # of the 9 places, only the 6 used ones run through the experts (torch's FLOP counter)
+    assert flops == 6 * template_flops_per_group(layer) and elsewhere == 0
     torch.testing.assert_close(out, masked_reference_forward(layer, x, selected), atol=1e-10, rtol=1e-10)
+
+
+def sorts_and_top_ks(fn):
+    """``fn()``'s result and the (operator, first input's shape) of every torch.sort and torch.topk it ran."""
+    result, ops = ops_run(fn)
+    return result, {(name, tuple(shapes[0])) for name, shapes in ops if name in ("aten::sort", "aten::topk")}
 
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("path", ["topk", "sort", "host"])
-def test_algorithm1_fast_top_k_equals_the_stable_rule(monkeypatch, seed, path):
+def test_algorithm1_fast_top_k_equals_the_stable_rule(seed, path):
     """top_k_by_combine sorts on the host up to HOST_TOPK_MAX_SCORES scores on CPU, takes torch.topk from
     TOPK_MIN_SCORES unless the k-th and (k+1)-th scores tie, and sorts with torch between; with planted boundary ties
     (values from a few levels), NaNs and distinct values every path keeps the same experts as the stable sort's
-    rule."""
-    monkeypatch.setattr(selection_module, "HOST_TOPK_MAX_SCORES", 10**9 if path == "host" else 0)
-    monkeypatch.setattr(selection_module, "TOPK_MIN_SCORES", 1 if path == "topk" else 10**9)
-    g = torch.Generator().manual_seed(seed)
+    rule. The number of scores (inputs x experts) picks the path; the profiler shows the one that ran."""
     n = 8
-    for levels in (3, 1000):  # few levels: many ties, also at the boundary
-        combine = torch.randint(0, levels, (16, 5, n, 1), generator=g).double()
+    batch = {"host": HOST_TOPK_MAX_SCORES // n, "sort": HOST_TOPK_MAX_SCORES // n + 1, "topk": TOPK_MIN_SCORES // n}
+    batch = batch[path]
+    assert HOST_TOPK_MAX_SCORES < (HOST_TOPK_MAX_SCORES // n + 1) * n < TOPK_MIN_SCORES
+    g = torch.Generator().manual_seed(seed)
+    for levels in (3, 1000, None):  # few levels: many ties, also at the boundary; None: distinct values
+        shape = (batch, 5, n, 1)
+        combine = torch.rand(shape, generator=g) if levels is None else torch.randint(0, levels, shape, generator=g)
+        combine = combine.double()
         if seed % 2:
             combine[0, 0, 3, 0] = float("nan")
             combine[1, :, 5, 0] = float("nan")
         for k in range(1, n + 1):
             want = top_k(combine_scores(combine), k, dim=1)[1].sort(dim=1).values
-            assert torch.equal(top_k_by_combine(combine, k), want)
+            got, ran = sorts_and_top_ks(lambda combine=combine, k=k: top_k_by_combine(combine, k))
+            assert torch.equal(got, want)
+            stable_sort = ("aten::sort", (batch, n)) in ran  # of the scores (the top-k's order is (batch, k))
+            if path == "host":
+                assert ran == set(), k
+            elif path == "sort" or k == n:  # (every expert kept: nothing for torch.topk to leave out)
+                assert stable_sort and ("aten::topk", (batch, n)) not in ran, k
+            else:
+                assert ("aten::topk", (batch, n)) in ran, k
+                if levels is None:  # no tie between the k-th and the (k+1)-th: no sort after it
+                    assert not stable_sort, k
 
 
 # ------------------------------------------------------------------------- uniform combine shares
@@ -1165,6 +1239,8 @@ def uniform_and_peaked_layers():
 def test_select_experts_says_once_when_shares_are_nearly_uniform():
     uniform, peaked = uniform_and_peaked_layers()
     x = torch.randn(BATCH, TOKENS, DIM)
+    with torch.no_grad():
+        _, plain_ops = ops_run(lambda: uniform(x))  # no check installed yet
     model = nn.Sequential(uniform, uniform)  # two visits of the layer, one warning
     with pytest.warns(NoBetterThanRandomWarning, match="nearly uniform") as caught:
         with torch.no_grad(), select_experts(model, k=2):
@@ -1173,12 +1249,18 @@ def test_select_experts_says_once_when_shares_are_nearly_uniform():
     assert len([w for w in caught if issubclass(w.category, NoBetterThanRandomWarning)]) == 1
     assert "which 2 experts Algorithm 1 keeps" in str(caught[0].message)
     assert "no better than random selection" in str(caught[0].message)
-    assert not uniform._forward_pre_hooks  # the check is gone after the block, and after its first batch
-    with warnings.catch_warnings():  # once per layer: a later block neither checks nor warns again
+    with warnings.catch_warnings():
         warnings.simplefilter("error", NoBetterThanRandomWarning)
+        # the check is gone after the block, and after its first batch: the plain forward's operators, no warning
+        # (a check left behind would route the batch again and warn: the layer's shares are uniform)
+        with torch.no_grad():
+            _, ops = ops_run(lambda: uniform(x))
+        assert ops == plain_ops
+        # once per layer: a later block neither checks nor warns again (its first batch runs what its second does)
         with torch.no_grad(), select_experts(uniform, k=2):
-            assert not uniform._forward_pre_hooks
-            uniform(x)
+            _, first = ops_run(lambda: uniform(x))
+            _, second = ops_run(lambda: uniform(x))
+        assert first == second
     with warnings.catch_warnings():
         warnings.simplefilter("error", NoBetterThanRandomWarning)
         with torch.no_grad(), select_experts(peaked, k=2):
