@@ -528,8 +528,8 @@ KeptLanes kept_lanes(const float *combine, const uint64_t *kept_slots, int64_t B
 
 /* The fused mixing C relu-MLP(D^T X): x (B, M, Dm), dispatch / combine (B, M, S), weight1 (n, Dm, Hd), bias1 (n,
  * Hd), weight2 (n, Hd, Dm), bias2 (n, Dm) -> out (B, M, Dm) and what the backward reads, saved (ceil(B / lanes), S,
- * Hd, lanes) with lanes those of the variant (16, 8 or 4): the pre-activations. kept_combine, for inference only (saved is then incomplete, or empty where the
- * layout has no groups of inputs): combine is zero outside the slots each input keeps (Algorithm 1's dense plan);
+ * Hd, lanes) with lanes those of the variant (16, 8 or 4): the pre-activations. kept_combine, for inference only
+ * (saved is then incomplete, or empty where the layout has no groups of inputs): combine is zero outside the slots each input keeps (Algorithm 1's dense plan);
  * the work is laid out by kept_lanes (kept_lanes_by: LANES_AUTO, or one layout forced) from the slots each input
  * keeps (kept_slots, the routing's choice as bits, or where None its nonzero combine weights), and a slot whose
  * combine weights are zero for every input of a group of lanes is not run for that group. every_slot, for inference
@@ -599,14 +599,11 @@ std::tuple<at::Tensor, at::Tensor> mixing_forward(const at::Tensor &x_in, const 
         return {out, no_records()};
     }
     at::Tensor saved = at::empty({(s.B + lanes - 1) / lanes, s.S, width, lanes}, x.options());
-    int status;
-    {
-        status = v.mixing_forward(x.data_ptr<float>(), dispatch.data_ptr<float>(), combine.data_ptr<float>(),
-                                  w1.data_ptr<float>(), pointer(b1), w2.data_ptr<float>(), pointer(b2),
-                                  out.data_ptr<float>(), saved.data_ptr<float>(), s.B, s.M, s.S, P, s.Hd, s.Dm,
-                                  kept_combine, layout.order.empty() ? nullptr : layout.order.data(),
-                                  threads());
-    }
+    const int status = v.mixing_forward(x.data_ptr<float>(), dispatch.data_ptr<float>(), combine.data_ptr<float>(),
+                                        w1.data_ptr<float>(), pointer(b1), w2.data_ptr<float>(), pointer(b2),
+                                        out.data_ptr<float>(), saved.data_ptr<float>(), s.B, s.M, s.S, P, s.Hd, s.Dm,
+                                        kept_combine, layout.order.empty() ? nullptr : layout.order.data(),
+                                        threads());
     TORCH_CHECK(status == 0, "softmoe: the native Soft MoE kernel refused its inputs");
     return {out, saved};
 }
@@ -660,15 +657,13 @@ Grads7 soft_moe_mixing_backward(const at::Tensor &grad_in, const at::Tensor &x_i
     at::Tensor grad_dispatch = at::empty_like(dispatch), grad_combine = at::empty_like(combine);
     at::Tensor grad_w1 = at::empty_like(w1), grad_w2 = at::empty_like(w2);
     at::Tensor grad_b1 = at::empty({s.n, s.Hd}, x.options()), grad_b2 = at::empty({s.n, s.Dm}, x.options());
-    int status;
-    {
-        status = v.mixing_backward(grad.data_ptr<float>(), x.data_ptr<float>(), dispatch.data_ptr<float>(),
-                                   combine.data_ptr<float>(), w1.data_ptr<float>(), w2.data_ptr<float>(), pointer(b2),
-                                   saved.data_ptr<float>(), grad_x.data_ptr<float>(), grad_dispatch.data_ptr<float>(),
-                                   grad_combine.data_ptr<float>(), grad_w1.data_ptr<float>(),
-                                   grad_b1.data_ptr<float>(), grad_w2.data_ptr<float>(), grad_b2.data_ptr<float>(),
-                                   s.B, s.M, s.S, s.S / s.n, s.Hd, s.Dm, count);
-    }
+    const int status =
+        v.mixing_backward(grad.data_ptr<float>(), x.data_ptr<float>(), dispatch.data_ptr<float>(),
+                          combine.data_ptr<float>(), w1.data_ptr<float>(), w2.data_ptr<float>(), pointer(b2),
+                          saved.data_ptr<float>(), grad_x.data_ptr<float>(), grad_dispatch.data_ptr<float>(),
+                          grad_combine.data_ptr<float>(), grad_w1.data_ptr<float>(), grad_b1.data_ptr<float>(),
+                          grad_w2.data_ptr<float>(), grad_b2.data_ptr<float>(), s.B, s.M, s.S, s.S / s.n, s.Hd, s.Dm,
+                          count);
     TORCH_CHECK(status == 0, "softmoe: the native Soft MoE kernel refused its inputs");
     return {grad_x, grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2};
 }
@@ -823,13 +818,11 @@ routing_forward(const at::Tensor &x_in, const at::Tensor &phi_in, const c10::opt
     at::Tensor r = at::empty({B, M}, x.options());
     const at::Tensor selected = with_selected ? at::empty({B, k}, x.options().dtype(at::kLong)) : at::Tensor();
     const at::Tensor slots = at::empty({B, k ? (S + 63) / 64 : 0}, x.options().dtype(at::kLong));
-    {
-        v.routing_forward(logits.data_ptr<float>(), x.data_ptr<float>(), dots ? phi_t.data_ptr<float>() : nullptr,
-                          rows ? phi_n.data_ptr<float>() : nullptr, dispatch.data_ptr<float>(),
-                          combine.data_ptr<float>(), r.data_ptr<float>(), B, M, S, D, mode == ROUTING_ROUTER, p, k,
-                          with_selected ? selected.data_ptr<int64_t>() : nullptr,
-                          reinterpret_cast<uint64_t *>(slots.data_ptr<int64_t>()), threads());
-    }
+    v.routing_forward(logits.data_ptr<float>(), x.data_ptr<float>(), dots ? phi_t.data_ptr<float>() : nullptr,
+                      rows ? phi_n.data_ptr<float>() : nullptr, dispatch.data_ptr<float>(),
+                      combine.data_ptr<float>(), r.data_ptr<float>(), B, M, S, D, mode == ROUTING_ROUTER, p, k,
+                      with_selected ? selected.data_ptr<int64_t>() : nullptr,
+                      reinterpret_cast<uint64_t *>(slots.data_ptr<int64_t>()), threads());
     return {logits, dispatch, combine, r, selected, slots};
 }
 
@@ -908,14 +901,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
     const at::Tensor phi_t = small ? transposed(n.phi_n) : at::Tensor();
     at::Tensor grad_x = small ? at::empty({B * M, D}, x.options()) : at::Tensor();
     const at::Tensor grad_phi_t = small ? at::empty({S, D}, x.options()) : at::Tensor();
-    {
-        v.routing_backward(pointer(grads[0]), pointer(grads[1]), pointer(grads[2]), logits.data_ptr<float>(),
-                           dispatch.data_ptr<float>(), combine.data_ptr<float>(), r.data_ptr<float>(),
-                           gp.data_ptr<float>(), dot.data_ptr<float>(), small ? x.data_ptr<float>() : nullptr,
-                           small ? phi_t.data_ptr<float>() : nullptr, small ? grad_x.data_ptr<float>() : nullptr,
-                           small ? grad_phi_t.data_ptr<float>() : nullptr, B, M, S, D, mode == ROUTING_ROUTER,
-                           threads());
-    }
+    v.routing_backward(pointer(grads[0]), pointer(grads[1]), pointer(grads[2]), logits.data_ptr<float>(),
+                       dispatch.data_ptr<float>(), combine.data_ptr<float>(), r.data_ptr<float>(),
+                       gp.data_ptr<float>(), dot.data_ptr<float>(), small ? x.data_ptr<float>() : nullptr,
+                       small ? phi_t.data_ptr<float>() : nullptr, small ? grad_x.data_ptr<float>() : nullptr,
+                       small ? grad_phi_t.data_ptr<float>() : nullptr, B, M, S, D, mode == ROUTING_ROUTER,
+                       threads());
     const at::Tensor x_flat = x.view({B * M, D}), gp_flat = gp.view({B * M, S});
     /* the logits are proportional to scale: its gradient is sum(g logits) / scale, summed here in double (through
        grad_phi_n below, a sum with much cancellation, it came out far less accurate than torch's) */
@@ -981,10 +972,8 @@ std::tuple<at::Tensor, at::Tensor> top_k_combine(const at::Tensor &combine_in, i
     TORCH_CHECK(k >= 1 && k <= n, "softmoe: k must be in [1, ", n, "] (the experts), got ", k);
     at::Tensor kept = at::empty_like(combine), selected = at::empty({B, k}, combine.options().dtype(at::kLong));
     const int count = int(std::min<int64_t>(threads(), std::max<int64_t>(1, (B * M * S) >> 15)));
-    {
-        v.top_k_combine(combine.data_ptr<float>(), kept.data_ptr<float>(), selected.data_ptr<int64_t>(), B, M, S, p,
-                        k, count);
-    }
+    v.top_k_combine(combine.data_ptr<float>(), kept.data_ptr<float>(), selected.data_ptr<int64_t>(), B, M, S, p,
+                    k, count);
     return {kept, selected};
 }
 
