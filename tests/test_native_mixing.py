@@ -5,6 +5,7 @@ slot, and where the layer takes it."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from softmoe.kernels.build import ISAS, LANES
 from softmoe.kernels.soft_moe_mixing import LAYOUTS
 from softmoe.tuning import value
 
+mixing_module = sys.modules["softmoe.kernels.soft_moe_mixing"]  # the package exports the function of that name
 
 
 def mixing_reference(x, dispatch, combine, w1, b1, w2, b2):
@@ -82,18 +84,23 @@ SHAPES = [
 
 
 @pytest.mark.parametrize(
-    "shape, bias, threads, row_isa",
-    pairwise(shape=SHAPES, bias=[True, False], threads=[1, 2, 3], row_isa=ISAS),
+    "shape, bias, threads, row_isa, keep_outputs",
+    pairwise(shape=SHAPES, bias=[True, False], threads=[1, 2, 3], row_isa=ISAS, keep_outputs=[True, False]),
     indirect=["threads", "row_isa"],
 )
-def test_mixing_and_all_gradients_match_float64(shape, bias, threads, row_isa):
-    assert_matches_float64(shape, bias)
+def test_mixing_and_all_gradients_match_float64(shape, bias, threads, row_isa, keep_outputs):
+    """The op forward and backward, the slots' outputs kept for the backward or computed again."""
+    assert_matches_float64(shape, bias, keep_outputs)
 
 
-def assert_matches_float64(shape, bias):
-    """The mixing and every gradient against float64 autograd of the reference."""
+def assert_matches_float64(shape, bias, keep_outputs=None):
+    """The mixing and every gradient against float64 autograd of the reference: through the entry point, or with
+    ``keep_outputs`` through the op itself (the records it keeps for the backward chosen)."""
     inputs = random_inputs(*shape, bias=bias, seed=sum(shape))
-    out = soft_moe_mixing(*inputs)
+    if keep_outputs is None:
+        out = soft_moe_mixing(*inputs)
+    else:
+        out = torch.ops.softmoe.soft_moe_mixing(*inputs, keep_outputs, kernels.cpu_isa())[0]
     grad = torch.randn_like(out)
     out.backward(grad)
     leaves = [t.detach().double().requires_grad_() if t is not None else None for t in inputs]
@@ -273,7 +280,7 @@ def test_eager_training_runs_the_ops_forward_and_backward(library, threads):
     backward ops: a dispatch mode sees all four, its outputs and gradients equal, bit for bit, those of a plain
     call, and a profiler started after the forward still sees the backward ops."""
     torch.manual_seed(8)
-    layer = SoftMoE(24, 8, expert_hidden=70, activation="relu")
+    layer = SoftMoE(24, 8, expert_hidden=70, activation="relu")  # 70 hidden units: the outputs are kept too
     x, grad = torch.randn(21, 4, 24), torch.randn(21, 4, 24)
     plain = output_and_gradients(layer, x, grad)
     with OpRecorder() as recorder:
@@ -326,7 +333,7 @@ def test_too_many_tokens_is_refused(library):
     with pytest.raises(ValueError, match=f"1..{MIXING_MAX_TOKENS} tokens, got {MIXING_MAX_TOKENS + 1}"):
         soft_moe_mixing(*inputs)
     with pytest.raises(RuntimeError, match=f"1..{MIXING_MAX_TOKENS} tokens, got {MIXING_MAX_TOKENS + 1}"):
-        torch.ops.softmoe.soft_moe_mixing(*inputs, kernels.cpu_isa())  # the op checks too
+        torch.ops.softmoe.soft_moe_mixing(*inputs, False, kernels.cpu_isa())  # the op checks too
 
 
 def count_mixing_calls(monkeypatch) -> list[tuple[int, ...]]:
@@ -466,31 +473,33 @@ def saved_shape_read_by_the_backward(inputs) -> tuple[int, ...]:
     return shapes[7]
 
 
-def test_the_backward_reads_the_pre_activations(isa):
-    """The forward saves the slots' pre-activations, hidden wide, per group of lanes, and the backward reads them."""
-    lanes = LANES[isa]
-    for hidden in (5, 70):
+def test_the_outputs_are_kept_from_the_set_hidden_size_up(isa):
+    """From MIXING_KEEP_OUTPUTS_MIN_HIDDEN hidden units up the forward saves the slots' outputs (dim 12) after the
+    pre-activations and the backward reads them; below, only the pre-activations."""
+    least, lanes = mixing_module.MIXING_KEEP_OUTPUTS_MIN_HIDDEN, LANES[isa]
+    for hidden, width in ((least - 1, least - 1), (least, least + 12)):
         shape = saved_shape_read_by_the_backward(random_inputs(33, 4, 12, 3, 1, hidden, bias=True))
-        assert shape == ((33 + lanes - 1) // lanes, 3, hidden, lanes), hidden
+        assert shape == ((33 + lanes - 1) // lanes, 3, width, lanes), hidden
 
 
 def test_no_records_are_kept_without_a_backward(library):
     """Under no_grad (inference) the mixing keeps no records for a backward: the inference op runs, watched or not,
     and gives what the training op gives."""
-    inputs = [t.detach() for t in random_inputs(33, 4, 12, 3, 1, 70, bias=True)]
+    inputs = [t.detach() for t in random_inputs(33, 4, 12, 3, 1, mixing_module.MIXING_KEEP_OUTPUTS_MIN_HIDDEN,
+                                                  bias=True)]
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = soft_moe_mixing(*inputs)
     names = {e.name for e in prof.events()}
     assert "softmoe::soft_moe_mixing_inference" in names and "softmoe::soft_moe_mixing" not in names
-    trained, _ = torch.ops.softmoe.soft_moe_mixing(*inputs, cpu_isa())
+    trained, _ = torch.ops.softmoe.soft_moe_mixing(*inputs, True, cpu_isa())
     torch.testing.assert_close(out, trained, rtol=1e-6, atol=1e-6)
 
 
 def test_a_saved_record_of_another_width_is_refused(library):
     x, dispatch, combine, w1, b1, w2, b2 = (t.detach() for t in random_inputs(20, 4, 8, 3, 1, 5, bias=True))
-    out, saved = torch.ops.softmoe.soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2, cpu_isa())
-    assert saved.shape[2] == 5
-    with pytest.raises(RuntimeError, match=r"saved must have shape \[\d+, 3, 5, \d+\], got \[\d+, 3, 4, "):
+    out, saved = torch.ops.softmoe.soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2, True, cpu_isa())
+    assert saved.shape[2] == 5 + 8
+    with pytest.raises(RuntimeError, match=r"saved must have shape \[\d+, 3, 5, \d+\], got \[\d+, 3, 12, "):
         torch.ops.softmoe.soft_moe_mixing_backward(out, x, dispatch, combine, w1, w2, b2, saved[:, :, 1:], cpu_isa())
 
 

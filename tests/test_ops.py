@@ -101,7 +101,7 @@ def test_opcheck_the_inference_ops(isa, shape):
     x, dispatch, combine, w1, b1, w2, b2 = detached(mixing_inputs(*shape, bias=True))
     torch.library.opcheck(OPS.soft_moe_mixing_inference.default, (x, dispatch, combine, w1, b1, w2, b2, False, None,
                                                                    0, isa))
-    want, _ = OPS.soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2, isa)
+    want, _ = OPS.soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2, False, isa)
     got = OPS.soft_moe_mixing_inference(x, dispatch, combine, w1, b1, w2, b2, False, None, 0, isa)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     experts, p = w1.shape[0], dispatch.shape[2] // w1.shape[0]
@@ -112,23 +112,26 @@ def test_opcheck_the_inference_ops(isa, shape):
     assert selected.shape == (x.shape[0], 1) and slots.dtype == torch.int64
     torch.library.opcheck(OPS.soft_moe_mixing_inference.default, (x, dispatch, kept, w1, b1, w2, b2, True, slots,
                                                                    0, isa))
-    masked = OPS.soft_moe_mixing(x, dispatch, kept, w1, b1, w2, b2, isa)[0]
+    masked = OPS.soft_moe_mixing(x, dispatch, kept, w1, b1, w2, b2, False, isa)[0]
     got = OPS.soft_moe_mixing_inference(x, dispatch, kept, w1, b1, w2, b2, True, slots, 0, isa)
     torch.testing.assert_close(got, masked, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "shape, bias, row_isa", pairwise(shape=MIXING_SHAPES, bias=[True, False], row_isa=ISAS), indirect=["row_isa"]
+    "shape, bias, keep, row_isa",
+    pairwise(shape=MIXING_SHAPES, bias=[True, False], keep=[True, False], row_isa=ISAS),
+    indirect=["row_isa"],
 )
-def test_opcheck_soft_moe_mixing(shape, bias, row_isa):
+def test_opcheck_soft_moe_mixing(shape, bias, keep, row_isa):
     isa = row_isa
     inputs = mixing_inputs(*shape, bias=bias)
-    torch.library.opcheck(OPS.soft_moe_mixing.default, (*inputs, isa))
+    torch.library.opcheck(OPS.soft_moe_mixing.default, (*inputs, keep, isa))
     x, dispatch, combine, w1, b1, w2, b2 = detached(inputs)
-    out, saved = OPS.soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2, isa)
+    out, saved = OPS.soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2, keep, isa)
     lanes = build.LANES[isa]
-    assert saved.shape == ((x.shape[0] + lanes - 1) // lanes, dispatch.shape[2], w1.shape[2], lanes)
+    width = w1.shape[2] + (x.shape[2] if keep else 0)
+    assert saved.shape == ((x.shape[0] + lanes - 1) // lanes, dispatch.shape[2], width, lanes)
     torch.library.opcheck(OPS.soft_moe_mixing_backward.default,
                           (torch.randn_like(out), x, dispatch, combine, w1, w2, b2, saved, isa))
 
@@ -140,9 +143,9 @@ def test_fake_tensors_need_no_kernels(library):
     assert OPS.expert_matmul_nt(torch.empty(4, 8, 100, device="meta"), w, "portable").shape == (4, 8, 64)
     assert OPS.expert_matmul_tn(x, torch.empty(4, 8, 100, device="meta"), "portable").shape == (4, 64, 100)
     inputs = [None if t is None else t.detach().to("meta") for t in mixing_inputs(37, 4, 20, 6, 1, 2, bias=True)]
-    out, saved = OPS.soft_moe_mixing(*inputs, "avx2")
+    out, saved = OPS.soft_moe_mixing(*inputs, False, "avx2")
     assert out.shape == (37, 4, 20) and saved.shape == (5, 6, 2, 8)
-    assert OPS.soft_moe_mixing(*inputs, "avx512")[1].shape == (3, 6, 2, 16)
+    assert OPS.soft_moe_mixing(*inputs, True, "avx512")[1].shape == (3, 6, 2 + 20, 16)
     with pytest.raises(RuntimeError, match="x .E, rows, K. needs weight .E, K, N."):
         OPS.expert_matmul(x, torch.empty(4, 63, 100, device="meta"), None, "none", "portable")
 

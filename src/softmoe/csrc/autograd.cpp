@@ -95,7 +95,7 @@ Routing4 routing_autograd(const Tensor &x, const Tensor &phi, const OptionalTens
 /* ---- softmoe::soft_moe_mixing ------------------------------------------------------------------------------- */
 
 using MixingOp = std::tuple<Tensor, Tensor>(const Tensor &, const Tensor &, const Tensor &, const Tensor &,
-                                            const OptionalTensor &, const Tensor &, const OptionalTensor &,
+                                            const OptionalTensor &, const Tensor &, const OptionalTensor &, bool,
                                             c10::string_view);
 using MixingBackwardOp = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
     const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
@@ -104,11 +104,11 @@ using MixingBackwardOp = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tens
 struct Mixing : public torch::autograd::Function<Mixing> {
     static variable_list forward(AutogradContext *ctx, const Tensor &x, const Tensor &dispatch, const Tensor &combine,
                                  const Tensor &weight1, const OptionalTensor &bias1, const Tensor &weight2,
-                                 const OptionalTensor &bias2, const std::string &isa)
+                                 const OptionalTensor &bias2, bool keep_outputs, const std::string &isa)
     {
         static const auto mixing = op<MixingOp>("softmoe::soft_moe_mixing");
         at::AutoDispatchBelowADInplaceOrView below_autograd;
-        const auto [out, saved] = mixing.call(x, dispatch, combine, weight1, bias1, weight2, bias2, isa);
+        const auto [out, saved] = mixing.call(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa);
         ctx->save_for_backward({x, dispatch, combine, weight1, weight2, bias2.value_or(Tensor()), saved});
         ctx->mark_non_differentiable({saved});
         ctx->set_materialize_grads(false); /* no zeros written for saved's gradient */
@@ -121,7 +121,7 @@ struct Mixing : public torch::autograd::Function<Mixing> {
     static variable_list backward(AutogradContext *ctx, variable_list grads)
     {
         static const auto mixing_backward = op<MixingBackwardOp>("softmoe::soft_moe_mixing_backward");
-        variable_list result(8);
+        variable_list result(9);
         if (!grads[0].defined()) return result;
         const variable_list s = ctx->get_saved_variables();
         const auto [gx, gd, gc, gw1, gb1, gw2, gb2] = mixing_backward.call(
@@ -136,9 +136,10 @@ struct Mixing : public torch::autograd::Function<Mixing> {
 
 std::tuple<Tensor, Tensor> mixing_autograd(const Tensor &x, const Tensor &dispatch, const Tensor &combine,
                                            const Tensor &weight1, const OptionalTensor &bias1, const Tensor &weight2,
-                                           const OptionalTensor &bias2, c10::string_view isa)
+                                           const OptionalTensor &bias2, bool keep_outputs, c10::string_view isa)
 {
-    const variable_list out = Mixing::apply(x, dispatch, combine, weight1, bias1, weight2, bias2, std::string(isa));
+    const variable_list out =
+        Mixing::apply(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, std::string(isa));
     return {out[0], out[1]};
 }
 

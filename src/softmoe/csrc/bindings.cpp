@@ -528,8 +528,9 @@ KeptLanes kept_lanes(const float *combine, const uint64_t *kept_slots, int64_t B
 
 /* The fused mixing C relu-MLP(D^T X): x (B, M, Dm), dispatch / combine (B, M, S), weight1 (n, Dm, Hd), bias1 (n,
  * Hd), weight2 (n, Hd, Dm), bias2 (n, Dm) -> out (B, M, Dm) and what the backward reads, saved (ceil(B / lanes), S,
- * Hd, lanes) with lanes those of the variant (16, 8 or 4): the pre-activations. kept_combine, for inference only
- * (saved is then incomplete, or empty where the layout has no groups of inputs): combine is zero outside the slots each input keeps (Algorithm 1's dense plan);
+ * Hd (+ Dm with keep_outputs), lanes) with lanes those of the variant (16, 8 or 4): the pre-activations, then with
+ * keep_outputs the slots' outputs. kept_combine, for inference only (saved is then incomplete, or empty where the
+ * layout has no groups of inputs): combine is zero outside the slots each input keeps (Algorithm 1's dense plan);
  * the work is laid out by kept_lanes (kept_lanes_by: LANES_AUTO, or one layout forced) from the slots each input
  * keeps (kept_slots, the routing's choice as bits, or where None its nonzero combine weights), and a slot whose
  * combine weights are zero for every input of a group of lanes is not run for that group. every_slot, for inference
@@ -540,8 +541,8 @@ KeptLanes kept_lanes(const float *combine, const uint64_t *kept_slots, int64_t B
 std::tuple<at::Tensor, at::Tensor> mixing_forward(const at::Tensor &x_in, const at::Tensor &dispatch_in,
                                                   const at::Tensor &combine_in, const at::Tensor &w1_in,
                                                   const c10::optional<at::Tensor> &b1_in, const at::Tensor &w2_in,
-                                                  const c10::optional<at::Tensor> &b2_in, bool kept_combine,
-                                                  c10::string_view isa, int64_t kept_lanes_by,
+                                                  const c10::optional<at::Tensor> &b2_in, bool keep_outputs,
+                                                  bool kept_combine, c10::string_view isa, int64_t kept_lanes_by,
                                                   const c10::optional<at::Tensor> &kept_slots, bool every_slot)
 {
     const Variant &v = variant(std::string(isa));
@@ -557,7 +558,7 @@ std::tuple<at::Tensor, at::Tensor> mixing_forward(const at::Tensor &x_in, const 
     TORCH_CHECK(kept_lanes_by >= LANES_AUTO && kept_lanes_by <= LANES_BY_PAIRS, "softmoe: kept_lanes_by must be ",
                 LANES_AUTO, " (auto), ", LANES_BY_INPUTS, " (by inputs), ", LANES_BY_ROWS, " (by rows) or ",
                 LANES_BY_PAIRS, " (by pairs), got ", kept_lanes_by);
-    const int64_t P = s.S / s.n, width = s.Hd;
+    const int64_t P = s.S / s.n, width = s.Hd + (keep_outputs ? s.Dm : 0);
     TORCH_CHECK(!kept_slots || kept_combine, "softmoe: kept_slots are for a kept combine (kept_combine true)");
     const int64_t words = (s.S + 63) / 64;
     if (kept_slots) {
@@ -602,8 +603,8 @@ std::tuple<at::Tensor, at::Tensor> mixing_forward(const at::Tensor &x_in, const 
     const int status = v.mixing_forward(x.data_ptr<float>(), dispatch.data_ptr<float>(), combine.data_ptr<float>(),
                                         w1.data_ptr<float>(), pointer(b1), w2.data_ptr<float>(), pointer(b2),
                                         out.data_ptr<float>(), saved.data_ptr<float>(), s.B, s.M, s.S, P, s.Hd, s.Dm,
-                                        kept_combine, layout.order.empty() ? nullptr : layout.order.data(),
-                                        threads());
+                                        keep_outputs, kept_combine,
+                                        layout.order.empty() ? nullptr : layout.order.data(), threads());
     TORCH_CHECK(status == 0, "softmoe: the native Soft MoE kernel refused its inputs");
     return {out, saved};
 }
@@ -612,9 +613,11 @@ std::tuple<at::Tensor, at::Tensor> mixing_forward(const at::Tensor &x_in, const 
 std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x, const at::Tensor &dispatch,
                                                    const at::Tensor &combine, const at::Tensor &w1,
                                                    const c10::optional<at::Tensor> &b1, const at::Tensor &w2,
-                                                   const c10::optional<at::Tensor> &b2, c10::string_view isa)
+                                                   const c10::optional<at::Tensor> &b2, bool keep_outputs,
+                                                   c10::string_view isa)
 {
-    return mixing_forward(x, dispatch, combine, w1, b1, w2, b2, false, isa, LANES_AUTO, c10::nullopt, false);
+    return mixing_forward(x, dispatch, combine, w1, b1, w2, b2, keep_outputs, false, isa, LANES_AUTO, c10::nullopt,
+                          false);
 }
 
 /* softmoe::soft_moe_mixing_inference: no records; with kept_combine only the kept slots run (kept_slots: them as
@@ -625,12 +628,13 @@ at::Tensor soft_moe_mixing_inference(const at::Tensor &x, const at::Tensor &disp
                                      const c10::optional<at::Tensor> &kept_slots, int64_t layout,
                                      c10::string_view isa)
 {
-    return std::get<0>(
-        mixing_forward(x, dispatch, combine, w1, b1, w2, b2, kept_combine, isa, layout, kept_slots, !kept_combine));
+    return std::get<0>(mixing_forward(x, dispatch, combine, w1, b1, w2, b2, false, kept_combine, isa, layout,
+                                      kept_slots, !kept_combine));
 }
 
-/* The gradients of soft_moe_mixing from grad (B, M, Dm) and its saved: (x, dispatch, combine, weight1, bias1,
- * weight2, bias2), the bias gradients always computed, (n, Hd) and (n, Dm). */
+/* The gradients of soft_moe_mixing from grad (B, M, Dm) and its saved (with or without the slots' outputs, as its
+ * shape says): (x, dispatch, combine, weight1, bias1, weight2, bias2), the bias gradients always computed, (n, Hd)
+ * and (n, Dm). */
 using Grads7 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 Grads7 soft_moe_mixing_backward(const at::Tensor &grad_in, const at::Tensor &x_in, const at::Tensor &dispatch_in,
@@ -644,7 +648,8 @@ Grads7 soft_moe_mixing_backward(const at::Tensor &grad_in, const at::Tensor &x_i
     check_shape(grad_in, "grad", {s.B, s.M, s.Dm});
     check_float_cpu(saved_in, "saved", 4);
     const int64_t lanes = v.lanes;
-    check_shape(saved_in, "saved", {(s.B + lanes - 1) / lanes, s.S, s.Hd, lanes});
+    const bool kept = saved_in.size(2) == s.Hd + s.Dm;
+    check_shape(saved_in, "saved", {(s.B + lanes - 1) / lanes, s.S, kept ? s.Hd + s.Dm : s.Hd, lanes});
     const at::Tensor grad = grad_in.contiguous(), x = x_in.contiguous(), dispatch = dispatch_in.contiguous();
     const at::Tensor combine = combine_in.contiguous(), w1 = w1_in.contiguous(), w2 = w2_in.contiguous();
     const at::Tensor saved = saved_in.contiguous();
@@ -663,7 +668,7 @@ Grads7 soft_moe_mixing_backward(const at::Tensor &grad_in, const at::Tensor &x_i
                           saved.data_ptr<float>(), grad_x.data_ptr<float>(), grad_dispatch.data_ptr<float>(),
                           grad_combine.data_ptr<float>(), grad_w1.data_ptr<float>(), grad_b1.data_ptr<float>(),
                           grad_w2.data_ptr<float>(), grad_b2.data_ptr<float>(), s.B, s.M, s.S, s.S / s.n, s.Hd, s.Dm,
-                          count);
+                          kept, count);
     TORCH_CHECK(status == 0, "softmoe: the native Soft MoE kernel refused its inputs");
     return {grad_x, grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2};
 }

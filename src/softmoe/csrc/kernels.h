@@ -26,7 +26,7 @@
     int soft_moe_small_lanes();                                                                                       \
     int soft_moe_small_forward(const float *x, const float *dispatch, const float *combine, const float *w1,         \
                                const float *b1, const float *w2, const float *b2, float *out, float *saved, long B,   \
-                               long M, long S, long P, long Hd, long Dm, int skip_idle,                               \
+                               long M, long S, long P, long Hd, long Dm, int keep, int skip_idle,                     \
                                const long *order, int threads);                                                      \
     void soft_moe_small_forward_pairs(const float *x, const float *dispatch, const float *combine, const float *w1,  \
                                       const float *b1, const float *w2, const float *b2, float *out, long B, long M,  \
@@ -40,7 +40,7 @@
                                 const float *w1, const float *w2, const float *b2, const float *saved,               \
                                 float *grad_x, float *grad_dispatch, float *grad_combine,                           \
                                 float *grad_w1, float *grad_b1, float *grad_w2, float *grad_b2, long B, long M,      \
-                                long S, long P, long Hd, long Dm, int threads);                                       \
+                                long S, long P, long Hd, long Dm, int keep, int threads);                             \
     void top_k_combine(const float *combine, float *kept, int64_t *selected, long B, long M, long S, long P, long k, \
                        int threads);                                                                                  \
     long top_k_scratch_bytes(long S, long P);                                                                         \

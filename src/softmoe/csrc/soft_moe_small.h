@@ -5,7 +5,7 @@
  *
  *   slot[s]  = sum_t dispatch[t, s] x[t]                 (Dm)
  *   pre[s]   = slot[s] @ w1[j] + b1[j]                   (Hd)   saved for the backward pass
- *   y[s]     = relu(pre[s]) @ w2[j] + b2[j]              (Dm)
+ *   y[s]     = relu(pre[s]) @ w2[j] + b2[j]              (Dm)    saved too where the caller asks (keep)
  *   out[t]   = sum_s combine[t, s] y[s]                  (Dm)
  *
  * With small experts (the "Beyond Parameter Count" MNIST layer: 4 tokens, Dm = 196, n = 8..512, Hd = 784 / n)
@@ -261,13 +261,13 @@ typedef struct {
 } slot_t;
 
 /* Slot s of a chunk of slots from s0 (routing weights ds, cs: M vectors per slot of the chunk) of a group whose
- * saved records (Hd vectors per slot: the pre-activations) for the chunk start at records. */
-INLINE slot_t slot_at(long s, long s0, long P, long M, long Hd, long Dm, const float *w1, const float *b1,
+ * saved records (W vectors per slot) for the chunk start at records. */
+INLINE slot_t slot_at(long s, long s0, long P, long M, long Hd, long Dm, long W, const float *w1, const float *b1,
                       const float *w2, const float *b2, const vec *ds, const vec *cs, vec *records)
 {
     const long j = s / P;
     const slot_t q = {w1 + j * Dm * Hd, b1 ? b1 + j * Hd : NULL, w2 + j * Hd * Dm, b2 ? b2 + j * Dm : NULL,
-                      ds + (s - s0) * M, cs + (s - s0) * M, records + (s - s0) * Hd};
+                      ds + (s - s0) * M, cs + (s - s0) * M, records + (s - s0) * W};
     return q;
 }
 
@@ -391,10 +391,10 @@ INLINE int slot_idle(const vec *RESTRICT cs, long M)
 
 /* A group of lanes in the forward pass: its outputs og, its saved records sg and its scratch: token vectors xg, a
  * slot vector buf, activations a, a chunk's routing weights ds and cs, outputs waiting to be combined ys; the
- * slots waiting (pending, their combine weights coef). */
+ * slots waiting (pending, their combine weights coef, the first one's outputs at waiting). */
 typedef struct {
     group_t grp;
-    vec *og, *sg, *xg, *buf, *a, *ds, *cs, *ys;
+    vec *og, *sg, *xg, *buf, *a, *ds, *cs, *ys, *waiting;
     long pending;
     vec coef[SPREAD_SLOTS * MAX_TOKENS];
 } lanes_t;
@@ -451,17 +451,17 @@ INLINE void forward_runs(const run_t *r, const int nr, const int share, long M, 
     }
 }
 
-/* The slots of ng (1 or 2, SIDE_GROUPS) groups L[i], outputs to L[i].og, saved records (the Hd pre-activations of
- * each slot) to L[i].sg; each slot runs for the groups side by side. The outputs of up to SPREAD_SLOTS slots wait in
- * ys until they are combined. pairs (one group): slots
+/* The slots of ng (1 or 2, SIDE_GROUPS) groups L[i], outputs to L[i].og, saved records (W vectors per slot: Hd
+ * pre-activations, then with keep its Dm slot outputs) to L[i].sg; each slot runs for the groups side by side.
+ * Without keep the outputs of up to SPREAD_SLOTS slots wait in ys until they are combined. pairs (one group): slots
  * two at a time (Hd <= PAIR_MAX_HIDDEN); a constant, so that the code of the others has no trace of it (with the
  * choice made per slot, one slot at a time ran slower at hidden 3-24). skip_idle (for a call without
- * a backward pass): a slot idle in a group (slot_idle; of a pair, one alone) is neither run nor
+ * a backward pass, and so without keep): a slot idle in a group (slot_idle; of a pair, one alone) is neither run nor
  * combined there, its records left unwritten: Algorithm 1's unselected experts cost nothing where no input of the
  * group keeps them. */
 INLINE void forward_groups(lanes_t *L, const int ng, const float *dispatch, const float *combine, const float *w1,
                            const float *b1, const float *w2, const float *b2, long M, long S, long P, long Hd, long Dm,
-                           int skip_idle, const int pairs)
+                           long W, int keep, int skip_idle, const int pairs)
 {
     for (int i = 0; i < ng; i++) memset(L[i].og, 0, M * Dm * sizeof(vec));
     for (long s0 = 0; s0 < S; s0 += SLOT_CHUNK) {
@@ -469,7 +469,7 @@ INLINE void forward_groups(lanes_t *L, const int ng, const float *dispatch, cons
         for (int i = 0; i < ng; i++) {
             gather_slots(L[i].ds, dispatch, L[i].grp, s0, count, M, S);
             gather_slots(L[i].cs, combine, L[i].grp, s0, count, M, S);
-            L[i].pending = 0;
+            L[i].pending = 0, L[i].waiting = L[i].ys; /* with keep: the first waiting slot's outputs */
         }
         for (long s = s0; s < s0 + count; s++) {
             const int pair = pairs && L[0].pending + 2 <= SPREAD_SLOTS && s + 1 < s0 + count, nr = pair ? 2 : ng;
@@ -477,10 +477,10 @@ INLINE void forward_groups(lanes_t *L, const int ng, const float *dispatch, cons
             for (int i = 0; i < nr; i++) {
                 lanes_t *Li = &L[pair ? 0 : i];
                 r[i].L = Li;
-                r[i].q = slot_at(s + (pair ? i : 0), s0, P, M, Hd, Dm, w1, b1, w2, b2, Li->ds, Li->cs,
-                                 Li->sg + s0 * Hd);
+                r[i].q = slot_at(s + (pair ? i : 0), s0, P, M, Hd, Dm, W, w1, b1, w2, b2, Li->ds, Li->cs,
+                                 Li->sg + s0 * W);
                 r[i].idle = skip_idle && slot_idle(r[i].q.cs, M);
-                r[i].y = Li->ys + (Li->pending + (pair && i == 1 && !r[0].idle)) * Dm;
+                r[i].y = keep ? r[i].q.record + Hd : Li->ys + (Li->pending + (pair && i == 1 && !r[0].idle)) * Dm;
             }
             if (nr == 2 && !r[0].idle && !r[1].idle) {
                 forward_runs(r, 2, pairs ? SHARE_TOKENS : SHARE_WEIGHTS, M, Hd, Dm); /* with pairs a pair */
@@ -491,12 +491,13 @@ INLINE void forward_groups(lanes_t *L, const int ng, const float *dispatch, cons
             for (int i = 0; i < nr; i++) {
                 lanes_t *Li = r[i].L;
                 if (r[i].idle) continue;
+                if (keep && Li->pending == 0) Li->waiting = r[i].y;
                 memcpy(Li->coef + Li->pending++ * M, r[i].q.cs, M * sizeof(vec));
             }
             s += pair;
             for (int i = 0; i < ng; i++)
                 if (L[i].pending == SPREAD_SLOTS || (L[i].pending && s == s0 + count - 1)) {
-                    spread_pending(L[i].og, L[i].coef, L[i].ys, Dm, L[i].pending, M, Dm);
+                    spread_pending(L[i].og, L[i].coef, L[i].waiting, keep ? W : Dm, L[i].pending, M, Dm);
                     L[i].pending = 0;
                 }
         }
@@ -506,10 +507,10 @@ INLINE void forward_groups(lanes_t *L, const int ng, const float *dispatch, cons
 /* forward_groups for ng groups with the token count M = 4 a constant where it is 4. */
 static void forward_groups_of(lanes_t *L, int ng, const float *dispatch, const float *combine, const float *w1,
                               const float *b1, const float *w2, const float *b2, long M, long S, long P, long Hd,
-                              long Dm, int skip_idle)
+                              long Dm, long W, int keep, int skip_idle)
 {
 #define FORWARD(ng, M, pairs)                                                                                         \
-    forward_groups(L, ng, dispatch, combine, w1, b1, w2, b2, M, S, P, Hd, Dm, skip_idle, pairs)
+    forward_groups(L, ng, dispatch, combine, w1, b1, w2, b2, M, S, P, Hd, Dm, W, keep, skip_idle, pairs)
     if (ng == 2 && M == 4)
         FORWARD(2, 4, 0);
     else if (ng == 2)
@@ -523,9 +524,9 @@ static void forward_groups_of(lanes_t *L, int ng, const float *dispatch, const f
 #undef FORWARD
 }
 
-/* x, out (B, M, Dm); dispatch, combine (B, M, S); saved (G, S, Hd, LANES) with G = ceil(B / LANES): per group and
- * slot the pre-activations (the backward pass runs the second layer again from them), lane l of group g for input
- * LANES * g + l
+/* x, out (B, M, Dm); dispatch, combine (B, M, S); saved (G, S, W, LANES) with G = ceil(B / LANES) and W = Hd
+ * (keep 0) or Hd + Dm (keep 1): per group and slot the pre-activations, then with keep the slot's outputs (the
+ * backward pass reads them instead of running the second layer again), lane l of group g for input LANES * g + l
  * (with order: order[LANES * g + l]).
  * Weights as the layer holds them: w1 (n, Dm, Hd), b1 (n, Hd), w2 (n, Hd, Dm), b2 (n, Dm); b1 and b2 may be NULL.
  * skip_idle: the slots whose combine weights are zero for every input of a group are not run there (forward_groups;
@@ -535,10 +536,10 @@ static void forward_groups_of(lanes_t *L, int ng, const float *dispatch, const f
  * written then). */
 int soft_moe_small_forward(const float *x, const float *dispatch, const float *combine, const float *w1,
                            const float *b1, const float *w2, const float *b2, float *out, float *saved, long B,
-                           long M, long S, long P, long Hd, long Dm, int skip_idle, const long *order,
+                           long M, long S, long P, long Hd, long Dm, int keep, int skip_idle, const long *order,
                            int threads)
 {
-    const long G = (B + LANES - 1) / LANES;
+    const long W = keep ? Hd + Dm : Hd, G = (B + LANES - 1) / LANES;
     if (M < 1 || M > MAX_TOKENS) return 1;
     if (G <= 0) return 0;
     if (threads > G) threads = (int)G;
@@ -554,10 +555,10 @@ int soft_moe_small_forward(const float *x, const float *dispatch, const float *c
             const int ng = end - g < SIDE_GROUPS ? (int)(end - g) : SIDE_GROUPS;
             for (int i = 0; i < ng; i++) {
                 L[i].grp = group_of(g + i, B, order);
-                L[i].sg = (vec *)saved + (g + i) * S * Hd;
+                L[i].sg = (vec *)saved + (g + i) * S * W;
                 gather_rows(L[i].xg, x, L[i].grp, M * Dm);
             }
-            forward_groups_of(L, ng, dispatch, combine, w1, b1, w2, b2, M, S, P, Hd, Dm, skip_idle);
+            forward_groups_of(L, ng, dispatch, combine, w1, b1, w2, b2, M, S, P, Hd, Dm, W, keep, skip_idle);
             for (int i = 0; i < ng; i++) scatter_rows(out, L[i].og, L[i].grp, M * Dm);
         }
         softmoe_scratch_release(0);
@@ -833,18 +834,20 @@ void soft_moe_small_forward_rows(const float *x, const float *dispatch, const fl
 /* ---- backward ----------------------------------------------------------------------------------------------- */
 
 /* Through the second layer and the combine, one block of hidden units: gy = sum_t cs[t] gog[t] (computed and kept
- * in `gy` on the first block, read after), gpre[kk] = gy . w2[kk] over d, and gcs[t] = gog[t] . y over d on the last
- * block, y = (b2 +) sum_kk a[kk] w2[kk] summed up in `y` block by block (the output gradients read twice per slot,
- * not once per block). With two the same for a second slot (its ...2 arguments): of the same group (share =
- * SHARE_TOKENS: one block; gog2 is gog) or the same slot of another group (SHARE_WEIGHTS: w22 and b22 are w2 and
+ * in `gy` on the first block, read after), gpre[kk] = gy . w2[kk] over d, and gcs[t] = gog[t] . y over d: with the
+ * slot's outputs kept by the forward pass (kept, keep = 1) on the first block; otherwise on the last, y = (b2 +)
+ * sum_kk a[kk] w2[kk] summed up in `y` block by block (the output gradients read twice per slot, not once per
+ * block). With two the same for a second slot (its ...2 arguments): of the same group (share = SHARE_TOKENS: one
+ * block, outputs not kept; gog2 is gog) or the same slot of another group (SHARE_WEIGHTS: w22 and b22 are w2 and
  * b2, each weight loaded and broadcast once for both). */
 INLINE void layer2_back_block(vec *RESTRICT gcs, vec *RESTRICT gpre, vec *RESTRICT gy, vec *RESTRICT y,
-                              const vec *RESTRICT gog, const vec *RESTRICT cs, const vec *RESTRICT a,
-                              const float *RESTRICT w2, const float *RESTRICT b2, vec *RESTRICT gcs2,
-                              vec *RESTRICT gpre2, vec *RESTRICT gy2, vec *RESTRICT y2, const vec *RESTRICT gog2,
-                              const vec *RESTRICT cs2, const vec *RESTRICT a2, const float *RESTRICT w22,
-                              const float *RESTRICT b22, long M, long Dm, const int kb, const int first,
-                              const int last, const int two, const int share)
+                              const vec *RESTRICT kept, const vec *RESTRICT gog, const vec *RESTRICT cs,
+                              const vec *RESTRICT a, const float *RESTRICT w2, const float *RESTRICT b2,
+                              vec *RESTRICT gcs2, vec *RESTRICT gpre2, vec *RESTRICT gy2, vec *RESTRICT y2,
+                              const vec *RESTRICT kept2, const vec *RESTRICT gog2, const vec *RESTRICT cs2,
+                              const vec *RESTRICT a2, const float *RESTRICT w22, const float *RESTRICT b22, long M,
+                              long Dm, const int kb, const int first, const int last, const int keep, const int two,
+                              const int share)
 {
     vec acc[KBLOCK] = {{0}}, av[KBLOCK], csv[MAX_TOKENS], gc[MAX_TOKENS];
     vec acc2[KBLOCK] = {{0}}, av2[KBLOCK], csv2[MAX_TOKENS], gc2[MAX_TOKENS];
@@ -864,6 +867,19 @@ INLINE void layer2_back_block(vec *RESTRICT gcs, vec *RESTRICT gpre, vec *RESTRI
         } else {
             g = gy[d];
             if (two) g2 = gy2[d];
+        }
+        if (keep) {
+            for (int kk = 0; kk < kb; kk++) {
+                const float w = w2[kk * Dm + d];
+                acc[kk] += g * w;
+                if (two) acc2[kk] += g2 * (share == SHARE_WEIGHTS ? w : w22[kk * Dm + d]);
+            }
+            if (first)
+                for (long t = 0; t < M; t++) {
+                    gc[t] += gog[t * Dm + d] * kept[d];
+                    if (two) gc2[t] += gog2[t * Dm + d] * kept2[d];
+                }
+            continue;
         }
         vec v = first ? splat(b2 ? b2[d] : 0.0f) : y[d];
         vec v2 = two ? (first ? splat(b22 ? b22[d] : 0.0f) : y2[d]) : vec{};
@@ -891,7 +907,7 @@ INLINE void layer2_back_block(vec *RESTRICT gcs, vec *RESTRICT gpre, vec *RESTRI
         gpre[kk] = acc[kk];
         if (two) gpre2[kk] = acc2[kk];
     }
-    if (last)
+    if (keep ? first : last)
         for (long t = 0; t < M; t++) {
             gcs[t] = gc[t];
             if (two) gcs2[t] = gc2[t];
@@ -951,29 +967,35 @@ typedef struct {
     vec *gcs, *gds, *gy, *slot, *a, *gpre, *gslot;
 } slot_grads_t;
 
-/* One slot of one group, backward, from its saved record q.record (its pre-activations), with the group's output
- * gradients gog and tokens xg, into o; with two a second one too, q2 into o2: the
- * next slot of the group (share = SHARE_TOKENS: hidden <= PAIR_MAX_HIDDEN; gog2, xg2 are gog, xg)
+/* One slot of one group, backward, from its saved record q.record (pre-activations, then with keep the slot's
+ * outputs), with the group's output gradients gog and tokens xg, into o; with two a second one too, q2 into o2: the
+ * next slot of the group (share = SHARE_TOKENS: hidden <= PAIR_MAX_HIDDEN, outputs not kept; gog2, xg2 are gog, xg)
  * or the same slot of another group (SHARE_WEIGHTS), in blocks of BACKWARD_KBLOCK_OF(two) hidden units. */
 INLINE void backward_slots(slot_t q, slot_grads_t o, slot_t q2, slot_grads_t o2, const vec *RESTRICT gog,
                            const vec *RESTRICT xg, const vec *RESTRICT gog2, const vec *RESTRICT xg2, long M,
-                           long Hd, long Dm, const int two, const int share)
+                           long Hd, long Dm, int keep, const int two, const int share)
 {
     const vec *RESTRICT ps = q.record, *RESTRICT ps2 = q2.record;
     vec *RESTRICT a = o.a, *RESTRICT a2 = o2.a, *RESTRICT gpre = o.gpre, *RESTRICT gpre2 = o2.gpre;
     for (long k = 0; k < Hd; k++) a[k] = relu(ps[k]);
     if (two)
         for (long k = 0; k < Hd; k++) a2[k] = relu(ps2[k]);
-#define LAYER2(k, kb, first, last)                                                                                    \
-    layer2_back_block(o.gcs, o.gpre + (k), o.gy, o.slot, gog, q.cs, o.a + (k), q.w2 + (k) * Dm, q.b2, o2.gcs,          \
-                      o2.gpre + (k), o2.gy, o2.slot, gog2, q2.cs, o2.a + (k), q2.w2 + (k) * Dm, q2.b2, M, Dm, kb,     \
-                      first, last, two, share)
+#define LAYER2(k, kb, first, last, keep)                                                                              \
+    layer2_back_block(o.gcs, o.gpre + (k), o.gy, o.slot, ps + Hd, gog, q.cs, o.a + (k), q.w2 + (k) * Dm, q.b2, o2.gcs, \
+                      o2.gpre + (k), o2.gy, o2.slot, ps2 + Hd, gog2, q2.cs, o2.a + (k), q2.w2 + (k) * Dm, q2.b2, M,   \
+                      Dm, kb, first, last, keep, two, share)
+#define LAYER2_KEPT(k, kb, first, last) LAYER2(k, kb, first, last, 1)
+#define LAYER2_ALONE(k, kb, first, last) LAYER2(k, kb, first, last, 0)
     if (two && share == SHARE_TOKENS) {
-        BLOCK_SWITCH(Hd, LAYER2, 0, 1, 1, KBLOCK, BLOCK_CASES_WIDE)
+        BLOCK_SWITCH(Hd, LAYER2_ALONE, 0, 1, 1, KBLOCK, BLOCK_CASES_WIDE)
+    } else if (keep) {
+        FOR_BLOCKS_OF(Hd, LAYER2_KEPT, BACKWARD_KBLOCK_OF(two), BLOCK_CASES_WIDE)
     } else {
-        FOR_BLOCKS_OF(Hd, LAYER2, BACKWARD_KBLOCK_OF(two), BLOCK_CASES_WIDE)
+        FOR_BLOCKS_OF(Hd, LAYER2_ALONE, BACKWARD_KBLOCK_OF(two), BLOCK_CASES_WIDE)
     }
 #undef LAYER2
+#undef LAYER2_KEPT
+#undef LAYER2_ALONE
     for (long k = 0; k < Hd; k++) gpre[k] *= relu_slope(ps[k]);
     if (two)
         for (long k = 0; k < Hd; k++) gpre2[k] *= relu_slope(ps2[k]);
@@ -1166,14 +1188,14 @@ static void add_weight_grads(float *gw1t, float *gb1, float *gw2, float *gb2, lo
 }
 
 /* One thread's share of soft_moe_small_backward (arguments as there, with n = S / P experts, G groups, MD = M * Dm,
- * ld = Dm rounded up to whole vectors). pairs: slots two at a time where they may be (4 tokens,
- * Hd <= PAIR_MAX_HIDDEN); groups: 1, or 2 to run two groups side by side (SIDE_GROUPS); both
+ * ld = Dm rounded up to whole vectors and W the record's width). pairs: slots two at a time where they may be (outputs
+ * not kept, 4 tokens, Hd <= PAIR_MAX_HIDDEN); groups: 1, or 2 to run two groups side by side (SIDE_GROUPS); both
  * constants, so that the code of the others has no trace of them. */
 INLINE void backward_thread(const float *grad_out, const float *x, const float *dispatch, const float *combine,
                             const float *w1, const float *w2, const float *b2, const float *saved, float *grad_x,
                             float **partials, float *grad_dispatch, float *grad_combine, float *grad_w1,
                             float *grad_b1, float *grad_w2, float *grad_b2, long B, long M, long S, long P, long Hd,
-                            long Dm, long n, long G, long MD, long ld, const int pairs,
+                            long Dm, int keep, long n, long G, long MD, long ld, long W, const int pairs,
                             const int groups)
 {
     const long t = omp_get_thread_num(), count = omp_get_num_threads();
@@ -1221,9 +1243,9 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
                     slot_t q[2];
                     slot_grads_t o[2];
                     for (long i = 0; i < side; i++) {
-                        vec *records = (vec *)saved + ((g0 + gi + i) * S + s0) * Hd;
+                        vec *records = (vec *)saved + ((g0 + gi + i) * S + s0) * W;
                         const vec *dsi = ds + (gi + i) * chunk, *csi = cs + (gi + i) * chunk;
-                        q[i] = slot_at(s, s0, P, M, Hd, Dm, w1, NULL, w2, b2, dsi, csi, records);
+                        q[i] = slot_at(s, s0, P, M, Hd, Dm, W, w1, NULL, w2, b2, dsi, csi, records);
                         const slot_grads_t oi = {gcs_all + (gi + i) * chunk + at, gds_all + (gi + i) * chunk + at,
                                                  gy + (gi + i) * Dm, slot + (gi + i) * Dm, a + (gi + i) * Hd,
                                                  gpre + (gi + i) * Hd,
@@ -1232,16 +1254,16 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
                     }
                     const vec *gogi = gog + gi * MD, *xgi = xg + gi * MD;
                     if (pair) {
-                        vec *records = (vec *)saved + ((g0 + gi) * S + s0) * Hd;
-                        const slot_t q2 = slot_at(s + 1, s0, P, M, Hd, Dm, w1, NULL, w2, b2, ds + gi * chunk,
+                        vec *records = (vec *)saved + ((g0 + gi) * S + s0) * W;
+                        const slot_t q2 = slot_at(s + 1, s0, P, M, Hd, Dm, W, w1, NULL, w2, b2, ds + gi * chunk,
                                                   cs + gi * chunk, records);
                         const slot_grads_t o2 = {o[0].gcs + M, o[0].gds + M, gy2 + gi * Dm, slot2 + gi * Dm,
                                                  a2 + gi * Hd, gpre2 + gi * Hd, o[0].gslot + Dm};
-                        backward_slots(q[0], o[0], q2, o2, gogi, xgi, gogi, xgi, 4, Hd, Dm, 1, SHARE_TOKENS);
+                        backward_slots(q[0], o[0], q2, o2, gogi, xgi, gogi, xgi, 4, Hd, Dm, 0, 1, SHARE_TOKENS);
                     } else {
 /* the slot for groups gi .. gi + two, with the token count Mc (4 a constant where it is 4) */
 #define SLOTS(Mc, two)                                                                                                \
-    backward_slots(q[0], o[0], q[two], o[two], gogi, xgi, gogi + (two) * MD, xgi + (two) * MD, Mc, Hd, Dm, two,        \
+    backward_slots(q[0], o[0], q[two], o[two], gogi, xgi, gogi + (two) * MD, xgi + (two) * MD, Mc, Hd, Dm, keep, two,  \
                    SHARE_WEIGHTS)
                         if (side == 2 && M == 4)
                             SLOTS(4, 1);
@@ -1293,7 +1315,7 @@ INLINE void backward_thread(const float *grad_out, const float *x, const float *
     }
 }
 
-/* Gradients, for the arguments of soft_moe_small_forward and its `saved`: grad_x (B, M, Dm),
+/* Gradients, for the arguments of soft_moe_small_forward and its `saved` (keep as given to it): grad_x (B, M, Dm),
  * grad_dispatch, grad_combine (B, M, S); grad_w1, grad_b1, grad_w2, grad_b2 like the weights (grad_b1 / grad_b2 may
  * be NULL). Threads split the experts; each writes its share of grad_x whole (the first into grad_x, the others
  * into partial sums in their scratch memory), and the threads then add the partials up, a range of rows each.
@@ -1305,9 +1327,10 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
                             const float *w1, const float *w2, const float *b2, const float *saved,
                             float *grad_x, float *grad_dispatch, float *grad_combine, float *grad_w1,
                             float *grad_b1, float *grad_w2, float *grad_b2, long B, long M, long S, long P, long Hd,
-                            long Dm, int threads)
+                            long Dm, int keep, int threads)
 {
     const long n = S / P, G = (B + LANES - 1) / LANES, MD = M * Dm, ld = (Dm + LANES - 1) / LANES * LANES;
+    const long W = keep ? Hd + Dm : Hd;
     if (M < 1 || M > MAX_TOKENS) return 1;
     if (n <= 0) return 0;
     if (threads > n) threads = (int)n;
@@ -1317,8 +1340,8 @@ int soft_moe_small_backward(const float *grad_out, const float *x, const float *
     {
 #define BACKWARD(pairs, groups)                                                                                       \
     backward_thread(grad_out, x, dispatch, combine, w1, w2, b2, saved, grad_x, partials, grad_dispatch, grad_combine, \
-                    grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd, Dm, n, G, MD, ld, pairs, groups)
-        if (PAIR_MAX_HIDDEN > 0 && M == 4 && Hd <= PAIR_MAX_HIDDEN)
+                    grad_w1, grad_b1, grad_w2, grad_b2, B, M, S, P, Hd, Dm, keep, n, G, MD, ld, W, pairs, groups)
+        if (PAIR_MAX_HIDDEN > 0 && !keep && M == 4 && Hd <= PAIR_MAX_HIDDEN)
             BACKWARD(1, 1);
         else if (SIDE_GROUPS == 2 && Hd >= BACKWARD_GROUPS_MIN_HIDDEN)
             BACKWARD(0, 2);

@@ -9,10 +9,11 @@ Three ops, each with a fake (meta) implementation; the forward's autograd (C++, 
 CPU kernels: an eager call pays no Python beyond the op's call) calls the backward op:
 
     softmoe::soft_moe_mixing(Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, Tensor? bias1,
-                             Tensor weight2, Tensor? bias2, str isa) -> (Tensor out, Tensor saved)
-        out (batch, tokens, dim); saved (ceil(batch / lanes), slots, hidden, lanes), what the backward reads: the
-        slots' pre-activations (it runs each slot's second layer again; lanes: 16, 8 or 4, those of the ``isa``
-        variant; not differentiable)
+                             Tensor weight2, Tensor? bias2, bool keep_outputs, str isa) -> (Tensor out, Tensor saved)
+        out (batch, tokens, dim); saved (ceil(batch / lanes), slots, hidden (+ dim with keep_outputs), lanes),
+        what the backward reads: the pre-activations, then with keep_outputs the slots' outputs, which the
+        backward would otherwise compute again (lanes: 16, 8 or 4, those of the ``isa`` variant; not
+        differentiable)
     softmoe::soft_moe_mixing_backward(Tensor grad, Tensor x, Tensor dispatch, Tensor combine, Tensor weight1,
                                       Tensor weight2, Tensor? bias2, Tensor saved, str isa)
             -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)
@@ -42,6 +43,12 @@ from softmoe.tuning import value
 # experts whose weights fit softmoe.tuning.TABLE's "mixing_max_weight_bytes_per_lane" (docs/performance.md has the
 # measurements).
 MIXING_MAX_TOKENS = 8
+# From this many hidden units up the forward pass keeps the slots' outputs (batch * slots * dim floats) for the
+# backward pass, which otherwise runs each slot's second layer again (hidden * dim multiply-adds per input and slot,
+# a fifth of the backward's). Below it writing, holding (100 MB at the layer's n = 512) and reading the outputs
+# costs more than computing them again: the larger saved record is fresh memory every step in a default process
+# (docs/performance.md has the measurements).
+MIXING_KEEP_OUTPUTS_MIN_HIDDEN = 64
 
 
 # The work's layouts in inference (the ``layout`` argument of softmoe::soft_moe_mixing_inference; LANES_* in
@@ -53,7 +60,7 @@ LAYOUTS = {"auto": 0, "by inputs": 1, "by rows": 2, "by pairs": 3}
 _LIBRARY = torch.library.Library("softmoe", "FRAGMENT")
 _LIBRARY.define(
     "soft_moe_mixing(Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, Tensor? bias1, "
-    "Tensor weight2, Tensor? bias2, str isa) -> (Tensor, Tensor)"
+    "Tensor weight2, Tensor? bias2, bool keep_outputs, str isa) -> (Tensor, Tensor)"
 )
 _LIBRARY.define(
     "soft_moe_mixing_backward(Tensor grad, Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, "
@@ -66,17 +73,18 @@ _LIBRARY.define(
 )
 
 
-def _saved_shape(x: Tensor, dispatch: Tensor, weight1: Tensor, isa: str) -> tuple:
+def _saved_shape(x: Tensor, dispatch: Tensor, weight1: Tensor, keep_outputs: bool, isa: str) -> tuple:
     if isa not in LANES:
         raise ValueError(f"isa must be one of {tuple(LANES)}, got {isa!r}")
     lanes = LANES[isa]
-    return ((x.shape[0] + lanes - 1) // lanes, dispatch.shape[2], weight1.shape[2], lanes)
+    width = weight1.shape[2] + (x.shape[2] if keep_outputs else 0)
+    return ((x.shape[0] + lanes - 1) // lanes, dispatch.shape[2], width, lanes)
 
 
 @torch.library.register_fake("softmoe::soft_moe_mixing")
-def _(x, dispatch, combine, weight1, bias1, weight2, bias2, isa):
+def _(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa):
     torch._check(x.dim() == 3 and dispatch.dim() == 3 and weight1.dim() == 3, lambda: "bad soft_moe_mixing inputs")
-    return x.new_empty(x.shape), x.new_empty(_saved_shape(x, dispatch, weight1, isa))
+    return x.new_empty(x.shape), x.new_empty(_saved_shape(x, dispatch, weight1, keep_outputs, isa))
 
 
 @torch.library.register_fake("softmoe::soft_moe_mixing_backward")
@@ -164,7 +172,9 @@ def soft_moe_mixing(
             _check_mixing_inputs(*tensors)
             raise
     _check_mixing_inputs(*tensors)
-    out, _ = torch.ops.softmoe.soft_moe_mixing.default(*tensors, isa)
+    # the outputs are kept only for a backward pass
+    keep = weight1.shape[2] >= MIXING_KEEP_OUTPUTS_MIN_HIDDEN
+    out, _ = torch.ops.softmoe.soft_moe_mixing.default(*tensors, keep, isa)
     return out
 
 
