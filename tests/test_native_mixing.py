@@ -5,7 +5,6 @@ slot, and where the layer takes it."""
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
@@ -18,10 +17,9 @@ from reference import kernels_called, output_and_gradients, ref_activation, rela
 from softmoe import SoftMoE
 from softmoe.kernels import MIXING_MAX_TOKENS, cpu_isa, native_mixing_applies, soft_moe_mixing
 from softmoe.kernels.build import ISAS, LANES
-from softmoe.kernels.soft_moe_mixing import LAYOUTS
-from softmoe.tuning import value
+from softmoe.kernels.soft_moe_mixing import LAYOUTS, layout_costs
+from softmoe.tuning import TABLE, Measured, value
 
-mixing_module = sys.modules["softmoe.kernels.soft_moe_mixing"]  # the package exports the function of that name
 
 
 def mixing_reference(x, dispatch, combine, w1, b1, w2, b2):
@@ -134,8 +132,9 @@ def kept_combine_inputs(shape, seed):
 def inference_mixing(inputs, layout, kept_combine, kept_slots=None):
     """softmoe::soft_moe_mixing_inference with the work laid out as ``layout`` says (a key of LAYOUTS): with
     ``kept_combine`` the kept slots found from the nonzero combine weights or given as bits, else every slot."""
+    isa = kernels.cpu_isa()
     return torch.ops.softmoe.soft_moe_mixing_inference(*inputs, kept_combine, kept_slots, LAYOUTS[layout],
-                                                       kernels.cpu_isa())
+                                                       layout_costs(isa), isa)
 
 
 def kept_mixing(inputs, layout, kept_slots=None):
@@ -171,6 +170,33 @@ def test_inference_skips_idle_slots_and_matches_float64(shape, layout, threads, 
         assert torch.equal(kept_mixing(inputs, layout, words), out)
         with pytest.raises(RuntimeError, match=r"kept_slots must have shape \[\d+, \d+\], got \[\d+, \d+\]"):
             kept_mixing(inputs, layout, torch.cat([words, words], dim=1))
+
+
+# Layout costs (softmoe.tuning.TABLE's "mixing_layout_costs" order) under which each layout is the cheapest by far:
+# groups of inputs with free moves and dear pairs and rows, pairs with free slots, rows with free blocks and rows.
+DEAR = 1e30
+CHEAPEST = {
+    "by inputs": (0.0, 0.0, DEAR, DEAR, DEAR, DEAR, DEAR, DEAR),
+    "by pairs": (DEAR, 0.0, 0.0, 0.0, DEAR, DEAR, DEAR, DEAR),
+    "by rows": (DEAR, 0.0, DEAR, DEAR, 0.0, 0.0, 0.0, 0.0),
+}
+
+
+@pytest.mark.parametrize("layout", list(CHEAPEST))
+def test_the_layout_follows_the_tables_costs(layout, monkeypatch):
+    """The mixing's inference takes the layout TABLE's "mixing_layout_costs" make cheapest: with each layout made
+    the cheapest, the output equals that layout forced to the bit (the layouts differ in their last bits here). A
+    list of costs of another length is refused by the op."""
+    inputs = kept_combine_inputs((6, 4, 12, 16, 1, 24), seed=3)
+    costs = {isa: CHEAPEST[layout] for isa in LANES}
+    monkeypatch.setitem(TABLE, "mixing_layout_costs", Measured(costs, "a test"))
+    with torch.no_grad():
+        auto, forced = soft_moe_mixing(*inputs, kept_combine=True), kept_mixing(inputs, layout)
+        others = [kept_mixing(inputs, other) for other in CHEAPEST if other != layout]
+    assert torch.equal(auto, forced) and not any(torch.equal(auto, other) for other in others)
+    isa = cpu_isa()
+    with pytest.raises(RuntimeError, match="layout_costs must hold 8 costs, got 2"):
+        torch.ops.softmoe.soft_moe_mixing_inference(*inputs, True, None, LAYOUTS["auto"], [1.0, 2.0], isa)
 
 
 @pytest.mark.parametrize(
@@ -474,9 +500,9 @@ def saved_shape_read_by_the_backward(inputs) -> tuple[int, ...]:
 
 
 def test_the_outputs_are_kept_from_the_set_hidden_size_up(isa):
-    """From MIXING_KEEP_OUTPUTS_MIN_HIDDEN hidden units up the forward saves the slots' outputs (dim 12) after the
+    """From TABLE["mixing_keep_outputs_min_hidden"] hidden units up the forward saves the slots' outputs (dim 12) after the
     pre-activations and the backward reads them; below, only the pre-activations."""
-    least, lanes = mixing_module.MIXING_KEEP_OUTPUTS_MIN_HIDDEN, LANES[isa]
+    least, lanes = value("mixing_keep_outputs_min_hidden"), LANES[isa]
     for hidden, width in ((least - 1, least - 1), (least, least + 12)):
         shape = saved_shape_read_by_the_backward(random_inputs(33, 4, 12, 3, 1, hidden, bias=True))
         assert shape == ((33 + lanes - 1) // lanes, 3, width, lanes), hidden
@@ -485,7 +511,7 @@ def test_the_outputs_are_kept_from_the_set_hidden_size_up(isa):
 def test_no_records_are_kept_without_a_backward(library):
     """Under no_grad (inference) the mixing keeps no records for a backward: the inference op runs, watched or not,
     and gives what the training op gives."""
-    inputs = [t.detach() for t in random_inputs(33, 4, 12, 3, 1, mixing_module.MIXING_KEEP_OUTPUTS_MIN_HIDDEN,
+    inputs = [t.detach() for t in random_inputs(33, 4, 12, 3, 1, value("mixing_keep_outputs_min_hidden"),
                                                   bias=True)]
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = soft_moe_mixing(*inputs)

@@ -21,6 +21,7 @@ import softmoe.kernels as kernels
 from grids import pairwise
 from reference import relative_error
 from softmoe.kernels import ISAS, build, expert_matmul, soft_moe_mixing, use_isa
+from softmoe.kernels.soft_moe_mixing import layout_costs
 
 OPS = torch.ops.softmoe
 
@@ -100,9 +101,9 @@ def test_opcheck_the_inference_ops(isa, shape):
     and the routing with Algorithm 1's choice; each equal to what the training ops give."""
     x, dispatch, combine, w1, b1, w2, b2 = detached(mixing_inputs(*shape, bias=True))
     torch.library.opcheck(OPS.soft_moe_mixing_inference.default, (x, dispatch, combine, w1, b1, w2, b2, False, None,
-                                                                   0, isa))
+                                                                   0, layout_costs(isa), isa))
     want, _ = OPS.soft_moe_mixing(x, dispatch, combine, w1, b1, w2, b2, False, isa)
-    got = OPS.soft_moe_mixing_inference(x, dispatch, combine, w1, b1, w2, b2, False, None, 0, isa)
+    got = OPS.soft_moe_mixing_inference(x, dispatch, combine, w1, b1, w2, b2, False, None, 0, layout_costs(isa), isa)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     experts, p = w1.shape[0], dispatch.shape[2] // w1.shape[0]
     phi, scale = torch.randn(x.shape[2], experts * p), torch.tensor(2.0)
@@ -111,9 +112,9 @@ def test_opcheck_the_inference_ops(isa, shape):
     dispatch, kept, slots, selected = OPS.soft_moe_routing_top_k(*args)
     assert selected.shape == (x.shape[0], 1) and slots.dtype == torch.int64
     torch.library.opcheck(OPS.soft_moe_mixing_inference.default, (x, dispatch, kept, w1, b1, w2, b2, True, slots,
-                                                                   0, isa))
+                                                                   0, layout_costs(isa), isa))
     masked = OPS.soft_moe_mixing(x, dispatch, kept, w1, b1, w2, b2, False, isa)[0]
-    got = OPS.soft_moe_mixing_inference(x, dispatch, kept, w1, b1, w2, b2, True, slots, 0, isa)
+    got = OPS.soft_moe_mixing_inference(x, dispatch, kept, w1, b1, w2, b2, True, slots, 0, layout_costs(isa), isa)
     torch.testing.assert_close(got, masked, rtol=1e-5, atol=1e-5)
 
 

@@ -75,6 +75,25 @@ TABLE: dict[str, Measured] = {
     # their traffic per input is the weights' size over the lanes. Beyond it the fused kernel no longer beats the
     # slot backend's batched products.
     "mixing_max_weight_bytes_per_lane": Measured(112 << 10, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
+    # From this many hidden units up the fused mixing's forward keeps the slots' outputs (batch * slots * dim floats)
+    # for the backward, which otherwise runs each slot's second layer again (a fifth of the backward's multiply-adds);
+    # below it writing, holding and reading them costs more than computing them again (the larger record is fresh
+    # memory every step in a default process).
+    "mixing_keep_outputs_min_hidden": Measured(64, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
+    # The costs of the fused mixing's inference layouts per kernel variant (the cost model in csrc/bindings.cpp's
+    # kept_lanes, which picks the layout of fewest vector operations per call), in this order: input_group_moves,
+    # sorted_group, pair_token, pair_weight, row_block, row_block_products, row, row_token. Fitted by relative least
+    # squares to the op's times with 2 threads (the MNIST layer at 8, 64 and 256 experts, batch 2-64, k = n/8, n/4 and
+    # n/2, each layout forced), in units of the groups of inputs' times in the same process; the AVX2 costs serve the
+    # portable variant too. On a Zen 4 they pick a layout up to 1.5x slower than the best at n = 256, batch 4-16.
+    "mixing_layout_costs": Measured(
+        {
+            "avx512": (10.0, 0.05, 1.26, 0.42, 430.0, 2.4, 0.69, 12.8),
+            "avx2": (10.0, 0.05, 1.64, 0.57, 1300.0, 0.23, 0.93, 7.4),
+            "portable": (10.0, 0.05, 1.64, 0.57, 1300.0, 0.23, 0.93, 7.4),
+        },
+        "AMD EPYC Zen 5 (2 cores)",
+    ),
 }
 
 _AUTOTUNE = False

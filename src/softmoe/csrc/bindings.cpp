@@ -366,50 +366,48 @@ struct KeptLanes {
 
 enum { LANES_AUTO, LANES_BY_INPUTS, LANES_BY_ROWS, LANES_BY_PAIRS };
 
-/* The cost model below counts multiply-adds of a vector. INPUT_GROUP_MOVES: what moving one vector of a group of
- * inputs' rows costs (gathered, then written back, once for all their slots). The other layouts' costs per
- * instruction set (LayoutCosts): a slot of one pair `pair_token` per token float (its dispatch and combine) and
- * `pair_weight` per weight of its expert (the pair streams them alone, in short loops along hidden); for the rows of
- * an expert, with `products` = Dm ceil(Hd / lanes) + Hd ceil(Dm / lanes) (a slot's two products for one row, in
- * vectors along hidden and dim), a block of r <= SOFTMOE_MIXING_ROWS rows of a slot `row_block`, `row_block_products`
- * x products (the expert's weights streamed once for the block) and `row` x products x max(r, 4) (a block of fewer
- * than 4 rows takes as long as one of 4: its few chains of multiply-adds wait on each other), and each row `row_token`
- * per vector of its tokens' rows (M ceil(Dm / lanes): its dispatch, its combine and their moves). Fitted by least
- * squares (relative) to the op's times with 2 threads: the MNIST layer at 8, 64 and 256 experts, batch 2-64,
- * k = n/8, n/4 and n/2, each layout forced, in units of the groups' times in the same process (docs/performance.md
- * has the measurements and the fit's errors). The AVX2 constants serve the portable variant too. */
-constexpr double INPUT_GROUP_MOVES = 10.0;
+/* The cost model below counts multiply-adds of a vector, with measured costs (LayoutCosts, the op's `layout_costs`
+ * argument: softmoe.tuning.TABLE's "mixing_layout_costs" for the variant, in this order): `input_group_moves` what
+ * moving one vector of a group of inputs' rows costs (gathered, then written back, once for all their slots);
+ * `sorted_group` what a slot run costs more in groups of the inputs sorted by the slots they keep than in groups of
+ * the inputs as they come, whose rows lie side by side (the inputs are sorted only where that saves more slot runs);
+ * a slot of one pair `pair_token` per token float (its dispatch and combine) and `pair_weight` per weight of its
+ * expert (the pair streams them alone, in short loops along hidden); for the rows of an expert, with `products` = Dm
+ * ceil(Hd / lanes) + Hd ceil(Dm / lanes) (a slot's two products for one row, in vectors along hidden and dim), a
+ * block of r <= SOFTMOE_MIXING_ROWS rows of a slot `row_block`, `row_block_products` x products (the expert's weights
+ * streamed once for the block) and `row` x products x max(r, 4) (a block of fewer than 4 rows takes as long as one of
+ * 4: its few chains of multiply-adds wait on each other), and each row `row_token` per vector of its tokens' rows (M
+ * ceil(Dm / lanes): its dispatch, its combine and their moves). */
 struct LayoutCosts {
-    double pair_token, pair_weight, row_block, row_block_products, row, row_token;
+    double input_group_moves, sorted_group, pair_token, pair_weight, row_block, row_block_products, row, row_token;
 };
-constexpr LayoutCosts LAYOUT_COSTS_AVX512 = {1.26, 0.42, 430.0, 2.4, 0.69, 12.8},
-                      LAYOUT_COSTS_AVX2 = {1.64, 0.57, 1300.0, 0.23, 0.93, 7.4};
+constexpr int64_t LAYOUT_COST_COUNT = 8;
 constexpr int64_t ROW_LATENCY_ROWS = 4;
 
-/* What a slot run costs more in groups of the inputs sorted by the slots they keep than in groups of the inputs as
- * they come, whose rows lie side by side: set from the op with a kept combine on inputs sorted beforehand (the order
- * then the identity) against the same inputs unsorted (docs/performance.md has the measurements). The inputs are
- * sorted only where that saves more slot runs. */
-constexpr double SORTED_GROUP_COST = 0.05;
+LayoutCosts layout_costs(c10::ArrayRef<double> costs)
+{
+    TORCH_CHECK(int64_t(costs.size()) == LAYOUT_COST_COUNT, "softmoe: layout_costs must hold ", LAYOUT_COST_COUNT,
+                " costs, got ", costs.size());
+    return {costs[0], costs[1], costs[2], costs[3], costs[4], costs[5], costs[6], costs[7]};
+}
 
 /* The layout of the lanes for kept combine (B, M, S) with P slots per expert of Hd hidden units and dim Dm, `lanes`
  * per vector and `threads` threads: `how` one of the layouts, or LANES_AUTO for the one of fewest vector operations
  * counted. A slot run for a group of lanes costs its dispatch, both layers and its combine (2 M Dm + 2 Dm Hd
- * multiply-adds of a vector), a group's rows (M Dm vectors) INPUT_GROUP_MOVES each; the rows of an expert and the
+ * multiply-adds of a vector), a group's rows (M Dm vectors) c.input_group_moves each; the rows of an expert and the
  * pairs as LayoutCosts says; each over the threads that its units of work (groups of inputs, parts, inputs or with
  * fewer inputs than threads pairs) can keep busy. The groups of inputs and the blocks of rows are counted only where
  * bounds on the costs (from the kept slots' count) do not rule them out. The slots each input keeps: `kept_slots`
  * (B, ceil(S / 64) words of bits, as the routing's choice gives them), or where NULL those of nonzero combine
  * weights (slot_bits). */
 KeptLanes kept_lanes(const float *combine, const uint64_t *kept_slots, int64_t B, int64_t M, int64_t S, int64_t P,
-                     int64_t Hd, int64_t Dm, int64_t lanes, int64_t threads, int how)
+                     int64_t Hd, int64_t Dm, int64_t lanes, int64_t threads, int how, const LayoutCosts &c)
 {
     const int64_t words = (S + 63) / 64, n = S / P;
     const std::vector<uint64_t> found = kept_slots ? std::vector<uint64_t>() : slot_bits(combine, B, M, S, words);
     const uint64_t *bits = kept_slots ? kept_slots : found.data();
     const double slot_cost = 2.0 * M * Dm + 2.0 * Dm * Hd, rows = double(M) * Dm;
     const double dim_vectors = double((Dm + lanes - 1) / lanes), hidden_vectors = double((Hd + lanes - 1) / lanes);
-    const LayoutCosts &c = lanes == 16 ? LAYOUT_COSTS_AVX512 : LAYOUT_COSTS_AVX2;
     const int64_t block_rows = SOFTMOE_MIXING_ROWS(lanes);
     const double products = Dm * hidden_vectors + Hd * dim_vectors;
     const double row_block_cost = c.row_block + c.row_block_products * products;
@@ -459,7 +457,7 @@ KeptLanes kept_lanes(const float *combine, const uint64_t *kept_slots, int64_t B
     const auto at_most_rows = [&](double cost) { return cost <= rows_least || cost <= rows_cost(); };
     /* a group runs at least the mean of its inputs' kept slots */
     const double inputs_least =
-        (double(pair_slots) / lanes * slot_cost + groups * INPUT_GROUP_MOVES * rows) / busy_groups;
+        (double(pair_slots) / lanes * slot_cost + groups * c.input_group_moves * rows) / busy_groups;
     KeptLanes layout;
     if (how == LANES_BY_INPUTS || (how == LANES_AUTO && inputs_least < std::min(rows_least, pairs_cost))) {
         /* a group runs the slots one of its inputs keeps: the runs of the groups of inputs in `order` (NULL: as
@@ -475,12 +473,12 @@ KeptLanes kept_lanes(const float *combine, const uint64_t *kept_slots, int64_t B
                 }
             return runs;
         };
-        double runs = double(group_runs(nullptr)); /* (sorted: times 1 + SORTED_GROUP_COST) */
+        double runs = double(group_runs(nullptr)); /* (sorted: times 1 + c.sorted_group) */
         /* sorted, the groups still run their inputs' kept slots (pair_slots / lanes at least): sorted only where
            that bound leaves a saving */
         bool same = true;
         for (int64_t b = 1; b < B && same; b++) same = std::equal(bits + b * words, bits + (b + 1) * words, bits);
-        bool sort = !same && runs > (1.0 + SORTED_GROUP_COST) * double(pair_slots) / double(lanes);
+        bool sort = !same && runs > (1.0 + c.sorted_group) * double(pair_slots) / double(lanes);
         std::vector<long> order;
         if (sort) { /* by their bits, then their index (a stable order); the first words nearly always decide */
             order.resize(B);
@@ -492,11 +490,11 @@ KeptLanes kept_lanes(const float *combine, const uint64_t *kept_slots, int64_t B
                     if (x[w] != y[w]) return x[w] < y[w];
                 return a < c;
             });
-            const double sorted_runs = double(group_runs(order.data())) * (1.0 + SORTED_GROUP_COST);
+            const double sorted_runs = double(group_runs(order.data())) * (1.0 + c.sorted_group);
             sort = sorted_runs < runs;
             runs = sort ? sorted_runs : runs;
         }
-        const double inputs_cost = (runs * slot_cost + groups * INPUT_GROUP_MOVES * rows) / busy_groups;
+        const double inputs_cost = (runs * slot_cost + groups * c.input_group_moves * rows) / busy_groups;
         if (how == LANES_BY_INPUTS || (how == LANES_AUTO && inputs_cost <= pairs_cost && at_most_rows(inputs_cost))) {
             if (sort) layout.order = std::move(order);
             return layout;
@@ -543,6 +541,7 @@ std::tuple<at::Tensor, at::Tensor> mixing_forward(const at::Tensor &x_in, const 
                                                   const c10::optional<at::Tensor> &b1_in, const at::Tensor &w2_in,
                                                   const c10::optional<at::Tensor> &b2_in, bool keep_outputs,
                                                   bool kept_combine, c10::string_view isa, int64_t kept_lanes_by,
+                                                  c10::ArrayRef<double> costs,
                                                   const c10::optional<at::Tensor> &kept_slots, bool every_slot)
 {
     const Variant &v = variant(std::string(isa));
@@ -579,7 +578,7 @@ std::tuple<at::Tensor, at::Tensor> mixing_forward(const at::Tensor &x_in, const 
     KeptLanes layout;
     if (kept_combine || every_slot) {
         layout = kept_lanes(combine.data_ptr<float>(), bits, s.B, s.M, s.S, P, s.Hd, s.Dm, lanes, threads(),
-                            int(kept_lanes_by));
+                            int(kept_lanes_by), layout_costs(costs));
     }
     at::Tensor out = at::empty({s.B, s.M, s.Dm}, x.options());
     const auto no_records = [&] { return at::empty({0, s.S, width, lanes}, x.options()); };
@@ -616,20 +615,21 @@ std::tuple<at::Tensor, at::Tensor> soft_moe_mixing(const at::Tensor &x, const at
                                                    const c10::optional<at::Tensor> &b2, bool keep_outputs,
                                                    c10::string_view isa)
 {
-    return mixing_forward(x, dispatch, combine, w1, b1, w2, b2, keep_outputs, false, isa, LANES_AUTO, c10::nullopt,
-                          false);
+    return mixing_forward(x, dispatch, combine, w1, b1, w2, b2, keep_outputs, false, isa, LANES_AUTO, {},
+                          c10::nullopt, false);
 }
 
 /* softmoe::soft_moe_mixing_inference: no records; with kept_combine only the kept slots run (kept_slots: them as
- * bits, or None to find them from combine), else every slot; layout: LANES_AUTO or one layout forced */
+ * bits, or None to find them from combine), else every slot; layout: LANES_AUTO (the cheapest by layout_costs) or
+ * one layout forced */
 at::Tensor soft_moe_mixing_inference(const at::Tensor &x, const at::Tensor &dispatch, const at::Tensor &combine,
                                      const at::Tensor &w1, const c10::optional<at::Tensor> &b1, const at::Tensor &w2,
                                      const c10::optional<at::Tensor> &b2, bool kept_combine,
                                      const c10::optional<at::Tensor> &kept_slots, int64_t layout,
-                                     c10::string_view isa)
+                                     c10::ArrayRef<double> layout_costs, c10::string_view isa)
 {
     return std::get<0>(mixing_forward(x, dispatch, combine, w1, b1, w2, b2, false, kept_combine, isa, layout,
-                                      kept_slots, !kept_combine));
+                                      layout_costs, kept_slots, !kept_combine));
 }
 
 /* The gradients of soft_moe_mixing from grad (B, M, Dm) and its saved (with or without the slots' outputs, as its

@@ -21,10 +21,11 @@ CPU kernels: an eager call pays no Python beyond the op's call) calls the backwa
         (the bias gradients are computed whether or not the layer has biases)
     softmoe::soft_moe_mixing_inference(Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, Tensor? bias1,
                                        Tensor weight2, Tensor? bias2, bool kept_combine, Tensor? kept_slots,
-                                       int layout, str isa) -> Tensor
+                                       int layout, float[] layout_costs, str isa) -> Tensor
         the mixing without records for a backward (no autograd): with ``kept_combine`` only the kept slots run
         (``kept_slots`` them as bits, or None to find them from combine), else every slot; ``layout`` one of
-        :data:`LAYOUTS` (0: the kernel counts the cheapest per call; see :func:`soft_moe_mixing`)
+        :data:`LAYOUTS` (0: the kernel counts the cheapest per call from ``layout_costs``, the variant's entry of
+        softmoe.tuning.TABLE's "mixing_layout_costs"; see :func:`soft_moe_mixing`)
 
 :func:`soft_moe_mixing` is the Python entry point (input checks, the variant of
 :func:`~softmoe.kernels.cpu_isa`). The backward op has no autograd formula: no double backward.
@@ -40,15 +41,8 @@ from softmoe.kernels.modes import needs_grad, transforms_active
 from softmoe.tuning import value
 
 # The fused kernel serves inputs of at most MIXING_MAX_TOKENS tokens (their routing weights stay in registers) and
-# experts whose weights fit softmoe.tuning.TABLE's "mixing_max_weight_bytes_per_lane" (docs/performance.md has the
-# measurements).
+# experts whose weights fit softmoe.tuning.TABLE's "mixing_max_weight_bytes_per_lane".
 MIXING_MAX_TOKENS = 8
-# From this many hidden units up the forward pass keeps the slots' outputs (batch * slots * dim floats) for the
-# backward pass, which otherwise runs each slot's second layer again (hidden * dim multiply-adds per input and slot,
-# a fifth of the backward's). Below it writing, holding (100 MB at the layer's n = 512) and reading the outputs
-# costs more than computing them again: the larger saved record is fresh memory every step in a default process
-# (docs/performance.md has the measurements).
-MIXING_KEEP_OUTPUTS_MIN_HIDDEN = 64
 
 
 # The work's layouts in inference (the ``layout`` argument of softmoe::soft_moe_mixing_inference; LANES_* in
@@ -69,7 +63,8 @@ _LIBRARY.define(
 )
 _LIBRARY.define(
     "soft_moe_mixing_inference(Tensor x, Tensor dispatch, Tensor combine, Tensor weight1, Tensor? bias1, "
-    "Tensor weight2, Tensor? bias2, bool kept_combine, Tensor? kept_slots, int layout, str isa) -> Tensor"
+    "Tensor weight2, Tensor? bias2, bool kept_combine, Tensor? kept_slots, int layout, float[] layout_costs, "
+    "str isa) -> Tensor"
 )
 
 
@@ -102,7 +97,7 @@ def _(grad, x, dispatch, combine, weight1, weight2, bias2, saved, isa):
 
 
 @torch.library.register_fake("softmoe::soft_moe_mixing_inference")
-def _(x, dispatch, combine, weight1, bias1, weight2, bias2, kept_combine, kept_slots, layout, isa):
+def _(x, dispatch, combine, weight1, bias1, weight2, bias2, kept_combine, kept_slots, layout, layout_costs, isa):
     return x.new_empty(x.shape)
 
 
@@ -166,16 +161,22 @@ def soft_moe_mixing(
         # kernel checks the same as _check_mixing_inputs, whose clearer errors are only needed where it refuses.
         try:
             return torch.ops.softmoe.soft_moe_mixing_inference.default(
-                *tensors, kept_combine, kept_slots if kept_combine else None, LAYOUTS["auto"], isa
+                *tensors, kept_combine, kept_slots if kept_combine else None, LAYOUTS["auto"], layout_costs(isa), isa
             )
         except RuntimeError:
             _check_mixing_inputs(*tensors)
             raise
     _check_mixing_inputs(*tensors)
     # the outputs are kept only for a backward pass
-    keep = weight1.shape[2] >= MIXING_KEEP_OUTPUTS_MIN_HIDDEN
+    keep = weight1.shape[2] >= value("mixing_keep_outputs_min_hidden")
     out, _ = torch.ops.softmoe.soft_moe_mixing.default(*tensors, keep, isa)
     return out
+
+
+def layout_costs(isa: str) -> list[float]:
+    """The inference layouts' costs for the ``isa`` variant (the op's ``layout_costs``): softmoe.tuning.TABLE's
+    "mixing_layout_costs"."""
+    return list(value("mixing_layout_costs")[isa])
 
 
 def _check_mixing_inputs(x, dispatch, combine, weight1, bias1, weight2, bias2) -> None:
