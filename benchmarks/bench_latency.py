@@ -18,6 +18,8 @@ FLOP/s and bandwidth measured in this run.
                                                                 # each plan forced too (is the cost model right?)
     python benchmarks/bench_latency.py --sweep --device cuda --dtype bfloat16   # the same on a GPU (eager)
     python benchmarks/bench_latency.py --sweep --mnist-experts 8    # the paper's MNIST layer (small relu experts)
+    python benchmarks/bench_latency.py --skinny --device cuda --dtype bfloat16   # the kept experts' products at
+                                            # batch 1: the skinny Triton kernel, torch's grouped GEMM, a copy
 
 On a GPU the limits are a bf16 or fp32 8192^3 matmul and a 1 GiB copy, and the header names the GPU. On the CPU
 ``--isa`` (default: the host's best) and ``--allocator`` (default: tuned, as the training CLI runs) choose the
@@ -64,7 +66,8 @@ from softmoe_repro.latency import (  # noqa: E402
     experts_used,
     work,
 )
-from softmoe.kernels.grouped_mm import uses_grouped_gemm  # noqa: E402
+from softmoe.kernels.grouped_mm import grouped_mm, uses_grouped_gemm  # noqa: E402
+from softmoe.kernels.skinny_grouped_mm import skinny_grouped_mm  # noqa: E402
 
 
 SWEEP_BATCHES = (1, 4, 16, 100)
@@ -107,7 +110,7 @@ def sweep(layer: softmoe.SoftMoE, tokens: int, ks: list[int], batches: tuple[int
     context once for many calls); each configuration runs SWEEP_BURST times in a row per round, the first call
     reported apart (``cold_ms``, ``cold_speedup``)."""
 
-    def selector(k: int | None, plan: str = "auto") -> softmoe.layer.ExpertSelector | None:
+    def selector(k: int | None, plan: str = "auto") -> softmoe.selection.ExpertSelector | None:
         with softmoe.select_experts(layer, k=k, strategy="all" if k is None else "combine", plan=plan):
             return layer.selector
 
@@ -159,6 +162,99 @@ def sweep(layer: softmoe.SoftMoE, tokens: int, ks: list[int], batches: tuple[int
     return {"batches": results, "slower": slower, "mischosen": mischosen, "tolerance": SLOWER_TOLERANCE}
 
 
+# --skinny: the kept experts at batch 1 (n/8, n/4, n/2 of Table 3's 8), and the copies of the weights the timed calls
+# rotate through, so that no call finds its weights in the GPU's L2 cache left there by the call before.
+SKINNY_KS = (1, 2, 4)
+SKINNY_COPIES = 4
+# The issue's target: the kept experts' weights streamed at this share of the copy bandwidth or more.
+SKINNY_TARGET = 0.8
+
+
+def device_times(fns: dict, repeats: int) -> dict[str, float]:
+    """The median seconds of each of ``fns`` on the GPU (CUDA events around each call), timed round-robin."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / 1e3)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def as_graph(fn):
+    """``fn`` (run once first: Triton's JIT, cuBLAS's set-up) captured as a CUDA graph, returned as its replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def products(op, x: torch.Tensor, weights: list[torch.Tensor], ends: torch.Tensor, bias: torch.Tensor,
+             activation: str):
+    """A call of the grouped product ``op`` on x through each of ``weights`` in turn."""
+    return lambda: [op(x, w, ends, bias, activation) for w in weights]
+
+
+def copies(sources: list[torch.Tensor], targets: list[torch.Tensor]):
+    """A copy of each of ``sources`` into its target in turn."""
+    return lambda: [t.copy_(s) for s, t in zip(sources, targets)]
+
+
+def skinny_table(hidden: int, device: torch.device, dtype: torch.dtype, repeats: int) -> dict:
+    """Algorithm 1's expert products at batch 1 (k kept experts of one slot each: k rows) through one layer of Table
+    3's experts, the first product (768 x hidden, bias and gelu_tanh, as the layer runs it in inference) and the
+    second (hidden x 768, bias): softmoe::skinny_grouped_mm against softmoe::grouped_mm (torch's grouped GEMM in
+    bfloat16), and a copy of as many bytes as the kept experts' weights. Each timed call runs SKINNY_COPIES products,
+    one per copy of the weights, as one CUDA graph (grouped_mm outside bfloat16 reads the groups on the host: eager
+    there), timed with CUDA events; the bandwidth ratio is (kept weight bytes / the product's time) over (bytes read
+    and written / the copy's time)."""
+    torch.manual_seed(0)
+    rows_out, table = [], []
+    for name, (k_in, n_out, activation) in {"first": (DIM, hidden, "gelu_tanh"),
+                                            "second": (hidden, DIM, "none")}.items():
+        weights = [torch.randn(EXPERTS, k_in, n_out, device=device, dtype=dtype) / k_in**0.5
+                   for _ in range(SKINNY_COPIES)]
+        bias = torch.randn(EXPERTS, n_out, device=device, dtype=dtype)
+        for k in SKINNY_KS:
+            kept = set(range(0, EXPERTS, EXPERTS // k))  # k experts spread over the bank, one row each
+            ends = torch.tensor([sum(e in kept for e in range(j + 1)) for j in range(EXPERTS)], device=device,
+                                dtype=torch.int32)
+            x = torch.randn(k, k_in, device=device, dtype=dtype)
+            nbytes = k * k_in * n_out * dtype.itemsize
+            sources = [torch.empty(nbytes, device=device, dtype=torch.uint8) for _ in range(SKINNY_COPIES)]
+            targets = [torch.empty_like(t) for t in sources]
+            skinny, grouped = (products(op, x, weights, ends, bias, activation)
+                               for op in (skinny_grouped_mm, grouped_mm))
+            torch.testing.assert_close(skinny()[0], grouped()[0], rtol=2e-2, atol=2e-2)  # (the same products)
+            graphs = uses_grouped_gemm(x, x, k_in, n_out)
+            fns = {"skinny": as_graph(skinny), "grouped": as_graph(grouped) if graphs else grouped,
+                   "copy": as_graph(copies(sources, targets))}
+            seconds = {key: t / SKINNY_COPIES for key, t in device_times(fns, repeats).items()}
+            copy_rate = 2 * nbytes / seconds["copy"]
+            ratio = {key: nbytes / seconds[key] / copy_rate for key in ("skinny", "grouped")}
+            rows_out.append({"product": name, "k": k, "rows": k, "weight_bytes": nbytes,
+                             "skinny_us": seconds["skinny"] * 1e6, "grouped_us": seconds["grouped"] * 1e6,
+                             "copy_us": seconds["copy"] * 1e6, "copy_bytes_per_s": copy_rate,
+                             "skinny_vs_copy": ratio["skinny"], "grouped_vs_copy": ratio["grouped"],
+                             "grouped_mode": "CUDA graph" if graphs else "eager"})
+            table.append([f"{name} ({k_in} x {n_out})", k, f"{nbytes / 2**20:.0f}", f"{seconds['skinny'] * 1e6:.1f}",
+                          f"{seconds['grouped'] * 1e6:.1f}{'' if graphs else ' (eager)'}",
+                          f"{seconds['grouped'] / seconds['skinny']:.2f}x", f"{copy_rate / 1e12:.2f}",
+                          f"{ratio['skinny']:.2f}", f"{ratio['grouped']:.2f}",
+                          "PASS" if ratio["skinny"] >= SKINNY_TARGET else "FAIL"])
+    print_table(["product", "k", "kept MiB", "skinny us", "grouped_mm us", "grouped / skinny",
+                 "copy TB/s (read+write)", "skinny / copy", "grouped / copy", f"skinny >= {SKINNY_TARGET}"],
+                table, align="lrrrrrrrrl")
+    print(f"median of {repeats} CUDA-event timings of {SKINNY_COPIES} calls (one per copy of the weights), per call; "
+          "x / copy: the kept weight bytes over the product's time against the copy's read+write bytes over its time")
+    return {"rows": rows_out, "copies": SKINNY_COPIES, "target": SKINNY_TARGET}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="paper")
@@ -172,6 +268,9 @@ def main() -> None:
                         "(fullgraph; on a GPU in bf16 with CUDA graphs, mode reduce-overhead)")
     parser.add_argument("--sweep", action="store_true", help="one layer, every k < n at batch "
                         f"{', '.join(map(str, SWEEP_BATCHES))}, against every expert (Algorithm 1 never slower)")
+    parser.add_argument("--skinny", action="store_true", help="on a GPU: the selected experts' products at batch 1, "
+                        "softmoe::skinny_grouped_mm against softmoe::grouped_mm, and their bandwidth against a copy of "
+                        "the kept experts' weight bytes")
     parser.add_argument("--mnist-experts", type=int, metavar="N", help="with --sweep: the paper's MNIST layer of N "
                         f"experts instead (4 tokens of dim {MNIST_DIM}, relu experts of hidden 784 / N), at batch "
                         f"{', '.join(map(str, MNIST_SWEEP_BATCHES))}")
@@ -184,6 +283,8 @@ def main() -> None:
         parser.error("--device cuda: torch sees no CUDA device here")
     if args.sweep and args.compile:
         parser.error("--sweep times eager calls only; leave out --compile")
+    if args.skinny and (device.type != "cuda" or args.sweep or args.compile):
+        parser.error("--skinny times the products on a GPU (--device cuda), without --sweep or --compile")
     if args.mnist_experts is not None and not (args.sweep and args.mnist_experts >= 2):
         parser.error("--mnist-experts N takes --sweep and N >= 2")
     if device.type == "cpu" and run_children(parser, args, argv):
@@ -192,6 +293,15 @@ def main() -> None:
     repeats = args.repeats or (MNIST_SWEEP_REPEATS if args.mnist_experts else preset["repeats"])
     warmup = args.warmup if args.warmup is not None else preset["warmup"]
     allocator = apply_allocator(args.allocator) if device.type == "cpu" else "allocator: CUDA's"
+    if args.skinny:
+        env = environment()
+        print(f"# the selected experts' products at batch 1, Table 3's layer (hidden {preset['hidden']}), "
+              f"{torch.cuda.get_device_name(device)} (host {env['cpu']}), torch {env['torch']}, {args.dtype}, "
+              f"{env['date']}")
+        results = {"environment": env | {"device": str(device), "dtype": args.dtype}, "preset": args.preset,
+                   "skinny": skinny_table(preset["hidden"], device, dtype, repeats)}
+        write_results(args, results)
+        return
     if args.sweep:
         env = environment()
         where = env["cpu"] if device.type == "cpu" else f"{torch.cuda.get_device_name(device)} (host {env['cpu']})"

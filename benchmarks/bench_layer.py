@@ -363,7 +363,7 @@ def expert_products(layer: softmoe.SoftMoE, x: torch.Tensor, native: bool) -> Ca
     torch's batched matmuls, or with ``native`` the native expert matmul (activation fused) the backend runs."""
     experts = layer.experts
     with torch.no_grad():
-        slots = layer.dispatch_slots(x, layer.route(x).dispatch.flatten(2))
+        slots = softmoe.layer.dispatch_slots(x, layer.route(x).dispatch.flatten(2))
         rows = slots.view(x.shape[0], layer.num_experts, -1, layer.dim).transpose(0, 1).reshape(
             layer.num_experts, -1, layer.dim
         )

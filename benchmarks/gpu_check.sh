@@ -4,13 +4,14 @@
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR [BUDGET_SECONDS] [STEP ...]
 #
-# Steps, in this order by default: tests (the CUDA tests and the routing kernel's), t3-bf16 and t3-fp32 (Table 3
-# eager, bench_latency.py), sweep-bf16 and sweep-fp32 (Algorithm 1 at every k < n against every expert, eager),
-# layer-bf16 and layer-fp32 (bench_gpu.py's layer table), selection-bf16 (bench_gpu.py's selection table at ViT-S
-# batch 128, eager and compiled: about 3 minutes); on request also launches (bench_gpu_launches.py: kernels per
-# eager call, the logits' and the routing kernel's A/B), layer-compiled (the bf16 layer table at three shapes with
-# the layer and the dense MLP compiled with CUDA graphs) and t3-compiled (Table 3 at batch 1 in bf16 with CUDA
-# graphs).
+# Steps, in this order by default: tests (the CUDA tests and the routing and skinny kernels'), skinny (the kept
+# experts' products at batch 1 in bf16: the skinny Triton kernel against torch's grouped GEMM and a copy of the same
+# bytes, bench_latency.py --skinny), t3-bf16 and t3-fp32 (Table 3 eager, bench_latency.py), sweep-bf16 and
+# sweep-fp32 (Algorithm 1 at every k < n against every expert, eager), layer-bf16 and layer-fp32 (bench_gpu.py's
+# layer table), selection-bf16 (bench_gpu.py's selection table at ViT-S batch 128, eager and compiled: about 3
+# minutes); on request also launches (bench_gpu_launches.py: kernels per eager call, the logits' and the routing
+# kernel's A/B), layer-compiled (the bf16 layer table at three shapes with the layer and the dense MLP compiled with
+# CUDA graphs) and t3-compiled (Table 3 at batch 1 in bf16 with CUDA graphs).
 # The published peers are timed where they import (``make peers``, or a folder of them on PYTHONPATH).
 # softmoe's native CPU kernels are not built (SOFTMOE_NATIVE=0): nothing here runs them.
 set -u
@@ -23,7 +24,7 @@ if ! [[ $budget =~ ^[0-9]+$ ]]; then
 fi
 shift $(( $# >= 2 ? 2 : 1 ))
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(tests t3-bf16 t3-fp32 sweep-bf16 sweep-fp32 layer-bf16 layer-fp32 selection-bf16)
+[ ${#steps[@]} -gt 0 ] || steps=(tests skinny t3-bf16 t3-fp32 sweep-bf16 sweep-fp32 layer-bf16 layer-fp32 selection-bf16)
 mkdir -p "$out" && out=$(cd "$out" && pwd) || { echo "gpu_check.sh: cannot write to $1" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 SOFTMOE_NATIVE=0
@@ -54,9 +55,11 @@ step() {
 
 for name in "${steps[@]}"; do
     case $name in
-        tests) step tests 150 "$py" -m pytest -q -p no:cacheprovider -k "cuda or routing_softmaxes" \
+        tests) step tests 150 "$py" -m pytest -q -p no:cacheprovider -k "cuda or routing_softmaxes or skinny" \
             tests/test_devices.py tests/test_grouped_mm.py tests/test_topk.py tests/test_selection_plan.py \
-            tests/test_layer.py tests/test_routing_softmaxes.py ;;
+            tests/test_layer.py tests/test_routing_softmaxes.py tests/test_skinny_grouped_mm.py ;;
+        skinny) step skinny 120 "$py" benchmarks/bench_latency.py --skinny --device cuda --dtype bfloat16 \
+            --json "$out/skinny.json" ;;
         launches) step launches 200 "$py" benchmarks/bench_gpu_launches.py ;;
         t3-bf16) step t3-bf16 120 "$py" benchmarks/bench_latency.py --device cuda --dtype bfloat16 \
             --json "$out/t3-bf16.json" ;;

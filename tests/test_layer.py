@@ -23,7 +23,7 @@ from softmoe.backends import REGISTRY
 from softmoe.backends.cuda import rms_norm_logits
 from softmoe.backends.generic import token_space_mixing
 from softmoe.kernels import native_available
-from softmoe.layer import l2_normalize, soft_moe_logits, soft_moe_reference
+from softmoe.layer import combine_slots, dispatch_slots, l2_normalize, soft_moe_logits, soft_moe_reference
 from softmoe.runtime import cpu_signature
 from softmoe.tuning import TABLE, Measured
 
@@ -307,8 +307,8 @@ def test_slots_use_raw_tokens_not_normalized():
     with torch.no_grad():
         dispatch = layer.route(x).dispatch.flatten(2)
         dispatch_scaled = layer.route(3.0 * x).dispatch.flatten(2)
-        slots = layer.dispatch_slots(x, dispatch)
-        slots_scaled = layer.dispatch_slots(3.0 * x, dispatch_scaled)
+        slots = dispatch_slots(x, dispatch)
+        slots_scaled = dispatch_slots(3.0 * x, dispatch_scaled)
     # Normalization makes the routing (nearly) invariant to the token scale...
     assert (dispatch - dispatch_scaled).abs().max().item() < 1e-5
     # ...while the slots follow the raw tokens.
@@ -423,7 +423,7 @@ def test_token_space_rewrite_equals_slot_formulation(shape, data):
     with torch.no_grad():
         routing = layer.route(x, mask)
         dispatch, combine = routing.dispatch.flatten(2), routing.combine.flatten(2)
-        slots_out = layer.combine_slots(combine, layer.run_experts(layer.dispatch_slots(x, dispatch)))
+        slots_out = combine_slots(combine, layer.run_experts(dispatch_slots(x, dispatch)))
         token_out = token_space_mixing(layer.experts, x, routing.dispatch, routing.combine)
         out = layer(x, mask)
     assert torch.allclose(slots_out, token_out, atol=1e-11, rtol=0)

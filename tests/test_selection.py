@@ -24,8 +24,6 @@ from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.backends import Backend
 from softmoe.experts import MLPExperts
 from softmoe.selection import (
-    HOST_TOPK_MAX_SCORES,
-    TOPK_MIN_SCORES,
     NoBetterThanRandomWarning,
     Selector,
     combine_scores,
@@ -41,7 +39,7 @@ from softmoe.selection import (
     top_k_by_combine,
 )
 from softmoe.topk import top_k
-from softmoe.tuning import TABLE, Measured
+from softmoe.tuning import TABLE, Measured, value
 
 DIM, HIDDEN, N, BATCH, TOKENS = 6, 12, 8, 3, 5
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -1160,14 +1158,14 @@ def sorts_and_top_ks(fn):
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("path", ["topk", "sort", "host"])
 def test_algorithm1_fast_top_k_equals_the_stable_rule(seed, path):
-    """top_k_by_combine sorts on the host up to HOST_TOPK_MAX_SCORES scores on CPU, takes torch.topk from
-    TOPK_MIN_SCORES unless the k-th and (k+1)-th scores tie, and sorts with torch between; with planted boundary ties
+    """top_k_by_combine sorts on the host up to TABLE's "host_topk_max_scores" scores on CPU, takes torch.topk from
+    "topk_min_scores" unless the k-th and (k+1)-th scores tie, and sorts with torch between; with planted boundary ties
     (values from a few levels), NaNs and distinct values every path keeps the same experts as the stable sort's
     rule. The number of scores (inputs x experts) picks the path; the profiler shows the one that ran."""
+    host_most, topk_least = value("host_topk_max_scores"), value("topk_min_scores")
     n = 8
-    batch = {"host": HOST_TOPK_MAX_SCORES // n, "sort": HOST_TOPK_MAX_SCORES // n + 1, "topk": TOPK_MIN_SCORES // n}
-    batch = batch[path]
-    assert HOST_TOPK_MAX_SCORES < (HOST_TOPK_MAX_SCORES // n + 1) * n < TOPK_MIN_SCORES
+    batch = {"host": host_most // n, "sort": host_most // n + 1, "topk": topk_least // n}[path]
+    assert host_most < (host_most // n + 1) * n < topk_least
     g = torch.Generator().manual_seed(seed)
     for levels in (3, 1000, None):  # few levels: many ties, also at the boundary; None: distinct values
         shape = (batch, 5, n, 1)

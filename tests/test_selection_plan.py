@@ -470,12 +470,12 @@ def test_a_bad_plan_is_a_value_error():
 
 @pytest.mark.parametrize("host", [True, False], ids=["host", "torch"])
 def test_kept_counts_in_python_and_in_torch_agree_beside_the_mask(host):
-    """Small selections (at most HOST_COUNT_MAX_PLACES places) are counted in Python, larger ones with torch's
+    """Small selections (at most TABLE's "host_count_max_places" places) are counted in Python, larger ones with torch's
     bincount; both give the pairs kept and the experts in use (unused places -1 counted nowhere), as the mask says."""
     selected = torch.tensor([[0, 3, -1], [3, 5, 6], [-1, -1, 1], [6, 0, 3]])
-    copies = 1 if host else plans.HOST_COUNT_MAX_PLACES // selected.numel() + 1
+    copies = 1 if host else value("host_count_max_places") // selected.numel() + 1
     selected = selected.repeat(copies, 1)
-    assert (selected.numel() <= plans.HOST_COUNT_MAX_PLACES) is host
+    assert (selected.numel() <= value("host_count_max_places")) is host
     want = torch.zeros(len(selected), 8, dtype=torch.bool)
     for b, row in enumerate(selected.tolist()):
         for j in row:

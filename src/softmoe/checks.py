@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from softmoe.experts import autocast_device
+__all__ = ["check_positive_ints", "check_selected", "check_tokens"]
 
-__all__ = ["check_selected", "check_tokens"]
+
+def autocast_device(x: torch.Tensor) -> str:
+    """The autocast device type of x's device; "meta" (shape-only tensors) counts as "cpu"."""
+    return "cpu" if x.device.type == "meta" else x.device.type
+
+
+def check_positive_ints(**values: object) -> None:
+    """Raise a ValueError naming the first of ``values`` that is not an integer >= 1 (a Python int, not a bool, or a
+    symbolic size under torch.compile)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | torch.SymInt) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def check_tokens(x: torch.Tensor, dim: int, mask: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> None:

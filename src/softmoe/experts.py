@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from softmoe.activations import activation_fn
+from softmoe.checks import check_positive_ints
 from softmoe.compat import transforms_active
-from softmoe.kernels.grouped_mm import grouped_mm
+from softmoe.kernels.grouped_mm import GroupedProduct, grouped_mm
 from softmoe.kernels.modes import host_reads_are_free, needs_grad
 from softmoe.kernels.onednn import batched_matmul
 
@@ -39,11 +40,6 @@ class FactoryKwargs(TypedDict):
 
     device: torch.device | str | None
     dtype: torch.dtype | None
-
-
-def autocast_device(x: torch.Tensor) -> str:
-    """The autocast device type of x's device; "meta" (shape-only tensors) counts as "cpu"."""
-    return "cpu" if x.device.type == "meta" else x.device.type
 
 
 def check_expert_input(x: torch.Tensor, num_experts: int, dim: int) -> None:
@@ -119,9 +115,7 @@ class MLPExperts(nn.Module):
     ) -> None:
         super().__init__()
         out_dim = dim if out_dim is None else out_dim
-        for name, value in (("num_experts", num_experts), ("dim", dim), ("hidden", hidden), ("out_dim", out_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_positive_ints(num_experts=num_experts, dim=dim, hidden=hidden, out_dim=out_dim)
         self.num_experts, self.dim, self.hidden, self.out_dim = num_experts, dim, hidden, out_dim
         self.activation = activation
         self.act = activation_fn(activation)
@@ -157,14 +151,18 @@ class MLPExperts(nn.Module):
         check_expert_input(x, self.num_experts, self.dim)
         return batched_matmul(self.act(batched_matmul(x, self.weight1, self.bias1)), self.weight2, self.bias2)
 
-    def forward_selected(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    def forward_selected(
+        self, rows: torch.Tensor, expert: torch.Tensor, product: GroupedProduct = grouped_mm
+    ) -> torch.Tensor:
         """rows (groups, rows, dim), expert (groups,) int64 -> (groups, rows, out_dim).
 
-        The groups are sorted by expert and both layers run as grouped products (:mod:`softmoe.kernels.grouped_mm`):
-        an expert no group names costs nothing; no host synchronization where torch's grouped GEMM serves.
+        The groups are sorted by expert and both layers run as grouped products, ``product`` (a custom op with the
+        contract of :mod:`softmoe.kernels.grouped_mm`: that op by default; the "cuda" backend passes
+        ``softmoe::skinny_grouped_mm`` for few rows): an expert no group names costs nothing; no host
+        synchronization where torch's grouped GEMM serves.
         Padding groups (expert -1) sort last, past every expert's rows: no product reads them and the grouped
         products give them zero rows (no bias), so their output is zero and no gradient flows through them. Without
-        a gradient to compute, the first product applies the activation itself (in the native kernel's registers).
+        a gradient to compute, the first product applies the activation itself (in its kernel's registers).
         Under torch.func transforms and forward-mode AD (the grouped products are custom ops, which have no
         forward-mode rule) every expert runs on every group in torch's batched products and each group keeps its
         own expert's rows: the work of every expert, no copy of the weights.
@@ -182,8 +180,8 @@ class MLPExperts(nn.Module):
         ends = (token_counts(expert, self.num_experts).cumsum(0) * per_group).to(torch.int32)
         flat = rows[order].reshape(groups * per_group, self.dim)
         fused = "none" if needs_grad(flat, self.weight1, self.bias1) else self.activation
-        h = grouped_mm(flat, self.weight1, ends, self.bias1, fused)
-        y = grouped_mm(h if fused != "none" else self.act(h), self.weight2, ends, self.bias2)
+        h = product(flat, self.weight1, ends, self.bias1, fused)
+        y = product(h if fused != "none" else self.act(h), self.weight2, ends, self.bias2, "none")
         y = y.view(groups, per_group, self.out_dim)
         return torch.empty_like(y).index_copy(0, order, y)
 

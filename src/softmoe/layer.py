@@ -30,14 +30,17 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 from torch import nn
 
-from softmoe.checks import check_selected, check_tokens
-from softmoe.experts import Experts, FactoryKwargs, MLPExperts, StackedExperts, autocast_device
+from softmoe.checks import autocast_device, check_positive_ints, check_selected, check_tokens
+from softmoe.experts import Experts, FactoryKwargs, MLPExperts, StackedExperts
 from softmoe.selection_plan import check_plan, host_reads_are_free
+
+if TYPE_CHECKING:
+    from softmoe.selection import ExpertSelector
 
 NORMALIZATIONS = ("router", "inputs", "none")
 # The epsilon of both L2 normalizations.
@@ -186,23 +189,6 @@ def truncated_lecun_normal_(tensor: torch.Tensor, fan_in: int) -> torch.Tensor:
     return nn.init.trunc_normal_(tensor, std=std, a=-2 * std, b=2 * std)
 
 
-class ExpertSelector(Protocol):
-    """What a layer consults, when set as ``layer.selector``, to pick each input's experts (see softmoe.selection).
-
-    ``top_k`` is k where :meth:`select` keeps each input's k experts of largest summed combine weight (Algorithm 1),
-    else None: a backend may then make that choice itself, in its routing kernel, without calling :meth:`select`."""
-
-    renormalize: bool
-    plan: str  # one of softmoe.selection_plan.SELECTION_PLANS
-
-    @property
-    def top_k(self) -> int | None: ...
-
-    def select(self, combine: torch.Tensor) -> torch.Tensor:
-        """combine (batch, tokens, n, p) -> selected experts (batch, k) int64."""
-        ...
-
-
 class SoftMoE(nn.Module):
     """Soft Mixture of Experts: (batch, tokens, dim) -> (batch, tokens, d_out), d_out = ``out_dim`` or dim.
 
@@ -246,13 +232,9 @@ class SoftMoE(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (("dim", dim), ("num_experts", num_experts), ("slots_per_expert", slots_per_expert)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if expert_hidden is not None and (
-            isinstance(expert_hidden, bool) or not isinstance(expert_hidden, int) or expert_hidden < 1
-        ):
-            raise ValueError(f"expert_hidden must be an integer >= 1, got {expert_hidden!r}")
+        check_positive_ints(dim=dim, num_experts=num_experts, slots_per_expert=slots_per_expert)
+        if expert_hidden is not None:
+            check_positive_ints(expert_hidden=expert_hidden)
         if not noise_std >= 0:
             raise ValueError(f"noise_std must be >= 0, got {noise_std!r}")
         self.noise_std = noise_std
@@ -298,19 +280,8 @@ class SoftMoE(nn.Module):
         return self.num_experts * self.slots_per_expert
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor | None, Experts]:
-        """(phi as (dim, n*p), scale, experts), looked up in the module's own dicts: nn.Module's attribute lookup
-        searches the module's dicts for every name, and a call makes several (a phi or scale under
-        torch.nn.utils.parametrize, a property then, as an attribute)."""
-        params = self._parameters
-        phi = params.get("phi")
-        if phi is None:  # not a registered parameter (parametrized, say): the attribute
-            phi = self.phi
-        scale = params.get("scale")
-        if scale is None:  # likewise, or None itself for normalize="none"
-            scale = self.scale
-        # The child module registered in __init__ as the bank (nn.Module lets only a module replace it).
-        experts = cast(Experts, self._modules["experts"])
-        return phi.reshape(self.dim, self.num_slots), scale, experts
+        """(phi as (dim, n*p), scale, experts)."""
+        return self.phi.reshape(self.dim, self.num_slots), self.scale, cast(Experts, self.experts)
 
     def backend_for(self, x: torch.Tensor):
         """The :class:`~softmoe.backends.BackendChoice` for x (batch, tokens, dim) in the current mode: the backend
@@ -400,18 +371,9 @@ class SoftMoE(nn.Module):
         """The experts' parameter count over n (a multiply-add per parameter per row: the cost of one row)."""
         return sum(t.numel() for t in self.experts.parameters()) / self.num_experts
 
-    def dispatch_slots(self, x: torch.Tensor, dispatch: torch.Tensor) -> torch.Tensor:
-        """slots = D^T X (:func:`dispatch_slots`): (batch, tokens, dim), (batch, tokens, n*p) -> (batch, n*p, dim)."""
-        return dispatch_slots(x, dispatch)
-
     def run_experts(self, slots: torch.Tensor) -> torch.Tensor:
         """Every expert on its own slots (:func:`experts_on_slots`): (batch, n*p, dim) -> (batch, n*p, d_out)."""
         return experts_on_slots(self.experts, slots, self.num_experts)
-
-    def combine_slots(self, combine: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor:
-        """output = C Y~ (:func:`combine_slots`): (batch, tokens, n*p), (batch, n*p, d_out) ->
-        (batch, tokens, d_out)."""
-        return combine_slots(combine, expert_out)
 
     def extra_repr(self) -> str:
         out = "" if self.out_dim == self.dim else f", out_dim={self.out_dim}"

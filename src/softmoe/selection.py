@@ -33,6 +33,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -40,18 +41,30 @@ from torch import nn
 from softmoe.kernels.modes import host_reads_are_free
 from softmoe.kernels.top_k_combine import native_top_k_applies
 from softmoe.kernels.top_k_combine import top_k_combine as native_top_k_combine
-from softmoe.layer import SoftMoE
+from softmoe.layer import SoftMoE, combine_slots, dispatch_slots
 from softmoe.selection_plan import check_plan, mask_from_subsets
 from softmoe.topk import top_k, top_k_list
+from softmoe.tuning import value
 
 STRATEGIES = ("combine", "mass", "budget", "random", "all")
 ADAPTIVE = ("mass", "budget")
-# Scores (batch x experts) from which Algorithm 1's top-k tries torch.topk before the stable sort (see
-# top_k_by_combine): below, every op's fixed cost outweighs the sort's.
-TOPK_MIN_SCORES = 4096
-# Scores up to which the top-k runs on the host where reads are free: one read and a Python sort per input cost less
-# than the sort's ops, whose code comes back from memory after the expert products (docs/performance.md).
-HOST_TOPK_MAX_SCORES = 256
+
+
+class ExpertSelector(Protocol):
+    """What a layer consults, when set as ``layer.selector``, to pick each input's experts (:class:`Selector` is one).
+
+    ``top_k`` is k where :meth:`select` keeps each input's k experts of largest summed combine weight (Algorithm 1),
+    else None: a backend may then make that choice itself, in its routing kernel, without calling :meth:`select`."""
+
+    renormalize: bool
+    plan: str  # one of softmoe.selection_plan.SELECTION_PLANS
+
+    @property
+    def top_k(self) -> int | None: ...
+
+    def select(self, combine: torch.Tensor) -> torch.Tensor:
+        """combine (batch, tokens, n, p) -> selected experts (batch, k) int64."""
+        ...
 
 
 def resolve_k(k: int | float, num_experts: int) -> int:
@@ -80,9 +93,10 @@ def top_k_by_combine(combine: torch.Tensor, k: int) -> torch.Tensor:
 
     Ties are broken towards the lower expert index (:func:`softmoe.topk.top_k`, a stable sort). Only a tie between
     the k-th and the (k+1)-th largest can change which experts are kept, so where host reads are free (CPU, eager)
-    and there are at least TOPK_MIN_SCORES scores, ``torch.topk`` (faster than the stable sort for that many
-    scores) gives the set when no row has such a tie. With fewer scores the sort's 2 ops beat that path's 10, and up
-    to HOST_TOPK_MAX_SCORES (where reads are free) a sort on the host (:func:`softmoe.topk.top_k_list`) beats both.
+    and there are at least softmoe.tuning.TABLE's "topk_min_scores" scores, ``torch.topk`` (faster than the stable
+    sort for that many scores) gives the set when no row has such a tie. With fewer scores the sort's 2 ops beat that
+    path's 10, and up to "host_topk_max_scores" (where reads are free) a sort on the host
+    (:func:`softmoe.topk.top_k_list`) beats both.
     A float32 CPU combine takes the native op (:func:`softmoe.kernels.top_k_combine`, its sums in float64), as the
     layer does for Algorithm 1: the selector and the layer choose alike.
     """
@@ -92,9 +106,9 @@ def top_k_by_combine(combine: torch.Tensor, k: int) -> torch.Tensor:
         return native_top_k_combine(flat, slots_per_expert, k)[1]
     scores = combine_scores(combine)
     on_host = host_reads_are_free(scores)
-    if on_host and scores.numel() <= HOST_TOPK_MAX_SCORES:
+    if on_host and scores.numel() <= value("host_topk_max_scores"):
         return torch.tensor([top_k_list(row, k) for row in scores.tolist()], dtype=torch.int64).view(-1, k)
-    if on_host and k < scores.shape[1] and scores.numel() >= TOPK_MIN_SCORES:
+    if on_host and k < scores.shape[1] and scores.numel() >= value("topk_min_scores"):
         values, index = torch.topk(scores, k + 1, dim=1)
         last, next_ = values[:, k - 1], values[:, k]
         if not bool(((last == next_) | (last.isnan() & next_.isnan())).any()):
@@ -351,9 +365,9 @@ def make_selector(
 def _bounds(k_min: int, k_max: int | None, n: int) -> tuple[int, int]:
     """The adaptive strategies' bounds on each input's expert count, checked: 1 <= k_min <= k_max <= n."""
     k_max = n if k_max is None else k_max
-    for name, value in (("k_min", k_min), ("k_max", k_max)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an int, got {value!r}")
+    for name, bound in (("k_min", k_min), ("k_max", k_max)):
+        if isinstance(bound, bool) or not isinstance(bound, int):
+            raise ValueError(f"{name} must be an int, got {bound!r}")
     if not 1 <= k_min <= k_max <= n:
         raise ValueError(
             f"the expert-count bounds must satisfy 1 <= k_min <= k_max <= {n}, got k_min={k_min}, k_max={k_max}"
@@ -486,13 +500,13 @@ def masked_reference_forward(
     routing = layer.route(x, mask)
     batch, tokens, n, p = routing.combine.shape
     keep_slots = mask_from_subsets(selected, n).unsqueeze(-1).expand(batch, n, p).reshape(batch, 1, n * p)
-    slots = layer.dispatch_slots(layer.slot_inputs(x), routing.dispatch.reshape(batch, tokens, n * p))
+    slots = dispatch_slots(layer.slot_inputs(x), routing.dispatch.reshape(batch, tokens, n * p))
     expert_out = layer.run_experts(slots) * keep_slots.transpose(1, 2).to(x.dtype)
     combine = routing.combine.reshape(batch, tokens, n * p)
     if renormalize:
         kept = combine * keep_slots
         combine = kept / kept.sum(-1, keepdim=True).clamp_min(torch.finfo(combine.dtype).tiny)
-    return layer.combine_slots(combine, expert_out)
+    return combine_slots(combine, expert_out)
 
 
 def random_statistics(accuracies: list[float], algorithm1: float | None = None) -> dict:

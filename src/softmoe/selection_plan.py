@@ -52,9 +52,6 @@ if TYPE_CHECKING:  # softmoe.experts imports softmoe.kernels, which imports this
 __all__ = ["SELECTION_PLANS", "check_plan", "choose_plan", "host_reads_are_free", "kept_slots", "plan_costs"]
 
 SELECTION_PLANS = ("auto", "selected", "dense")
-# Selections of at most this many places are counted in Python where host reads are free, larger ones with
-# torch's bincount (which costs the same at any size).
-HOST_COUNT_MAX_PLACES = 256
 # With autotuning: timed rounds of each plan after one untimed round (the fastest counts); on the CPU the plans are
 # timed where the selected plan's cost lies within this factor of the margin times the dense one's; a timed plan
 # replaces the default ("dense") only in at most TIMED_MARGIN of its time (timings of one plan scatter by a few
@@ -155,7 +152,7 @@ def kept_counts(selected: torch.Tensor, num_experts: int) -> tuple[int, int] | N
     counts; None where host reads are not free (then :func:`plan_costs` takes their bounds)."""
     if not host_reads_are_free(selected):
         return None
-    if selected.numel() > HOST_COUNT_MAX_PLACES:
+    if selected.numel() > value("host_count_max_places"):
         per_expert = torch.bincount(selected.flatten() + 1, minlength=num_experts + 1)[1:]
         return int(per_expert.sum()), int(per_expert.count_nonzero())
     places = [j for j in selected.flatten().tolist() if j >= 0]

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from softmoe.experts import FactoryKwargs
-from softmoe.layer import SoftMoE
+from softmoe.layer import SoftMoE, dispatch_slots
 
 # Share of the mass that the normalized-routing witness B puts on its second token (see theorem1_witness).
 SPLIT = 0.05
@@ -203,7 +203,7 @@ def witness_gaps(layer: SoftMoE, witness: Witness, dtype: torch.dtype | None = t
     model = _analysis_copy(layer, dtype)
     x = torch.stack([witness.A, witness.B]).to(model.phi.dtype)
     routing = model.route(x)
-    slots = model.dispatch_slots(model.slot_inputs(x), routing.dispatch.flatten(2))
+    slots = dispatch_slots(model.slot_inputs(x), routing.dispatch.flatten(2))
     out = model(x)
     return {
         "a": witness.a,
@@ -249,7 +249,7 @@ def single_expert_collapse(layer: SoftMoE, x: torch.Tensor) -> Collapse:
     _check_single_expert(layer)
     out = layer(x)
     routing = layer.route(x)
-    slots = layer.dispatch_slots(layer.slot_inputs(x), routing.dispatch.flatten(2))
+    slots = dispatch_slots(layer.slot_inputs(x), routing.dispatch.flatten(2))
     expert_out = layer.run_experts(slots)[:, 0]
     spread = (out - out[:, :1]).abs().amax() if out.numel() else out.new_zeros(())
     gap = (out - expert_out.unsqueeze(1)).abs().amax() if out.numel() else out.new_zeros(())

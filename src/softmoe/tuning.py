@@ -41,6 +41,14 @@ TABLE: dict[str, Measured] = {
     "plan_row_overhead": Measured({"cpu": 2, "cuda": 256}, "Intel Xeon and AMD EPYC Zen 5 (CPU); H100 (CUDA)"),
     "plan_margin": Measured({"cpu": 0.85, "cuda": 0.4}, "Intel Xeon and AMD EPYC Zen 5 (CPU); H100, H200 (CUDA)"),
     "plan_call_flops": Measured(1e7, "Intel Xeon (AVX-512 and AVX2)"),
+    # Algorithm 1's bookkeeping where host reads are free (CPU, eager): a selection of at most host_count_max_places
+    # places is counted in Python, a larger one with torch's bincount (which costs the same at any size); the top-k
+    # of at most host_topk_max_scores scores (batch x experts) is a Python sort per input (one read costs less than
+    # the sort's ops, whose code comes back from memory after the expert products), and from topk_min_scores up
+    # torch.topk is tried before the stable sort (below, every op's fixed cost outweighs the sort's).
+    "host_count_max_places": Measured(256, "AMD EPYC Zen 5 (2 cores)"),
+    "host_topk_max_scores": Measured(256, "Intel Xeon (2 cores)"),
+    "topk_min_scores": Measured(4096, "Intel Xeon (2 cores)"),
     # The FLOPs one byte of memory traffic costs, in the cost model between the slot and token formulations
     # (softmoe.backends.generic.token_space_is_cheaper).
     "mixing_flops_per_byte": Measured(8, "AMD EPYC (2 cores)"),
@@ -75,6 +83,10 @@ TABLE: dict[str, Measured] = {
     # their traffic per input is the weights' size over the lanes. Beyond it the fused kernel no longer beats the
     # slot backend's batched products.
     "mixing_max_weight_bytes_per_lane": Measured(112 << 10, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
+    # The most rows (groups x rows per group: batch x k x slots per expert) of Algorithm 1's selected plan that the
+    # "cuda" backend runs in softmoe::skinny_grouped_mm (softmoe.kernels.skinny_grouped_mm.skinny_applies): at most
+    # one block of the kernel's rows (its MAX_BLOCK_M), so each kept expert's weight tiles are read once.
+    "skinny_max_rows": Measured(64, "not yet measured: chosen from the kernel's design (no GPU lent)"),
     # From this many hidden units up the fused mixing's forward keeps the slots' outputs (batch * slots * dim floats)
     # for the backward, which otherwise runs each slot's second layer again (a fifth of the backward's multiply-adds);
     # below it writing, holding and reading them costs more than computing them again (the larger record is fresh

@@ -3,15 +3,18 @@ kernels serve (see :mod:`softmoe.backends`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
+from softmoe.experts import MLPExperts
+from softmoe.kernels.grouped_mm import GroupedProduct
 from softmoe.layer import combine_slots, dispatch_slots, experts_on_slots, renormalized, soft_moe_routing
 from softmoe.selection_plan import choose_plan, kept_slots
 
 if TYPE_CHECKING:
-    from softmoe.layer import ExpertSelector, SoftMoE
+    from softmoe.layer import SoftMoE
+    from softmoe.selection import ExpertSelector
 
 
 def autocast_on(x: torch.Tensor) -> bool:
@@ -77,7 +80,8 @@ class Backend:
         if plan == "auto":
             plan = self.plan(layer, x, dispatch, combine, selected, renormalize, top_k=combine_is_kept)
         if plan == "selected":
-            return selected_plan(layer, x, dispatch, combine, selected, renormalize)
+            product = self.selected_product(layer, x, selected)
+            return selected_plan(layer, x, dispatch, combine, selected, renormalize, product)
         if not combine_is_kept:
             combine = torch.where(kept_slots(selected, layer.num_experts, layer.slots_per_expert), combine, 0.0)
         return self.mix(layer, x, dispatch, renormalized(combine) if renormalize else combine, kept=True)
@@ -101,10 +105,17 @@ class Backend:
             masked = renormalized(masked) if renormalize else masked
             return {
                 "dense": lambda: self.mix(layer, x, dispatch, masked, kept=True),
-                "selected": lambda: selected_plan(layer, x, dispatch, combine, selected, renormalize),
+                "selected": lambda: selected_plan(
+                    layer, x, dispatch, combine, selected, renormalize, self.selected_product(layer, x, selected)
+                ),
             }
 
         return choose_plan(layer, x, selected, self.name, runs, top_k)
+
+    def selected_product(self, layer: SoftMoE, x: torch.Tensor, selected: torch.Tensor) -> GroupedProduct | None:
+        """The grouped product the selected plan runs the experts' layers through for tokens x keeping the experts
+        ``selected`` (batch, k): None, the bank's own (``softmoe::grouped_mm`` for MLPExperts)."""
+        return None
 
     def mixing(self, layer: SoftMoE, x: torch.Tensor) -> str:
         """The formulation of the mixing that runs for x: "reference", "slots", "tokens", or on the "cpu" backend
@@ -127,9 +138,11 @@ def selected_plan(
     combine: torch.Tensor,
     selected: torch.Tensor,
     renormalize: bool,
+    product: GroupedProduct | None = None,
 ) -> torch.Tensor:
     """Only the kept experts, on the slots of the inputs that keep them, grouped by expert
-    (:meth:`~softmoe.experts.Experts.forward_selected`)."""
+    (:meth:`~softmoe.experts.Experts.forward_selected`); ``product``: the grouped product MLPExperts run their layers
+    through (:meth:`Backend.selected_product`; None: their own)."""
     batch, tokens, d = x.shape
     p, k = layer.slots_per_expert, selected.shape[1]
     # Unused places (-1) take expert 0's slots; the experts give them zero outputs, so only a renormalization needs to
@@ -142,5 +155,9 @@ def selected_plan(
         used = (selected >= 0).repeat_interleave(p, dim=1).unsqueeze(1)  # (batch, 1, k * p)
         kept_combine = renormalized(torch.where(used, kept_combine, 0.0))
     slots = dispatch_slots(x, kept_dispatch).view(batch * k, p, d)
-    expert_out = layer.weights()[2].forward_selected(slots, selected.reshape(batch * k))
+    experts, expert = layer.weights()[2], selected.reshape(batch * k)
+    if product is None:
+        expert_out = experts.forward_selected(slots, expert)
+    else:  # a backend's own product: only MLPExperts take one (the backends that pass one serve them only)
+        expert_out = cast(MLPExperts, experts).forward_selected(slots, expert, product)
     return combine_slots(kept_combine, expert_out.view(batch, k * p, -1))

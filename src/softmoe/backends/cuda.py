@@ -4,20 +4,28 @@ route         the "router" logits as two fused RMS norms and a product (7 kernel
 mix           the slot formulation (the "slots" backend)
 select        Algorithm 1's choice and both softmaxes in ``softmoe::routing_softmaxes``' Triton kernel (eager
               inference), which also normalizes the tokens and writes a bfloat16 layer's weights in its dtype
-mix_selected  the selected experts in torch's grouped GEMM (``softmoe::grouped_mm``, bfloat16)
+mix_selected  the selected experts (plan "selected") in ``softmoe::skinny_grouped_mm``'s Triton kernel for at most
+              softmoe.tuning.TABLE's "skinny_max_rows" rows (batch x k x slots per expert: Algorithm 1 at small
+              batches, bound by reading the kept experts' weights), else ``softmoe::grouped_mm`` (torch's grouped
+              GEMM in bfloat16)
 """
 
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from softmoe.backends.base import algorithm1_k
 from softmoe.backends.generic import SlotsBackend
+from softmoe.experts import MLPExperts
+from softmoe.kernels.grouped_mm import GroupedProduct, grouped_mm
 from softmoe.kernels.routing_softmaxes import fused_routing_applies, routing_softmaxes
+from softmoe.kernels.skinny_grouped_mm import skinny_applies, skinny_grouped_mm
 from softmoe.layer import NORM_EPS, routing_dtype, routing_from_logits, soft_moe_logits
+from softmoe.tuning import value
 
 
 def rms_norm_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -87,9 +95,28 @@ class CudaBackend(SlotsBackend):
             layer, x, dispatch, combine, selected, renormalize, selector.plan, combine_is_kept=True
         )
 
+    def selected_product(self, layer, x: torch.Tensor, selected: torch.Tensor) -> GroupedProduct:
+        """softmoe::skinny_grouped_mm where :func:`skinny_applies` to the selected plan's rows (batch x k x slots
+        per expert), else softmoe::grouped_mm."""
+        rows = selected.shape[0] * selected.shape[1] * layer.slots_per_expert
+        return skinny_grouped_mm if self.skinny_serves(layer, x, rows) else grouped_mm
+
+    def skinny_serves(self, layer, x: torch.Tensor, rows: int) -> bool:
+        """Whether the selected plan's products of ``rows`` rows of tokens x run in softmoe::skinny_grouped_mm."""
+        weight = cast(MLPExperts, layer.weights()[2]).weights()[0]  # ("cuda" serves MLPExperts only)
+        return skinny_applies(rows, x.dtype, weight.dtype, x.device)
+
     def steps(self, layer, x):
+        # The most k whose selected plan's rows (batch x k x slots per expert) the skinny kernel takes.
+        most_k = min(layer.num_experts, value("skinny_max_rows") // max(1, x.shape[0] * layer.slots_per_expert))
+        if most_k and self.skinny_serves(layer, x, x.shape[0] * most_k * layer.slots_per_expert):
+            upto = "every k" if most_k == layer.num_experts else f"k <= {most_k}"
+            products = f"softmoe::skinny_grouped_mm (Triton) for {upto}, else softmoe::grouped_mm"
+        else:
+            products = "softmoe::grouped_mm"
         return {
             "route": "fused RMS norms",
             "mix": "the slot formulation in batched matmuls",
-            "select": "Algorithm 1 in the Triton routing kernel (eager inference)",
+            "select": "Algorithm 1 in the Triton routing kernel (eager inference); the selected plan's expert products "
+            f"in {products}",
         }

@@ -31,7 +31,9 @@ measured thresholds that decide where each runs (rows, weight sizes, FLOPs) are 
 On CUDA, ``torch.ops.softmoe.routing_softmaxes`` (:mod:`softmoe.kernels.routing_softmaxes`) computes a layer's two
 softmaxes and Algorithm 1's choice of experts in one Triton kernel (the tokens' normalization and a bfloat16 layer's
 casts with them), which the layer takes in eager inference for Algorithm 1 and for a bfloat16 or float16 forward
-(:func:`fused_routing_applies`); elsewhere it is torch's ops.
+(:func:`fused_routing_applies`); elsewhere it is torch's ops. ``torch.ops.softmoe.skinny_grouped_mm``
+(:mod:`softmoe.kernels.skinny_grouped_mm`) is ``softmoe::grouped_mm``'s product in a Triton kernel that streams the
+weights for few rows, which the "cuda" backend takes for Algorithm 1's selected experts (:func:`skinny_applies`).
 """
 
 from softmoe.kernels.build import (
@@ -48,6 +50,7 @@ from softmoe.kernels.expert_matmul import NATIVE_ACTIVATIONS, expert_matmul, nat
 from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
 from softmoe.kernels.onednn import ONEDNN_ACTIVATIONS, batched_matmul, onednn_applies, onednn_linear, onednn_outruns_mkl
 from softmoe.kernels.routing_softmaxes import fused_routing_applies, routing_softmaxes
+from softmoe.kernels.skinny_grouped_mm import skinny_applies, skinny_grouped_mm
 from softmoe.kernels.soft_moe_mixing import MIXING_MAX_TOKENS, native_mixing_applies, soft_moe_mixing
 from softmoe.kernels.soft_moe_routing import native_routing_applies, soft_moe_routing, soft_moe_routing_top_k
 from softmoe.kernels.top_k_combine import native_top_k_applies, top_k_combine
@@ -75,6 +78,8 @@ __all__ = [
     "onednn_outruns_mkl",
     "plain_eager_mode",
     "routing_softmaxes",
+    "skinny_applies",
+    "skinny_grouped_mm",
     "soft_moe_mixing",
     "soft_moe_routing",
     "soft_moe_routing_top_k",

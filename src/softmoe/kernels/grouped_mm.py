@@ -21,10 +21,14 @@ the (data-dependent) group sizes, and it never recompiles for a new pattern of s
   :func:`softmoe.kernels.onednn.onednn_pays`: enough FLOPs, oneDNN timed faster than MKL once), else MKL.
   ``benchmarks/bench_products.py --isa avx512,avx2`` compares them (docs/performance.md has the measurements).
 
-Differentiable in x, weight and bias (``softmoe::grouped_mm_weight_grad`` gives the weight's gradient).
+Differentiable in x, weight and bias (``softmoe::grouped_mm_weight_grad`` gives the weight's gradient). For few rows
+on CUDA the "cuda" backend takes ``softmoe::skinny_grouped_mm`` instead (:mod:`softmoe.kernels.skinny_grouped_mm`: the
+same contract and backward, in a Triton kernel).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -34,6 +38,10 @@ from softmoe.kernels.build import cpu_isa
 from softmoe.kernels.expert_matmul import native_applies
 from softmoe.kernels.onednn import onednn_applies, onednn_linear, onednn_pays
 from softmoe.tuning import value
+
+# A grouped product: (x, weight, ends, bias, activation) -> out, with this module's contract (grouped_mm, and
+# softmoe::skinny_grouped_mm).
+GroupedProduct = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, str], torch.Tensor]
 
 
 def row_block_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int, native: bool = False) -> torch.Tensor:
@@ -147,16 +155,24 @@ def grouped_mm(
     return out
 
 
-@grouped_mm.register_fake
-def _(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    ends: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    activation: str = "none",
-) -> torch.Tensor:
-    check_grouped(x, weight, ends, bias, activation)
-    return x.new_empty(x.shape[0], weight.shape[2])
+def grouped_fake(check: Callable[..., None]) -> GroupedProduct:
+    """The fake (meta) implementation of an op with :func:`grouped_mm`'s contract whose arguments ``check`` checks
+    (this module's, and ``softmoe::skinny_grouped_mm``): the (rows, N) output in x's dtype."""
+
+    def fake(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        ends: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        activation: str = "none",
+    ) -> torch.Tensor:
+        check(x, weight, ends, bias, activation)
+        return x.new_empty(x.shape[0], weight.shape[2])
+
+    return fake
+
+
+grouped_mm.register_fake(grouped_fake(check_grouped))
 
 
 def row_groups(ends: torch.Tensor, rows: int) -> torch.Tensor:
@@ -181,29 +197,36 @@ def _(x: torch.Tensor, grad: torch.Tensor, ends: torch.Tensor, experts: int) -> 
     return x.new_empty(experts, x.shape[1], grad.shape[1])
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, weight, ends, bias, activation = inputs
-    if activation != "none":
-        raise ValueError(
-            f"grouped_mm's activation ({activation!r}) has no backward: apply it after the product "
-            "when a gradient is needed"
-        )
-    ctx.save_for_backward(x, weight, ends)
-    ctx.bias_needs_grad = bias is not None and bias.requires_grad
+def register_grouped_autograd(op, name: str) -> None:
+    """Register the backward of ``op`` (called ``name``), a custom op with :func:`grouped_mm`'s contract (this
+    module's, and ``softmoe::skinny_grouped_mm``): x's gradient through ``op`` itself with the transposed weight (a
+    view), the weight's through :func:`grouped_mm_weight_grad`, the bias's each expert's rows of the gradient summed.
+    A fused activation has no backward: a ValueError where autograd would need one."""
+
+    def setup_context(ctx, inputs, output) -> None:
+        x, weight, ends, bias, activation = inputs
+        if activation != "none":
+            raise ValueError(
+                f"{name}'s activation ({activation!r}) has no backward: apply it after the product "
+                "when a gradient is needed"
+            )
+        ctx.save_for_backward(x, weight, ends)
+        ctx.bias_needs_grad = bias is not None and bias.requires_grad
+
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, ends = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = op(grad, weight.transpose(1, 2), ends)
+        if ctx.needs_input_grad[1]:
+            grad_weight = grouped_mm_weight_grad(x, grad, ends, weight.shape[0])
+        if ctx.bias_needs_grad:  # each expert's rows summed; the rows past ends[-1] (group E) dropped
+            experts = weight.shape[0]
+            grad_bias = grad.new_zeros(experts + 1, grad.shape[1]).index_add_(0, row_groups(ends, grad.shape[0]), grad)
+            grad_bias = grad_bias[:experts]
+        return grad_x, grad_weight, None, grad_bias, None
+
+    op.register_autograd(backward, setup_context=setup_context)
 
 
-def _backward(ctx, grad: torch.Tensor):
-    x, weight, ends = ctx.saved_tensors
-    grad_x = grad_weight = grad_bias = None
-    if ctx.needs_input_grad[0]:
-        grad_x = grouped_mm(grad, weight.transpose(1, 2), ends)
-    if ctx.needs_input_grad[1]:
-        grad_weight = grouped_mm_weight_grad(x, grad, ends, weight.shape[0])
-    if ctx.bias_needs_grad:  # each expert's rows summed; the rows past ends[-1] (group E) dropped
-        experts = weight.shape[0]
-        grad_bias = grad.new_zeros(experts + 1, grad.shape[1]).index_add_(0, row_groups(ends, grad.shape[0]), grad)
-        grad_bias = grad_bias[:experts]
-    return grad_x, grad_weight, None, grad_bias, None
-
-
-grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+register_grouped_autograd(grouped_mm, "grouped_mm")

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from softmoe.experts import MLPExperts
-from softmoe.layer import SoftMoE
+from softmoe.layer import SoftMoE, dispatch_slots
 from softmoe.models.patches import patchify
 
 
@@ -186,7 +186,7 @@ class SoftMoEClassifier(nn.Module):
         tokens = self.tokenize(images)
         routing = self.moe.route(tokens)
         batch, m, n, p = routing.combine.shape
-        slots = self.moe.dispatch_slots(self.moe.slot_inputs(tokens), routing.dispatch.reshape(batch, m, n * p))
+        slots = dispatch_slots(self.moe.slot_inputs(tokens), routing.dispatch.reshape(batch, m, n * p))
         expert_out = self.moe.run_experts(slots).view(batch, n, p, self.dim)
         head = self.head.weight.view(-1, m, self.dim)
         per_slot_token = torch.einsum("bjpd,cmd->bjpmc", expert_out, head)

@@ -26,6 +26,8 @@ from typing import overload
 
 import torch
 
+from softmoe.checks import check_positive_ints
+
 ROUNDINGS = ("round", "ceil")
 
 
@@ -36,11 +38,6 @@ def check_capacity_factor(capacity_factor: float) -> float:
     if not 0 < capacity_factor < math.inf:
         raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor!r}")
     return capacity_factor
-
-
-def _is_integer(value: object) -> bool:
-    """A Python int (not a bool) or a symbolic integer (``torch.SymInt``, a size under ``torch.compile``)."""
-    return not isinstance(value, bool) and isinstance(value, (int, torch.SymInt))
 
 
 @overload
@@ -97,10 +94,7 @@ def buffer_capacity(
         maximum: the largest capacity returned (e.g. T for Expert Choice, where an expert cannot take more tokens
             than there are; an int or a SymInt), or None.
     """
-    integers = (("num_tokens", num_tokens), ("num_experts", num_experts), ("k", k), ("multiple_of", multiple_of))
-    for name, value in integers:
-        if not _is_integer(value) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    check_positive_ints(num_tokens=num_tokens, num_experts=num_experts, k=k, multiple_of=multiple_of)
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     check_capacity_factor(capacity_factor)

@@ -7,15 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from softmoe.checks import check_positive_ints
+
 
 class LinearGate(nn.Module):
     """x (..., dim) -> logits (..., num_experts), with W (num_experts, dim) initialized like ``nn.Linear``."""
 
     def __init__(self, dim: int, num_experts: int, device=None, dtype=None) -> None:
         super().__init__()
-        for name, value in (("dim", dim), ("num_experts", num_experts)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_positive_ints(dim=dim, num_experts=num_experts)
         self.dim, self.num_experts = dim, num_experts
         self.weight = nn.Parameter(torch.empty(num_experts, dim, device=device, dtype=dtype))
         self.reset_parameters()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from softmoe.checks import check_positive_ints
 from softmoe.layer import (
     SoftMoE,
     check_normalization,
@@ -108,9 +109,7 @@ class SoftMoERouter(Router):
         metrics: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (("dim", dim), ("num_experts", num_experts), ("slots_per_expert", slots_per_expert)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_positive_ints(dim=dim, num_experts=num_experts, slots_per_expert=slots_per_expert)
         normalize = check_normalization(normalize)
         if normalize == "inputs":
             raise ValueError(
