@@ -97,14 +97,15 @@ TABLE: dict[str, Measured] = {
     # sorted_group, pair_token, pair_weight, row_block, row_block_products, row, row_token. Fitted by relative least
     # squares to the op's times with 2 threads (the MNIST layer at 8, 64 and 256 experts, batch 2-64, k = n/8, n/4 and
     # n/2, each layout forced), in units of the groups of inputs' times in the same process; the AVX2 costs serve the
-    # portable variant too. On a Zen 4 they pick a layout up to 1.5x slower than the best at n = 256, batch 4-16.
+    # portable variant too. benchmarks/fit_layouts.py refits them on a host and says how far each set's picks are from
+    # the fastest layout.
     "mixing_layout_costs": Measured(
         {
             "avx512": (10.0, 0.05, 1.26, 0.42, 430.0, 2.4, 0.69, 12.8),
             "avx2": (10.0, 0.05, 1.64, 0.57, 1300.0, 0.23, 0.93, 7.4),
             "portable": (10.0, 0.05, 1.64, 0.57, 1300.0, 0.23, 0.93, 7.4),
         },
-        "AMD EPYC Zen 5 (2 cores)",
+        "AMD EPYC Zen 5 (2 cores); checked on Zen 4",
     ),
 }
 
