@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import softmoe.backends.cuda as cuda_backend
+import softmoe.kernels.triton_kernels as triton_kernels
 import softmoe.layer as layer_module
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.backends import REGISTRY
@@ -37,7 +38,7 @@ needs_kernel = pytest.mark.skipif(KERNEL_DEVICE is None, reason="needs CUDA, or 
 def launch_failure_kept_per_test(monkeypatch):
     """A test that forces the kernel where it cannot run (CPU tensors, with Triton installed) records a launch
     failure for the process; each test starts from the state before it."""
-    monkeypatch.setattr(fused, "_launch_failure", fused._launch_failure)
+    monkeypatch.setattr(fused.KERNEL, "failure", fused.KERNEL.failure)
 
 
 def slow_reference(logits: torch.Tensor, p: int, k: int):
@@ -166,9 +167,9 @@ def test_bad_arguments_are_value_errors():
 
 def test_the_kernel_takes_float32_cuda_logits_within_its_tile(monkeypatch):
     cuda, f32 = torch.device("cuda"), torch.float32
-    monkeypatch.setattr(fused, "triton_available", lambda: False)
+    monkeypatch.setattr(fused.KERNEL, "available", lambda: False)
     assert not fused.kernel_applies((2, 197, 8), f32, cuda, 1, 2)
-    monkeypatch.setattr(fused, "triton_available", lambda: True)
+    monkeypatch.setattr(fused.KERNEL, "available", lambda: True)
     assert fused.kernel_applies((2, 197, 8), f32, cuda, 1, 2)  # Table 3: 256 x 16
     assert fused.kernel_applies((128, 196, 128), f32, cuda, 1, 32)  # ViT-S: 256 x 128, 128 experts ranked
     assert not fused.kernel_applies((2, 197, 8), F64, cuda, 1, 2)
@@ -325,9 +326,9 @@ def test_a_kernel_that_cannot_launch_leaves_torchs_ops_for_the_process(monkeypat
     """E.g. Triton installed without a C compiler for its launcher: one warning, the reference's result, and the
     kernel not tried again."""
     triton_module = pytest.importorskip("softmoe.kernels.routing_softmaxes_triton")
-    monkeypatch.setattr(fused, "_launch_failure", None)
-    monkeypatch.setattr(fused, "triton_installed", lambda: True)
-    monkeypatch.setattr(fused, "kernel_applies", lambda *args: fused.triton_available())
+    monkeypatch.setattr(fused.KERNEL, "failure", None)
+    monkeypatch.setattr(triton_kernels, "triton_installed", lambda: True)
+    monkeypatch.setattr(fused, "kernel_applies", lambda *args: fused.KERNEL.available())
     launches = []
 
     def launch(*args, **kwargs):
@@ -340,7 +341,7 @@ def test_a_kernel_that_cannot_launch_leaves_torchs_ops_for_the_process(monkeypat
         got = fused.run_routing_softmaxes(logits, 1, 3)
     want = fused.reference_routing_softmaxes(logits, 1, 3)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert not fused.triton_available()
+    assert not fused.KERNEL.available()
     fused.run_routing_softmaxes(logits, 1, 3)
     assert len(launches) == 1
 

@@ -21,7 +21,7 @@ from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.backends import REGISTRY
 from softmoe.experts import MLPExperts
 from softmoe.kernels.grouped_mm import grouped_mm
-from softmoe.kernels.routing_softmaxes import triton_installed
+from softmoe.kernels.triton_kernels import triton_installed
 from softmoe.kernels.skinny_grouped_mm import (
     SkinnyConfig,
     skinny_applies,
@@ -45,7 +45,7 @@ def launch_failure_kept_per_test(monkeypatch):
     """A test that makes the launch fail records it for the process; each test starts from the state before it.
     A failed launch falls back to grouped_mm with a warning: here the warning is an error (with or without pytest's
     warnings plugin), so a kernel that does not run cannot pass for one that does."""
-    monkeypatch.setattr(skinny, "_launch_failure", skinny._launch_failure)
+    monkeypatch.setattr(skinny.KERNEL, "failure", skinny.KERNEL.failure)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", "softmoe: the skinny grouped GEMM kernel", RuntimeWarning)
         yield

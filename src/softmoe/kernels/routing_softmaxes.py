@@ -28,15 +28,11 @@ logits and the tokens (the choice is a constant of the backward, as in the unfus
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
-import warnings
-
 import torch
 from torch import Tensor
 
 from softmoe.kernels.modes import eager_inference
+from softmoe.kernels.triton_kernels import TritonKernel
 from softmoe.selection_plan import kept_slots
 from softmoe.topk import top_k
 
@@ -47,21 +43,9 @@ MAX_TILE = 1 << 15
 # The epsilon of the router's L2 normalization, ``v * rsqrt(sum(v^2) + NORM_EPS)`` (vmoe's; softmoe.layer's too).
 NORM_EPS = 1e-6
 MAX_RANKED_EXPERTS = 128
-# Why the kernel failed to launch in this process (it is not tried again), or None.
-_launch_failure: str | None = None
-
-
-@functools.cache
-def triton_installed() -> bool:
-    """Whether Triton can be imported (it comes with torch's CUDA builds) and is not turned off
-    (``SOFTMOE_TRITON=0``: torch's ops instead of the kernel)."""
-    return os.environ.get("SOFTMOE_TRITON", "1") != "0" and importlib.util.find_spec("triton") is not None
-
-
-def triton_available() -> bool:
-    """Whether the kernel may run: Triton installed and not turned off, and no launch of it failed in this process
-    (Triton compiles a launcher at its first use, which needs a C compiler)."""
-    return _launch_failure is None and triton_installed()
+KERNEL = TritonKernel(
+    "softmoe.kernels.routing_softmaxes_triton", "the routing kernel", "Algorithm 1 chooses its experts with torch's ops"
+)
 
 
 def fused_routing_applies(
@@ -84,7 +68,7 @@ def kernel_applies(
     ``device``: float32 on CUDA, Triton available, one input's logits within MAX_TILE (tokens and slots rounded up
     to :func:`block_size`) and, where it chooses, at most MAX_RANKED_EXPERTS experts and experts x slots within
     MAX_TILE."""
-    if not (device.type == "cuda" and dtype == torch.float32 and triton_available()):
+    if not (device.type == "cuda" and dtype == torch.float32 and KERNEL.available()):
         return False
     _, tokens, slots = shape
     experts = slots // slots_per_expert
@@ -173,12 +157,12 @@ def _compute(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`run_routing_softmaxes` after its checks: the kernel where ``kernel`` and it can launch, else torch's
     ops."""
-    if kernel and _launch_failure is None:
+    if kernel and KERNEL.failure is None:
         logits = logits.contiguous()
         dispatch, combine = torch.empty_like(logits, dtype=out_dtype), torch.empty_like(logits, dtype=out_dtype)
         selected = logits.new_empty((logits.shape[0], k), dtype=torch.int64)
         try:
-            _triton_module().launch(
+            KERNEL.module().launch(
                 logits,
                 dispatch,
                 combine,
@@ -191,26 +175,8 @@ def _compute(
             )
             return dispatch, combine, selected
         except Exception as error:  # e.g. no C compiler for Triton's launcher: torch's ops from now on
-            _record_launch_failure(error)
+            KERNEL.launch_failed(error)
     return reference_routing_softmaxes(logits, slots_per_expert, k, out_dtype, x, eps)
-
-
-@functools.cache
-def _triton_module():
-    """:mod:`softmoe.kernels.routing_softmaxes_triton`, imported at the kernel's first use (it imports Triton)."""
-    return importlib.import_module("softmoe.kernels.routing_softmaxes_triton")
-
-
-def _record_launch_failure(error: Exception) -> None:
-    """Remember that the kernel failed to launch (it is not tried again in this process) and say so once."""
-    global _launch_failure
-    _launch_failure = f"{type(error).__name__}: {error}"
-    warnings.warn(
-        f"softmoe: the routing kernel (Triton) could not run ({_launch_failure}); Algorithm 1 chooses its "
-        "experts with torch's ops in this process",
-        RuntimeWarning,
-        stacklevel=3,
-    )
 
 
 def token_scale(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:

@@ -1,7 +1,7 @@
 """The Triton kernel behind ``softmoe::routing_softmaxes`` on CUDA (:mod:`softmoe.kernels.routing_softmaxes`).
 
 Imported only where the op runs its kernel, so that ``import softmoe`` never loads Triton; without Triton the
-module defines no kernel (and the op never asks for one: ``triton_available``). One program per input
+module defines no kernel (and the op never asks for one: ``KERNEL.available()``). One program per input
 holds that input's (tokens x slots) logits (with ``NORMALIZE``, each token's row first divided by the L2 norm of its
 token, read from the tokens in blocks of columns) and writes both softmaxes; with ``CHOOSE`` it also sums the combine
 weights over tokens and each expert's slots, ranks the experts (NaN first, then the largest, ties to the lower
@@ -19,7 +19,7 @@ from softmoe.kernels.routing_softmaxes import NORM_EPS, block_size
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the module still imports; the op takes torch's ops (triton_available)
+except ImportError:  # the module still imports; the op takes torch's ops (KERNEL.available())
     triton = None
 
 

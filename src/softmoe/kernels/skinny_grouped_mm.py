@@ -32,17 +32,14 @@ reads the weight through its strides), the weight's through ``softmoe::grouped_m
 
 from __future__ import annotations
 
-import functools
-import importlib
 import importlib.util
 import os
-import warnings
 from typing import NamedTuple
 
 import torch
 
 from softmoe.kernels.grouped_mm import check_grouped, grouped_fake, grouped_mm, register_grouped_autograd
-from softmoe.kernels.routing_softmaxes import triton_installed
+from softmoe.kernels.triton_kernels import TritonKernel
 from softmoe.tuning import value
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -56,8 +53,11 @@ WEIGHT_TILE_BYTES = 16 << 10
 # latency), each keeping at least MIN_K_STEPS BLOCK_K steps (for the loads of one to overlap the next).
 PROGRAMS_PER_SM = 4
 MIN_K_STEPS = 4
-# Why the kernel failed to launch in this process (it is not tried again), or None.
-_launch_failure: str | None = None
+KERNEL = TritonKernel(
+    "softmoe.kernels.skinny_grouped_mm_triton",
+    "the skinny grouped GEMM kernel",
+    "the selected experts' products run in softmoe::grouped_mm",
+)
 
 
 class SkinnyConfig(NamedTuple):
@@ -105,7 +105,7 @@ def skinny_config(rows: int, k: int, n: int, experts: int, dtype: torch.dtype, s
 def kernel_usable() -> bool:
     """Whether the backend may take the kernel: Triton installed and not turned off (``SOFTMOE_TRITON=0``), and no
     launch of it failed in this process."""
-    return _launch_failure is None and triton_installed()
+    return KERNEL.available()
 
 
 def skinny_applies(rows: int, dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.device) -> bool:
@@ -166,33 +166,15 @@ def skinny_grouped_mm(
     doc. ``activation`` (inference only) is applied to each owned row."""
     check_skinny(x, weight, ends, bias, activation)
     check_kernel_runs(x.device)
-    if _launch_failure is None:
+    if KERNEL.failure is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
         config = skinny_config(x.shape[0], weight.shape[1], weight.shape[2], weight.shape[0], x.dtype, sms)
         try:
-            return _triton_module().launch(x, weight, ends, bias, activation, config)
+            return KERNEL.module().launch(x, weight, ends, bias, activation, config)
         except Exception as error:  # e.g. no C compiler for Triton's launcher: grouped_mm from now on
-            _record_launch_failure(error)
+            KERNEL.launch_failed(error)
     return grouped_mm(x, weight, ends, bias, activation)
 
 
 skinny_grouped_mm.register_fake(grouped_fake(check_skinny))
 register_grouped_autograd(skinny_grouped_mm, "skinny_grouped_mm")
-
-
-@functools.cache
-def _triton_module():
-    """:mod:`softmoe.kernels.skinny_grouped_mm_triton`, imported at the kernel's first use (it imports Triton)."""
-    return importlib.import_module("softmoe.kernels.skinny_grouped_mm_triton")
-
-
-def _record_launch_failure(error: Exception) -> None:
-    """Remember that the kernel failed to launch (it is not tried again in this process) and say so once."""
-    global _launch_failure
-    _launch_failure = f"{type(error).__name__}: {error}"
-    warnings.warn(
-        f"softmoe: the skinny grouped GEMM kernel (Triton) could not run ({_launch_failure}); the selected experts' "
-        "products run in softmoe::grouped_mm in this process",
-        RuntimeWarning,
-        stacklevel=3,
-    )
