@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_positive_ints", "check_selected", "check_tokens"]
+__all__ = ["NORMALIZATIONS", "check_normalization", "check_positive_ints", "check_selected", "check_tokens"]
+
+# The Soft MoE layer's normalizations of its tokens and slot parameters (softmoe.layer's module doc).
+NORMALIZATIONS = ("router", "inputs", "none")
 
 
 def autocast_device(x: torch.Tensor) -> str:
     """The autocast device type of x's device; "meta" (shape-only tensors) counts as "cpu"."""
     return "cpu" if x.device.type == "meta" else x.device.type
+
+
+def check_normalization(normalize: str | bool) -> str:
+    """The normalization's name: one of :data:`NORMALIZATIONS`; True means "router" and False "none"."""
+    if isinstance(normalize, bool):
+        return "router" if normalize else "none"
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize must be one of {NORMALIZATIONS} (or a bool), got {normalize!r}")
+    return normalize
 
 
 def check_positive_ints(**values: object) -> None:

@@ -29,24 +29,21 @@ is the whole layer. :class:`SoftMoE` runs each step on the backend :meth:`SoftMo
 from __future__ import annotations
 
 import copy
-import math
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 from torch import nn
 
-from softmoe.checks import autocast_device, check_positive_ints, check_selected, check_tokens
+from softmoe.checks import autocast_device, check_normalization, check_positive_ints, check_selected, check_tokens
 from softmoe.experts import Experts, FactoryKwargs, MLPExperts, StackedExperts
+from softmoe.initializers import truncated_lecun_normal_
 from softmoe.selection_plan import check_plan, host_reads_are_free
 
 if TYPE_CHECKING:
     from softmoe.selection import ExpertSelector
 
-NORMALIZATIONS = ("router", "inputs", "none")
 # The epsilon of both L2 normalizations.
 NORM_EPS = 1e-6
-# Truncated normal on [-2 std, 2 std] has standard deviation 0.8796... std: LeCun init divides by it.
-TRUNCATED_NORMAL_STD = 0.87962566103423978
 
 
 class Routing(NamedTuple):
@@ -68,15 +65,6 @@ def l2_normalize_outside_eps(t: torch.Tensor, dim: int) -> torch.Tensor:
     A zero vector stays zero, with a zero gradient (``vector_norm``'s subgradient at 0).
     """
     return t / (torch.linalg.vector_norm(t, dim=dim, keepdim=True) + NORM_EPS)
-
-
-def check_normalization(normalize: str | bool) -> str:
-    """The normalization's name: one of :data:`NORMALIZATIONS`; True means "router" and False "none"."""
-    if isinstance(normalize, bool):
-        return "router" if normalize else "none"
-    if normalize not in NORMALIZATIONS:
-        raise ValueError(f"normalize must be one of {NORMALIZATIONS} (or a bool), got {normalize!r}")
-    return normalize
 
 
 def routing_dtype(x: torch.Tensor, phi: torch.Tensor) -> torch.dtype:
@@ -180,13 +168,6 @@ def soft_moe_reference(
         x = l2_normalize_outside_eps(x, dim=-1)
     _, dispatch, combine = soft_moe_routing(x, phi.reshape(dim, n * p), scale, normalize, mask=mask)
     return combine_slots(combine, experts_on_slots(experts, dispatch_slots(x, dispatch), n))
-
-
-def truncated_lecun_normal_(tensor: torch.Tensor, fan_in: int) -> torch.Tensor:
-    """LeCun normal truncated to two standard deviations, in place: std 1/sqrt(fan_in) after truncation (JAX's
-    ``lecun_normal``, which vmoe uses for phi and the patch embedding)."""
-    std = 1.0 / math.sqrt(fan_in) / TRUNCATED_NORMAL_STD
-    return nn.init.trunc_normal_(tensor, std=std, a=-2 * std, b=2 * std)
 
 
 class SoftMoE(nn.Module):

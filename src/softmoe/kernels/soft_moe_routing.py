@@ -38,12 +38,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from softmoe.checks import NORMALIZATIONS
 from softmoe.kernels.build import native_available, required_isa
 from softmoe.kernels.modes import needs_grad, transforms_active
 from softmoe.kernels.onednn import onednn_pays
 from softmoe.kernels.top_k_combine import check_choice
-
-NORMALIZATIONS = ("none", "router", "inputs")
 
 # The ops' schemas; their CPU kernels (csrc/bindings.cpp) and the routing's autograd (csrc/autograd.cpp) register
 # when the native extension loads.

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from softmoe.experts import FactoryKwargs, activation_fn
-from softmoe.layer import SoftMoE, truncated_lecun_normal_
+from softmoe.initializers import truncated_lecun_normal_
+from softmoe.layer import SoftMoE
 
 LN_EPS = 1e-6
 CLASSIFIERS = ("token", "gap")

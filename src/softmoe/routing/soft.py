@@ -16,15 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from softmoe.checks import check_positive_ints
-from softmoe.layer import (
-    SoftMoE,
-    check_normalization,
-    l2_normalize,
-    soft_moe_logits,
-    soft_moe_routing,
-    truncated_lecun_normal_,
-)
+from softmoe.checks import check_normalization, check_positive_ints
+from softmoe.initializers import truncated_lecun_normal_
+from softmoe.layer import SoftMoE, l2_normalize, soft_moe_logits, soft_moe_routing
 from softmoe.routing.formulation import DenseRouting, Router
 
 COSINE_EPS = 1e-9
