@@ -18,6 +18,8 @@ FLOP/s and bandwidth measured in this run.
                                                                 # each plan forced too (is the cost model right?)
     python benchmarks/bench_latency.py --sweep --device cuda --dtype bfloat16   # the same on a GPU (eager)
     python benchmarks/bench_latency.py --sweep --mnist-experts 8    # the paper's MNIST layer (small relu experts)
+    python benchmarks/bench_latency.py --sweep --memory-bound     # 8 experts of 256 -> 4096 -> 256, 64 tokens:
+                                                                  # bound by reading the weights at batch 1
     python benchmarks/bench_latency.py --skinny --device cuda --dtype bfloat16   # the kept experts' products at
                                             # batch 1: the skinny Triton kernel, torch's grouped GEMM, a copy
 
@@ -77,6 +79,11 @@ MNIST_DIM, MNIST_TOKENS = 196, 4
 MNIST_SWEEP_BATCHES = (1, 4, 16, 64, 256)
 # A k whose median time exceeds every expert's by more than this is reported as slower (same-run noise is ~3%).
 SLOWER_TOLERANCE = 0.03
+# --memory-bound: (dim, experts, expert hidden, tokens) of a layer whose batch-1 calls read far more weight bytes than
+# they do FLOPs per byte, where Algorithm 1 at k = n/4 must run MEMORY_BOUND_TARGET times faster than every expert.
+MEMORY_BOUND = (256, 8, 4096, 64)
+MEMORY_BOUND_BATCHES = (1, 4, 16)
+MEMORY_BOUND_TARGET = 2.5
 # The MNIST layer's calls take 0.1-3 ms: timed passes per configuration there (the presets' 6-8 are for the stack).
 MNIST_SWEEP_REPEATS = 40
 # Calls of one configuration in a row per round in a sweep: the first follows another configuration (its code and
@@ -84,13 +91,18 @@ MNIST_SWEEP_REPEATS = 40
 SWEEP_BURST = 3
 
 
-def sweep_layer(preset: dict | None, mnist_experts: int | None, device: torch.device,
+def sweep_layer(preset: dict | None, mnist_experts: int | None, memory_bound: bool, device: torch.device,
                 dtype: torch.dtype) -> tuple[softmoe.SoftMoE, int, list[int], tuple[int, ...], str]:
-    """The layer a sweep times (one of Table 3's stack, or with ``mnist_experts`` the paper's MNIST layer of that
-    many experts), its tokens, the k it tries (every k < n; for the MNIST layer 1, 2, n/8, n/4, n/2, n - 1), the
-    batches and its name."""
+    """The layer a sweep times (one of Table 3's stack; with ``mnist_experts`` the paper's MNIST layer of that many
+    experts; with ``memory_bound`` MEMORY_BOUND's), its tokens, the k it tries (every k < n; for the MNIST layer 1,
+    2, n/8, n/4, n/2, n - 1), the batches and its name."""
     torch.manual_seed(0)
     with torch.no_grad(), device:
+        if memory_bound:
+            dim, n, hidden, tokens = MEMORY_BOUND
+            layer = SoftMoE(dim, n, expert_hidden=hidden).eval().to(dtype=dtype)
+            return layer, tokens, list(range(1, n)), MEMORY_BOUND_BATCHES, \
+                f"the memory-bound layer ({n} experts of {dim} -> {hidden} -> {dim}, {tokens} tokens)"
         if mnist_experts is None:
             layer = MoEStack(preset["hidden"], layers=1).layers[0].eval().to(dtype=dtype)
             return layer, TOKENS, list(range(1, EXPERTS)), SWEEP_BATCHES, \
@@ -271,6 +283,10 @@ def main() -> None:
     parser.add_argument("--skinny", action="store_true", help="on a GPU: the selected experts' products at batch 1, "
                         "softmoe::skinny_grouped_mm against softmoe::grouped_mm, and their bandwidth against a copy of "
                         "the kept experts' weight bytes")
+    parser.add_argument("--memory-bound", action="store_true", help="with --sweep: the memory-bound layer instead "
+                        f"(dim {MEMORY_BOUND[0]}, {MEMORY_BOUND[1]} experts of hidden {MEMORY_BOUND[2]}, "
+                        f"{MEMORY_BOUND[3]} tokens), at batch {', '.join(map(str, MEMORY_BOUND_BATCHES))}; k = n/4 "
+                        f"must be {MEMORY_BOUND_TARGET}x faster than k = n at batch 1")
     parser.add_argument("--mnist-experts", type=int, metavar="N", help="with --sweep: the paper's MNIST layer of N "
                         f"experts instead (4 tokens of dim {MNIST_DIM}, relu experts of hidden 784 / N), at batch "
                         f"{', '.join(map(str, MNIST_SWEEP_BATCHES))}")
@@ -287,6 +303,8 @@ def main() -> None:
         parser.error("--skinny times the products on a GPU (--device cuda), without --sweep or --compile")
     if args.mnist_experts is not None and not (args.sweep and args.mnist_experts >= 2):
         parser.error("--mnist-experts N takes --sweep and N >= 2")
+    if args.memory_bound and not (args.sweep and args.mnist_experts is None):
+        parser.error("--memory-bound takes --sweep, without --mnist-experts")
     if device.type == "cpu" and run_children(parser, args, argv):
         return
     preset = PRESETS[args.preset]
@@ -305,11 +323,16 @@ def main() -> None:
     if args.sweep:
         env = environment()
         where = env["cpu"] if device.type == "cpu" else f"{torch.cuda.get_device_name(device)} (host {env['cpu']})"
-        layer, tokens, ks, batches, name = sweep_layer(preset, args.mnist_experts, device, dtype)
+        layer, tokens, ks, batches, name = sweep_layer(preset, args.mnist_experts, args.memory_bound, device, dtype)
         print(f"# Algorithm 1 against every expert, {name}, "
               f"{where} | {env['isa']} | {env['torch_threads']} threads | {args.dtype} | {env['date']} | {allocator}")
         results = {"environment": env | {"device": str(device), "dtype": args.dtype}, "preset": args.preset,
                    "layer": name, "sweep": sweep(layer, tokens, ks, batches, repeats, warmup, device, dtype)}
+        if args.memory_bound:
+            k = layer.num_experts // 4
+            ratio = results["sweep"]["batches"]["1"]["speedup"][k]
+            verdict = "PASS" if ratio >= MEMORY_BOUND_TARGET else "FAIL"
+            print(f"batch 1: k = n/4 is {ratio:.2f}x faster than k = n (target >= {MEMORY_BOUND_TARGET}x: {verdict})")
         write_results(args, results)
         return
     torch.manual_seed(0)

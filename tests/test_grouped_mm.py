@@ -220,20 +220,20 @@ def test_large_float32_weights_take_onednn_where_it_outruns_mkl(large_weights_on
 @pytest.mark.skipif(not native_available(), reason="softmoe's native kernels are not built here")
 @pytest.mark.parametrize("k, n", [(24, 40), (40, 24), (41, 24)], ids=["wide", "tall", "tall-odd"])
 def test_large_weights_take_the_native_expert_matmul_for_few_rows(large_weights_on_two_threads, monkeypatch, k, n):
-    """Groups of native_min_rows..native_forward_max_rows rows (softmoe.tuning.TABLE) through a large weight run
-    softmoe::expert_matmul (a tall weight cut in two row blocks where 2 divides K), one row, more rows and a
-    transposed weight (the backward) do not; equal to float64, gradients included."""
+    """Groups of 1..native_forward_max_rows rows (softmoe.tuning.TABLE) through a large weight run
+    softmoe::expert_matmul (more than one row through a tall weight cut in two row blocks where 2 divides K), more
+    rows and a transposed weight (the backward) do not; equal to float64, gradients included."""
     monkeypatch.setitem(TABLE, "native_min_weight", Measured(1, "a test"))
     torch.manual_seed(1)
     most = value("native_forward_max_rows")
     assert most > value("native_max_rows")  # forward-only products take the native kernel further
-    counts = [1, value("native_min_rows"), most, 0, most + 1]
+    counts = [1, 2, most, 0, most + 1]
     x = torch.randn(sum(counts), k, requires_grad=True)
     weight = torch.randn(5, k, n, requires_grad=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         grouped_mm(x, weight, ends_of(counts))
     calls = {event.key: event.count for event in prof.key_averages()}
-    assert calls.get("softmoe::expert_matmul") == 2  # the groups of 2 and native_forward_max_rows rows
+    assert calls.get("softmoe::expert_matmul") == 3  # the groups of 1, 2 and native_forward_max_rows rows
     out = grouped_mm(x, weight, ends_of(counts))
     x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     want = loop_reference(x64, w64, counts)

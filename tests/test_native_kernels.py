@@ -31,7 +31,9 @@ def reference(x, w, b, g):
 # 9 rows through rows of 1100 floats (PACK_MIN_ROW_BYTES or more; 1001 are fewer) run in several passes, the later
 # ones reading the tile the first copied; with AVX-512 a block is at most BLOCK_MAX_COLS (1008) columns wide, so
 # 1100 and 2100 columns walk two and three blocks of several panels, the last one partial. 3 rows of 300 and 8 of 384 (one pass of at most NT_ONE_ROW_BYTES): the
-# backward through the weight reads it one row at a time, an odd number of rows.
+# backward through the weight reads it one row at a time, an odd number of rows. One row streams the weight row
+# after row: 300 rows of w split over the threads (ROW_SPLIT_MIN_ROWS), rows of 1030 floats (ROW_GROUP_MIN_BYTES or
+# more) ROW_GROUP at a time with a vector tail and 131 rows (a remainder), more experts than threads.
 SHAPES = [
     (1, 1, 1, 1),
     (1, 2, 7, 16),
@@ -47,6 +49,9 @@ SHAPES = [
     (2, 8, 70, 2100),
     (3, 3, 37, 300),
     (2, 8, 21, 384),
+    (1, 1, 300, 37),
+    (2, 1, 131, 1030),
+    (5, 1, 70, 33),
 ]
 
 
@@ -186,9 +191,9 @@ def test_the_slot_backends_large_weight_gradients_reuse_a_block_once_it_is_free(
 def test_native_applies_to_few_rows_through_large_float32_weights(library):
     w = torch.empty(4, 64, 4096)
     assert native_applies(torch.empty(4, 8, 64), w)
-    assert native_applies(torch.empty(4, value("native_min_rows"), 64), w)
+    assert native_applies(torch.empty(4, 1, 64), w)  # one row: the weight streamed in memory order
     assert native_applies(torch.empty(4, value("native_max_rows"), 64), w)
-    assert not native_applies(torch.empty(4, 1, 64), w)  # one row: MKL's matrix-vector product is as fast
+    assert not native_applies(torch.empty(4, 0, 64), w)
     assert not native_applies(torch.empty(4, value("native_max_rows") + 1, 64), w)
     assert not native_applies(torch.empty(4, 8, 64), torch.empty(4, 64, 4095))  # below native_min_weight
     assert not native_applies(torch.empty(4, 8, 64, dtype=torch.float64), w.double())

@@ -52,21 +52,20 @@ TABLE: dict[str, Measured] = {
     # The FLOPs one byte of memory traffic costs, in the cost model between the slot and token formulations
     # (softmoe.backends.generic.token_space_is_cheaper).
     "mixing_flops_per_byte": Measured(8, "AMD EPYC (2 cores)"),
-    # The native expert matmul (softmoe.kernels.expert_matmul.native_applies) serves native_min_rows..native_max_rows
-    # rows per expert through weights of at least native_min_weight elements per expert: forward and backward it
-    # beats MKL's baddbmm at a few rows through large weights (its lead shrinks as the rows grow, and at one row it
-    # has none), and it is slower through weights small enough for MKL to keep them in cache. Where only the forward
-    # product runs (grad mode off; softmoe::grouped_mm's products) it serves up to native_forward_max_rows: with the
-    # later row passes reading a copy of each tile, the forward alone keeps up with MKL and oneDNN to more rows.
-    "native_min_rows": Measured(2, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
+    # The native expert matmul (softmoe.kernels.expert_matmul.native_applies) serves 1..native_max_rows rows per
+    # expert through weights of at least native_min_weight elements per expert: forward and backward it beats MKL's
+    # baddbmm at a few rows through large weights (its lead shrinks as the rows grow), and it is slower through
+    # weights small enough for MKL to keep them in cache. Where only the forward product runs (grad mode off;
+    # softmoe::grouped_mm's products) it serves up to native_forward_max_rows: with the later row passes reading a
+    # copy of each tile, the forward alone keeps up with MKL and oneDNN to more rows.
     "native_max_rows": Measured(16, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
     "native_forward_max_rows": Measured(48, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
     "native_min_weight": Measured(1 << 18, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
     # softmoe::grouped_mm's CPU products (softmoe.kernels.grouped_mm.group_product): a weight of at least large_weight
     # elements run by few rows takes the faster kernels, the native expert matmul up to native_forward_max_rows rows
     # (a forward product: the bound of the layer's native path in training, which must also win backward, is lower),
-    # one contiguous block of the weight per thread for fewer than blas_min_rows rows the native kernel does not
-    # serve, MKL or oneDNN for more rows.
+    # one contiguous block of the weight per thread for fewer than blas_min_rows rows through a weight the native
+    # kernel does not serve (a transposed view), MKL or oneDNN for more rows.
     "large_weight": Measured(1 << 20, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
     "blas_min_rows": Measured(4, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
     # oneDNN for float32 CPU products (softmoe.kernels.onednn): a product of fewer FLOPs than onednn_min_product_flops

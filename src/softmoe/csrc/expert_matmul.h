@@ -304,10 +304,79 @@ static void nn_item(const job_t *j, long e, long begin, long end)
     activate_rows(out, N, M, c0, c1, j->act);
 }
 
+/* ---- one row per expert: out[e] = act(x[e] @ w[e] (+ bias[e])) ---------------------------------------------- */
+
+/* A single row does one multiply-add per weight read: its product is a stream of w. nn_item's tiles read each row of
+   w in pieces, tile after tile, which the memory system serves well below the rate of a plain read; here w is read in
+   memory order, row after row, into an output row kept in L1. Rows of w of at least ROW_GROUP_MIN_BYTES go
+   ROW_GROUP at a time through each pass over the output row (so many bytes of output would otherwise be read and
+   written once per row of w); shorter rows one at a time, since ROW_GROUP streams a short row apart were slower
+   (docs/performance.md has the measurements). */
+#define ROW_GROUP 4
+#define ROW_GROUP_MIN_BYTES 4096
+#define ROW_SPLIT_MIN_ROWS 64 /* fewest rows of w per range where one expert's rows are split over threads */
+
+/* acc[0:N] += x[k0:k1] @ w[k0:k1, 0:N] (w's rows N floats apart) */
+static void row_pass(const float *x, const float *w, float *acc, long k0, long k1, long N)
+{
+    const long vec_end = N / LANES * LANES;
+    long k = k0;
+    if (N * 4 >= ROW_GROUP_MIN_BYTES)
+        for (; k + ROW_GROUP <= k1; k += ROW_GROUP) {
+            const float *w0 = w + k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+            const float a0 = x[k], a1 = x[k + 1], a2 = x[k + 2], a3 = x[k + 3];
+            for (long c = 0; c < vec_end; c += LANES)
+                store(acc + c, load(acc + c) + a0 * load(w0 + c) + a1 * load(w1 + c) + a2 * load(w2 + c) +
+                                   a3 * load(w3 + c));
+            for (long c = vec_end; c < N; c++) acc[c] += a0 * w0[c] + a1 * w1[c] + a2 * w2[c] + a3 * w3[c];
+        }
+    for (; k < k1; k++) {
+        const float *wk = w + k * N, a = x[k];
+        for (long c = 0; c < vec_end; c += LANES) store(acc + c, load(acc + c) + a * load(wk + c));
+        for (long c = vec_end; c < N; c++) acc[c] += a * wk[c];
+    }
+}
+
+/* x (E, 1, K). With fewer experts than threads each expert's rows of w are split into contiguous ranges, one per
+   thread, whose partial output rows are then summed in a fixed order (the same bits for the same thread count). */
+static void expert_row(const float *x, const float *w, const float *bias, float *out, long E, long K, long N, int act,
+                       int threads)
+{
+    if (threads < 1) threads = 1;
+    long splits = E >= threads ? 1 : (threads + E - 1) / E;
+    if (splits > K / ROW_SPLIT_MIN_ROWS) splits = K >= 2 * ROW_SPLIT_MIN_ROWS ? K / ROW_SPLIT_MIN_ROWS : 1;
+    float *partial = splits > 1 ? (float *)softmoe_scratch(2, E * splits * N * sizeof(float)) : NULL;
+    const long items = E * splits;
+#pragma omp parallel num_threads(threads < items ? threads : (int)items)
+    {
+        const long t = omp_get_thread_num(), count = omp_get_num_threads();
+        for (long item = items * t / count; item < items * (t + 1) / count; item++) {
+            const long e = item / splits, s = item % splits;
+            float *acc = partial ? partial + item * N : out + e * N;
+            for (long c = 0; c < N; c++) acc[c] = bias && !partial ? bias[e * N + c] : 0.0f;
+            row_pass(x + e * K, w + e * K * N, acc, K * s / splits, K * (s + 1) / splits, N);
+        }
+    }
+    if (partial) {
+        for (long e = 0; e < E; e++)
+            for (long c = 0; c < N; c++) {
+                float sum = bias ? bias[e * N + c] : 0.0f;
+                for (long s = 0; s < splits; s++) sum += partial[(e * splits + s) * N + c];
+                out[e * N + c] = sum;
+            }
+        softmoe_scratch_release(2);
+    }
+    activate_rows(out, N, E, 0, N, act);
+}
+
 /* act: one of ACT_* (0 none, 1 gelu, 2 gelu with tanh, 3 relu) */
 void expert_matmul(const float *x, const float *w, const float *bias, float *out, long E, long M, long K, long N,
                    int act, int threads)
 {
+    if (M == 1) {
+        expert_row(x, w, bias, out, E, K, N, act, threads);
+        return;
+    }
     job_t j{};
     j.a = x; j.b = w; j.bias = bias; j.out = out; j.M = M; j.K = K; j.N = N;
     j.units = (N + TILE_COLS - 1) / TILE_COLS; j.act = act; j.fn = nn_item;

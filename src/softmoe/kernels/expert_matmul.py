@@ -169,7 +169,7 @@ def reusable_empty(shape: tuple[int, ...], like: Tensor) -> Tensor:
 
 def native_applies(x: Tensor, weight: Tensor, rows: int | None = None, max_rows: int | None = None) -> bool:
     """Whether :func:`expert_matmul` serves x (E, rows, K) @ weight (E, K, N): float32 CPU tensors,
-    softmoe.tuning.TABLE's "native_min_rows" to ``max_rows`` rows, at least its "native_min_weight" weight elements
+    1 to ``max_rows`` rows, at least softmoe.tuning.TABLE's "native_min_weight" weight elements
     per expert, no torch.func transform active (the ops have no vmap rule) and the kernels built. Eager,
     torch.compile and autocast all qualify. ``rows`` overrides x.shape[1], for a caller asking before it has built x;
     ``max_rows`` (by default the table's "native_max_rows", the bound for forward and backward together) is for
@@ -179,7 +179,7 @@ def native_applies(x: Tensor, weight: Tensor, rows: int | None = None, max_rows:
     return (
         x.device.type == weight.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
-        and value("native_min_rows") <= rows <= max_rows
+        and 1 <= rows <= max_rows
         and weight.shape[1] * weight.shape[2] >= value("native_min_weight")
         and not transforms_active()
         and native_available()

@@ -15,9 +15,9 @@ the (data-dependent) group sizes, and it never recompiles for a new pattern of s
   no host synchronization, for the weight's gradient too;
 - elsewhere one product per non-empty expert (the group sizes are read on the host: free on CPU, one
   synchronization on a GPU). On CPU a large weight (K * N at least softmoe.tuning.TABLE's "large_weight") read by
-  fewer rows than its "blas_min_rows" takes one contiguous block of the weight per thread (faster than MKL's one
-  product); its "native_min_rows" to "native_forward_max_rows" rows through a contiguous weight take softmoe's
-  native expert matmul (float32); more rows take oneDNN where it pays on this CPU (float32 inference;
+  up to its "native_forward_max_rows" rows through a contiguous weight take softmoe's native expert matmul (float32);
+  fewer rows than its "blas_min_rows" through another weight (a transposed view) take one contiguous block of the
+  weight per thread (faster than MKL's one product); more rows take oneDNN where it pays on this CPU (float32 inference;
   :func:`softmoe.kernels.onednn.onednn_pays`: enough FLOPs, oneDNN timed faster than MKL once), else MKL.
   ``benchmarks/bench_products.py --isa avx512,avx2`` compares them (docs/performance.md has the measurements).
 
@@ -80,9 +80,10 @@ def native_product(
 ) -> torch.Tensor:
     """act(x (rows, K) @ w (K, N) + bias (N,)) in the native expert matmul (float32 CPU, w contiguous).
 
-    The kernel splits the columns over the threads; a weight taller than wide is split by rows (K) instead, so that
-    each thread streams one contiguous part of it, bias and activation then applied to the summed product."""
-    if w.shape[0] <= w.shape[1]:
+    The kernel splits one row's product by the weight's rows (K) over the threads itself, more rows by columns; for
+    those a weight taller than wide is split by rows instead, so that each thread streams one contiguous part of it,
+    bias and activation then applied to the summed product."""
+    if x.shape[0] == 1 or w.shape[0] <= w.shape[1]:
         b = None if bias is None else bias[None]
         return torch.ops.softmoe.expert_matmul(x[None], w[None], b, activation, cpu_isa())[0]
     return _finish(row_block_matmul(x, w, torch.get_num_threads(), native=True), bias, activation)
