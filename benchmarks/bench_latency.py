@@ -57,6 +57,7 @@ from common import (  # noqa: E402
 import softmoe  # noqa: E402
 from softmoe import SoftMoE  # noqa: E402
 from softmoe.models.mnist import expert_hidden_for  # noqa: E402
+from softmoe.selection_plan import auto_plan  # noqa: E402
 from softmoe_repro.latency import (  # noqa: E402
     DIM,
     EXPERTS,
@@ -141,7 +142,7 @@ def sweep(layer: softmoe.SoftMoE, tokens: int, ks: list[int], batches: tuple[int
             combine = layer.route(x).combine
             for k in ks:
                 selected = softmoe.selection.top_k_by_combine(combine, k)
-                plans[k] = "selected" if layer.selected_plan_is_cheaper(x, selected) else "dense"
+                plans[k] = auto_plan(layer, x, selected)
         base = stats["all"]["median"]
         speedup = {f"{k} {plan}": base / stats[f"{k} {plan}"]["median"] for k in ks
                    for plan in ("auto", "selected", "dense")}

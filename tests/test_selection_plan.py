@@ -266,12 +266,12 @@ def test_a_close_call_is_not_timed_by_default_nor_in_training(monkeypatch, case)
         close_calls(monkeypatch)  # the selected plan's cost 0.625 of the dense one's against a margin of 0.63
         layer = make_layer().train(case == "training")
         x, selected = torch.randn(3, 5, 12, dtype=F64), torch.tensor([[0, 3], [2, 7], [7, 1]])
-        assert plans.worth_timing(plan_costs(3, 2, 8, 1, 2 * layer.parameters_per_expert(), CPU, kept=(6, 5)))
+        assert plans.worth_timing(plan_costs(3, 2, 8, 1, plans.flops_per_row(layer.experts), CPU, kept=(6, 5)))
         with torch.no_grad():
             got, runs = selected_runs(layer, lambda: layer.forward_selected(x, selected))
             torch.testing.assert_close(got, masked_reference_forward(layer, x, selected), atol=1e-12, rtol=1e-12)
         assert runs == [6]  # the cost model's selected plan, once: nothing timed
-        cheaper, runs = selected_runs(layer, lambda: layer.selected_plan_is_cheaper(x, selected))
+        cheaper, runs = selected_runs(layer, lambda: plans.auto_plan(layer, x, selected) == "selected")
         assert cheaper and runs == []
     finally:
         if case == "training":
@@ -288,7 +288,7 @@ def test_auto_runs_the_plan_timed_faster_where_plans_are_timed(monkeypatch, auto
     x = torch.randn(3, 5, 12, dtype=F64, requires_grad=True)
     selected = torch.tensor([[0, 3], [2, 7], [7, 1]])
     got, runs = selected_runs(layer, lambda: layer.forward_selected(x, selected))
-    assert len(runs) == (faster == "selected") and layer.selected_plan_is_cheaper(x, selected) is (faster == "selected")
+    assert len(runs) == (faster == "selected") and (plans.auto_plan(layer, x, selected) == "selected") is (faster == "selected")
     torch.testing.assert_close(got, masked_reference_forward(layer, x, selected), atol=1e-12, rtol=1e-12)
     got.square().sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
@@ -337,7 +337,7 @@ def test_the_cpu_times_close_calls_and_leaves_clear_ones_to_the_cost_model(monke
     with torch.no_grad():
         got, runs = selected_runs(layer, lambda: layer.forward_selected(x, selected))
     torch.testing.assert_close(got, masked_reference_forward(layer, x, selected), atol=1e-12, rtol=1e-12)
-    chose_selected = layer.selected_plan_is_cheaper(x, selected)  # (for a timed shape, the timing's answer)
+    chose_selected = plans.auto_plan(layer, x, selected) == "selected"  # (for a timed shape, the timing's answer)
     if close:
         assert len(runs) == plans.TIMED_ROUNDS + 1 + chose_selected
     else:
@@ -361,16 +361,16 @@ def test_a_timed_shape_does_not_overrule_the_cost_model_for_a_clear_call(monkeyp
     few[:, 0] = torch.arange(64) % 8  # 1 of 8 kept: 0.33x, a clear one
     with torch.no_grad():
         _, runs = selected_runs(layer, lambda: layer.forward_selected(x, most))
-        assert len(keys) == 1 and runs == [] and not layer.selected_plan_is_cheaper(x, most)
+        assert len(keys) == 1 and runs == [] and plans.auto_plan(layer, x, most) == "dense"
         got, runs = selected_runs(layer, lambda: layer.forward_selected(x, few))
         torch.testing.assert_close(got, masked_reference_forward(layer, x, few), rtol=1e-5, atol=1e-5)
-    assert runs == [64 * 8] and len(keys) == 2 and layer.selected_plan_is_cheaper(x, few)  # (the second: "most")
+    assert runs == [64 * 8] and len(keys) == 2 and plans.auto_plan(layer, x, few) == "selected"  # (the second: "most")
 
 
 def timed(layer, x, selected) -> bool:
     """Whether asking ``layer`` for its plan timed the plans (each TIMED_ROUNDS + 1 times): the first call with a
     new key (the shape, its settings and host) does, later ones with that key do not."""
-    _, runs = selected_runs(layer, lambda: layer.selected_plan_is_cheaper(x, selected))
+    _, runs = selected_runs(layer, lambda: plans.auto_plan(layer, x, selected) == "selected")
     return len(runs) == plans.TIMED_ROUNDS + 1
 
 
@@ -411,14 +411,14 @@ def test_the_plan_key_tells_autocast_backends_and_expert_sizes_apart(monkeypatch
     x, selected = torch.randn(2, 5, 12, dtype=F64), torch.tensor([[0, 1], [2, 3]])
     layer.backend = "slots"
     for model in (layer, layer, wide):
-        model.selected_plan_is_cheaper(x, selected)
+        plans.auto_plan(model, x, selected)
     assert keys[0] == keys[1] != keys[2]
     layer.backend = "tokens"  # (which runs under autocast)
-    layer.selected_plan_is_cheaper(x, selected)
+    plans.auto_plan(layer, x, selected)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        layer.selected_plan_is_cheaper(x, selected)
+        plans.auto_plan(layer, x, selected)
     layer.experts.weight1 = nn.Parameter(torch.zeros(8, 12, 30, dtype=F64))  # a swapped weight of another shape
-    layer.selected_plan_is_cheaper(x, selected)
+    plans.auto_plan(layer, x, selected)
     assert len(set(keys)) == 5
 
 
@@ -445,7 +445,7 @@ def test_auto_follows_the_cost_model(monkeypatch):
     selected = torch.tensor([[0, 1], [1, 0]])
     for cheaper in (True, False):
         monkeypatch.setitem(TABLE, "plan_margin", Measured({"cpu": 1e9 if cheaper else 0.0, "cuda": 0.4}, "a test"))
-        assert layer.selected_plan_is_cheaper(x, selected) is cheaper
+        assert (plans.auto_plan(layer, x, selected) == "selected") is cheaper
 
 
 def test_the_layer_counts_the_experts_in_use_on_cpu():
@@ -454,8 +454,8 @@ def test_the_layer_counts_the_experts_in_use_on_cpu():
     spread over all 8: 128 + 16 + 76 = 220 (dense)."""
     layer = SoftMoE(64, 8, expert_hidden=4096)
     x = torch.randn(4, 3, 64)
-    assert layer.selected_plan_is_cheaper(x, torch.tensor([[2, 5]] * 4))
-    assert not layer.selected_plan_is_cheaper(x, torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]]))
+    assert plans.auto_plan(layer, x, torch.tensor([[2, 5]] * 4)) == "selected"
+    assert plans.auto_plan(layer, x, torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])) == "dense"
 
 
 def test_a_bad_plan_is_a_value_error():

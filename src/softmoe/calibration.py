@@ -34,6 +34,7 @@ from softmoe.selection import (
     select_experts,
     soft_moe_layers,
 )
+from softmoe.selection_plan import flops_per_row
 from softmoe.train import accuracy
 
 CALIBRATED = ("combine", "mass")
@@ -75,8 +76,8 @@ class Calibration:
 
 
 def _pair_cost(layer: SoftMoE) -> float:
-    """The FLOPs of one (input, expert) pair of ``layer``, up to a constant: slots times parameters per expert."""
-    return layer.slots_per_expert * layer.parameters_per_expert()
+    """The FLOPs of one (input, expert) pair of ``layer``: its slots through one expert."""
+    return layer.slots_per_expert * flops_per_row(layer.weights()[2])
 
 
 class _CountingSelector:

@@ -340,18 +340,6 @@ class SoftMoE(nn.Module):
         dispatch, combine = backend.route(self, x, mask)
         return backend.mix_selected(self, x, dispatch, combine, selected, renormalize, plan)
 
-    def selected_plan_is_cheaper(self, x: torch.Tensor, selected: torch.Tensor) -> bool:
-        """Whether plan "auto" runs only the ``selected`` (batch, k) experts (plan "selected") rather than them all
-        (plan "dense") for x (batch, tokens, dim) (:func:`softmoe.selection_plan.choose_plan`)."""
-        backend = self.backend_for(x).backend
-        x = self.slot_inputs(x)
-        dispatch, combine = backend.route(self, x, None)
-        return backend.plan(self, x, dispatch, combine, selected, False) == "selected"
-
-    def parameters_per_expert(self) -> float:
-        """The experts' parameter count over n (a multiply-add per parameter per row: the cost of one row)."""
-        return sum(t.numel() for t in self.experts.parameters()) / self.num_experts
-
     def run_experts(self, slots: torch.Tensor) -> torch.Tensor:
         """Every expert on its own slots (:func:`experts_on_slots`): (batch, n*p, dim) -> (batch, n*p, d_out)."""
         return experts_on_slots(self.experts, slots, self.num_experts)

@@ -49,7 +49,15 @@ from softmoe.tuning import autotune_enabled, value
 if TYPE_CHECKING:  # softmoe.experts imports softmoe.kernels, which imports this module
     from softmoe.experts import Experts
 
-__all__ = ["SELECTION_PLANS", "check_plan", "choose_plan", "host_reads_are_free", "kept_slots", "plan_costs"]
+__all__ = [
+    "SELECTION_PLANS",
+    "auto_plan",
+    "check_plan",
+    "choose_plan",
+    "host_reads_are_free",
+    "kept_slots",
+    "plan_costs",
+]
 
 SELECTION_PLANS = ("auto", "selected", "dense")
 # With autotuning: timed rounds of each plan after one untimed round (the fastest counts); on the CPU the plans are
@@ -284,3 +292,12 @@ def choose_plan(
         if choice is not None:
             return choice
     return "selected" if selected_plan_is_cheaper(costs, device) else "dense"
+
+
+def auto_plan(layer, x: torch.Tensor, selected: torch.Tensor) -> str:
+    """The plan ("selected" or "dense") plan "auto" runs for ``layer``'s tokens x (batch, tokens, dim) keeping the
+    experts ``selected`` (batch, k), on the backend ``layer.backend_for(x)`` names (:func:`choose_plan`)."""
+    backend = layer.backend_for(x).backend
+    x = layer.slot_inputs(x)
+    dispatch, combine = backend.route(layer, x, None)
+    return backend.plan(layer, x, dispatch, combine, selected, False)
