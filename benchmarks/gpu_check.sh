@@ -6,12 +6,14 @@
 #
 # Steps, in this order by default: tests (the CUDA tests and the routing and skinny kernels'), skinny (the kept
 # experts' products at batch 1 in bf16: the skinny Triton kernel against torch's grouped GEMM and a copy of the same
-# bytes, bench_latency.py --skinny), t3-bf16 and t3-fp32 (Table 3 eager, bench_latency.py), sweep-bf16 and
-# sweep-fp32 (Algorithm 1 at every k < n against every expert, eager), layer-bf16 and layer-fp32 (bench_gpu.py's
-# layer table), selection-bf16 (bench_gpu.py's selection table at ViT-S batch 128, eager and compiled: about 3
-# minutes); on request also launches (bench_gpu_launches.py: kernels per eager call, the logits' and the routing
-# kernel's A/B), layer-compiled (the bf16 layer table at three shapes with the layer and the dense MLP compiled with
-# CUDA graphs) and t3-compiled (Table 3 at batch 1 in bf16 with CUDA graphs).
+# bytes, bench_latency.py --skinny), t3-compiled (Table 3 at batch 1 and 100 in bf16 with CUDA graphs), vit-train
+# (a compiled bf16 training step of the Soft MoE ViT-S/16 against the dense one, bench_vit_train.py), t3-bf16 and
+# t3-fp32 (Table 3 eager, bench_latency.py), layer-bf16 and layer-fp32 (bench_gpu.py's layer table), sweep-bf16 and
+# sweep-fp32 (Algorithm 1 at every k < n against every expert, eager), selection-bf16 (bench_gpu.py's selection
+# table at ViT-S batch 128, eager and compiled: about 3 minutes); on request also launches (bench_gpu_launches.py:
+# kernels per eager call, the logits' and the routing kernel's A/B) and layer-compiled (the bf16 layer table at three
+# shapes with the layer and the dense MLP compiled with CUDA graphs). The defaults take more than one call of the
+# device's per-call limit: name the steps, or run the rest in a second call.
 # The published peers are timed where they import (``make peers``, or a folder of them on PYTHONPATH).
 # softmoe's native CPU kernels are not built (SOFTMOE_NATIVE=0): nothing here runs them.
 set -u
@@ -24,7 +26,8 @@ if ! [[ $budget =~ ^[0-9]+$ ]]; then
 fi
 shift $(( $# >= 2 ? 2 : 1 ))
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(tests skinny t3-bf16 t3-fp32 sweep-bf16 sweep-fp32 layer-bf16 layer-fp32 selection-bf16)
+[ ${#steps[@]} -gt 0 ] || steps=(tests skinny t3-compiled vit-train t3-bf16 t3-fp32 layer-bf16 layer-fp32 sweep-bf16
+    sweep-fp32 selection-bf16)
 mkdir -p "$out" && out=$(cd "$out" && pwd) || { echo "gpu_check.sh: cannot write to $1" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 SOFTMOE_NATIVE=0
@@ -66,7 +69,8 @@ for name in "${steps[@]}"; do
         t3-fp32) step t3-fp32 150 "$py" benchmarks/bench_latency.py --device cuda --dtype float32 \
             --json "$out/t3-fp32.json" ;;
         t3-compiled) step t3-compiled 300 "$py" benchmarks/bench_latency.py --device cuda --dtype bfloat16 \
-            --compile --batches 1 --json "$out/t3-compiled.json" ;;
+            --compile --batches 1 100 --json "$out/t3-compiled.json" ;;
+        vit-train) step vit-train 240 "$py" benchmarks/bench_vit_train.py --device cuda --json "$out/vit-train.json" ;;
         sweep-bf16|sweep-fp32) step "$name" 120 "$py" benchmarks/bench_latency.py --sweep --device cuda \
             --dtype "$([ "$name" = sweep-bf16 ] && echo bfloat16 || echo float32)" --json "$out/$name.json" ;;
         layer-bf16|layer-fp32) step "$name" 120 "$py" benchmarks/bench_gpu.py --quick --tables layer \
