@@ -93,7 +93,9 @@ def test_the_variants_agree(library):
 
 
 @pytest.mark.parametrize(
-    "shape", [(0, 3, 5, 7), (2, 0, 5, 7), (2, 3, 0, 7), (2, 3, 5, 0)], ids=["experts", "rows", "K", "N"]
+    "shape",
+    [(0, 3, 5, 7), (2, 0, 5, 7), (2, 3, 0, 7), (2, 3, 5, 0), (0, 1, 5, 7), (2, 1, 0, 7), (2, 1, 5, 0)],
+    ids=["experts", "rows", "K", "N", "experts-one-row", "K-one-row", "N-one-row"],
 )
 def test_empty_dimensions(isa, shape):
     experts, rows, k, n = shape

@@ -342,6 +342,7 @@ static void row_pass(const float *x, const float *w, float *acc, long k0, long k
 static void expert_row(const float *x, const float *w, const float *bias, float *out, long E, long K, long N, int act,
                        int threads)
 {
+    if (E <= 0) return;
     if (threads < 1) threads = 1;
     long splits = E >= threads ? 1 : (threads + E - 1) / E;
     if (splits > K / ROW_SPLIT_MIN_ROWS) splits = K >= 2 * ROW_SPLIT_MIN_ROWS ? K / ROW_SPLIT_MIN_ROWS : 1;
