@@ -64,10 +64,8 @@ TABLE: dict[str, Measured] = {
     # softmoe::grouped_mm's CPU products (softmoe.kernels.grouped_mm.group_product): a weight of at least large_weight
     # elements run by few rows takes the faster kernels, the native expert matmul up to native_forward_max_rows rows
     # (a forward product: the bound of the layer's native path in training, which must also win backward, is lower),
-    # one contiguous block of the weight per thread for fewer than blas_min_rows rows through a weight the native
-    # kernel does not serve (a transposed view), MKL or oneDNN for more rows.
+    # MKL or oneDNN otherwise.
     "large_weight": Measured(1 << 20, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
-    "blas_min_rows": Measured(4, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
     # oneDNN for float32 CPU products (softmoe.kernels.onednn): a product of fewer FLOPs than onednn_min_product_flops
     # pays more for oneDNN's call than it gains over MKL; a batch of less work in all than onednn_min_batch_flops
     # gains nothing inside a layer in a default process (each entry's output and their stack are fresh memory that

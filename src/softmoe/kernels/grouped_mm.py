@@ -15,9 +15,8 @@ the (data-dependent) group sizes, and it never recompiles for a new pattern of s
   no host synchronization, for the weight's gradient too;
 - elsewhere one product per non-empty expert (the group sizes are read on the host: free on CPU, one
   synchronization on a GPU). On CPU a large weight (K * N at least softmoe.tuning.TABLE's "large_weight") read by
-  up to its "native_forward_max_rows" rows through a contiguous weight take softmoe's native expert matmul (float32);
-  fewer rows than its "blas_min_rows" through another weight (a transposed view) take one contiguous block of the
-  weight per thread (faster than MKL's one product); more rows take oneDNN where it pays on this CPU (float32 inference;
+  up to its "native_forward_max_rows" rows through a contiguous weight takes softmoe's native expert matmul
+  (float32); other products take oneDNN where it pays on this CPU (float32 inference;
   :func:`softmoe.kernels.onednn.onednn_pays`: enough FLOPs, oneDNN timed faster than MKL once), else MKL.
   ``benchmarks/bench_products.py --isa avx512,avx2`` compares them (docs/performance.md has the measurements).
 
@@ -44,20 +43,19 @@ from softmoe.tuning import value
 GroupedProduct = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, str], torch.Tensor]
 
 
-def row_block_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int, native: bool = False) -> torch.Tensor:
-    """x (rows, K) @ w (K, N) -> (rows, N), w cut into ``blocks`` contiguous blocks of K/blocks rows.
+def row_block_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
+    """x (rows, K) @ w (K, N) -> (rows, N) in the native expert matmul (float32 CPU, w contiguous), w cut into
+    ``blocks`` contiguous blocks of K/blocks rows.
 
-    The blocks (views of w, no copy) run as one batched product, which threaded BLAS (or, with ``native``, the
-    native expert matmul) spreads over its threads one block each, each streaming its own contiguous part of w, and
-    their partial products are summed. One plain product when ``blocks`` does not divide K.
+    The blocks (views of w, no copy) run as one batched product, which the kernel spreads over its threads one block
+    each, each streaming its own contiguous part of w, and their partial products are summed. One block when
+    ``blocks`` does not divide K.
     """
     rows, k = x.shape
-    if blocks == 1 or k % blocks or not w.is_contiguous():
+    if k % blocks:
         blocks = 1
     xb, wb = x.reshape(rows, blocks, k // blocks).transpose(0, 1), w.view(blocks, k // blocks, -1)
-    if native:
-        return torch.ops.softmoe.expert_matmul(xb.contiguous(), wb, None, "none", cpu_isa()).sum(0)
-    return x @ w if blocks == 1 else torch.bmm(xb, wb).sum(0)
+    return torch.ops.softmoe.expert_matmul(xb.contiguous(), wb, None, "none", cpu_isa()).sum(0)
 
 
 def group_product(
@@ -68,8 +66,6 @@ def group_product(
     if x.device.type == "cpu" and w.numel() >= value("large_weight"):
         if w.is_contiguous() and native_applies(x[None], w[None], max_rows=value("native_forward_max_rows")):
             return native_product(x, w, bias, activation)
-        if x.shape[0] < value("blas_min_rows"):
-            return _finish(row_block_matmul(x, w, torch.get_num_threads()), bias, activation)
         if onednn_applies(x, w) and onednn_pays(2 * x.shape[0] * w.numel()):
             return onednn_linear(x, w, bias, None if activation == "none" else activation)
     return _finish(x @ w, bias, activation)
@@ -86,7 +82,7 @@ def native_product(
     if x.shape[0] == 1 or w.shape[0] <= w.shape[1]:
         b = None if bias is None else bias[None]
         return torch.ops.softmoe.expert_matmul(x[None], w[None], b, activation, cpu_isa())[0]
-    return _finish(row_block_matmul(x, w, torch.get_num_threads(), native=True), bias, activation)
+    return _finish(row_block_matmul(x, w, torch.get_num_threads()), bias, activation)
 
 
 def _finish(out: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
