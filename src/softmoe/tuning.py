@@ -29,11 +29,8 @@ class Measured(NamedTuple):
 TABLE: dict[str, Measured] = {
     # The CPUs whose large float32 products run faster in oneDNN than in MKL, as (vendor, lowest CPU family, AVX-512:
     # True, False, or None for either): MKL takes its AVX-512 code on Intel's CPUs only, so oneDNN wins on AMD's
-    # where AVX-512 runs at full width (family 26) or where neither library has it (family 25 without AVX-512); on
-    # AMD's family 25 with AVX-512 (at half width) and on Intel's, MKL's.
-    "onednn_cpus": Measured(
-        (("AuthenticAMD", 26, None), ("AuthenticAMD", 25, False)), "AMD EPYC Zen 3, Zen 4, Zen 5; Intel Xeon"
-    ),
+    # (family 25 with and without AVX-512, family 26); on Intel's, MKL's.
+    "onednn_cpus": Measured((("AuthenticAMD", 25, None),), "AMD EPYC Zen 3, Zen 4, Zen 5; Intel Xeon"),
     # Algorithm 1's plans (softmoe.selection_plan): rows below which an expert product costs what reading its
     # weight costs (on the CPU the native kernels' float lanes, 8 or 16), rows each product is worth beyond its own,
     # the share of the dense plan's cost the selected plan must stay under, fixed FLOPs per expert in use.
