@@ -138,13 +138,14 @@ static void activate_rows(float *out, long ldo, long M, long c0, long c1, int ac
 /* ---- work splitting -------------------------------------------------------------------------------------- */
 
 typedef struct job job_t;
-typedef void (*item_fn)(const job_t *, long expert, long begin, long end);
+typedef void (*item_fn)(const job_t *, long expert, long split, long begin, long end);
 
 struct job {
     const float *a, *b, *bias;
     float *out;
     long M, K, N;
     long units, splits;  /* units (tiles or rows) per expert, split into `splits` ranges */
+    float *partial;      /* per (expert, split) output rows where a split's sum is partial (row_item) */
     int stream;          /* non-temporal stores allowed */
     int act;             /* activation applied to the output (ACT_*) */
     item_fn fn;
@@ -155,8 +156,16 @@ static void run_items(const job_t *j, long first, long last)
     for (long item = first; item < last; item++) {
         long e = item / j->splits, s = item % j->splits;
         long begin = j->units * s / j->splits, end = j->units * (s + 1) / j->splits;
-        if (begin < end) j->fn(j, e, begin, end);
+        if (begin < end) j->fn(j, e, s, begin, end);
     }
+}
+
+/* The ranges each expert's units are split into: with fewer experts than threads, enough to give every thread one. */
+static long split_count(long experts, long units, int threads)
+{
+    if (threads < 1) threads = 1;
+    long splits = experts >= threads ? 1 : (threads + experts - 1) / experts;
+    return splits > units ? (units > 0 ? units : 1) : splits;
 }
 
 /* Items are (expert, range of units); with fewer experts than threads each expert's units are split. */
@@ -164,8 +173,7 @@ static void run_parallel(job_t job, long experts, int threads)
 {
     if (experts <= 0) return;
     if (threads < 1) threads = 1;
-    job.splits = experts >= threads ? 1 : (threads + experts - 1) / experts;
-    if (job.splits > job.units) job.splits = job.units > 0 ? job.units : 1;
+    job.splits = split_count(experts, job.units, threads);
     const long items = experts * job.splits;
     if (threads > items) threads = (int)items;
 #pragma omp parallel num_threads(threads)
@@ -243,7 +251,7 @@ static void nn_tile_any(const float *x, long ldx, const float *w, long ldw, floa
 /* One expert, output column tiles [begin, end) (the last tile may be narrower). The columns are walked in blocks
    whose output (M rows) stays in L2 while every panel of the weight passes through it: a wide output (768 -> 30720
    columns at 25 rows is 3 MB) would otherwise be read and written once per panel, as much traffic as the weight. */
-static void nn_item(const job_t *j, long e, long begin, long end)
+static void nn_item(const job_t *j, long e, long split, long begin, long end)
 {
     const long M = j->M, K = j->K, N = j->N;
     const float *x = j->a + e * M * K, *w = j->b + e * K * N;
@@ -337,32 +345,33 @@ static void row_pass(const float *x, const float *w, float *acc, long k0, long k
     }
 }
 
-/* x (E, 1, K). With fewer experts than threads each expert's rows of w are split into contiguous ranges, one per
-   thread, whose partial output rows are then summed in a fixed order (the same bits for the same thread count). */
+/* One expert's rows of w in units of ROW_SPLIT_MIN_ROWS: with fewer experts than threads they are split into ranges
+   (run_parallel), whose partial output rows are then summed in a fixed order (the same bits for the same thread
+   count). */
+static void row_item(const job_t *j, long e, long split, long begin, long end)
+{
+    const long K = j->K, N = j->N, k0 = begin * ROW_SPLIT_MIN_ROWS, k1 = end == j->units ? K : end * ROW_SPLIT_MIN_ROWS;
+    float *acc = j->partial ? j->partial + (e * j->splits + split) * N : j->out + e * N;
+    for (long c = 0; c < N; c++) acc[c] = j->bias && !j->partial ? j->bias[e * N + c] : 0.0f;
+    row_pass(j->a + e * K, j->b + e * K * N, acc, k0, k1, N);
+}
+
+/* x (E, 1, K): the items of row_item, then the partial rows' sums, then the activation. */
 static void expert_row(const float *x, const float *w, const float *bias, float *out, long E, long K, long N, int act,
                        int threads)
 {
     if (E <= 0) return;
-    if (threads < 1) threads = 1;
-    long splits = E >= threads ? 1 : (threads + E - 1) / E;
-    if (splits > K / ROW_SPLIT_MIN_ROWS) splits = K >= 2 * ROW_SPLIT_MIN_ROWS ? K / ROW_SPLIT_MIN_ROWS : 1;
-    float *partial = splits > 1 ? (float *)softmoe_scratch(2, E * splits * N * sizeof(float)) : NULL;
-    const long items = E * splits;
-#pragma omp parallel num_threads(threads < items ? threads : (int)items)
-    {
-        const long t = omp_get_thread_num(), count = omp_get_num_threads();
-        for (long item = items * t / count; item < items * (t + 1) / count; item++) {
-            const long e = item / splits, s = item % splits;
-            float *acc = partial ? partial + item * N : out + e * N;
-            for (long c = 0; c < N; c++) acc[c] = bias && !partial ? bias[e * N + c] : 0.0f;
-            row_pass(x + e * K, w + e * K * N, acc, K * s / splits, K * (s + 1) / splits, N);
-        }
-    }
-    if (partial) {
+    job_t j{};
+    j.a = x; j.b = w; j.bias = bias; j.out = out; j.K = K; j.N = N; j.fn = row_item;
+    j.units = K / ROW_SPLIT_MIN_ROWS > 0 ? K / ROW_SPLIT_MIN_ROWS : 1;
+    const long splits = split_count(E, j.units, threads);
+    if (splits > 1) j.partial = (float *)softmoe_scratch(2, E * splits * N * sizeof(float));
+    run_parallel(j, E, threads);
+    if (j.partial) {
         for (long e = 0; e < E; e++)
             for (long c = 0; c < N; c++) {
                 float sum = bias ? bias[e * N + c] : 0.0f;
-                for (long s = 0; s < splits; s++) sum += partial[(e * splits + s) * N + c];
+                for (long s = 0; s < splits; s++) sum += j.partial[(e * splits + s) * N + c];
                 out[e * N + c] = sum;
             }
         softmoe_scratch_release(2);
@@ -464,7 +473,7 @@ static void nt_tile_any(const float *g, long ldg, const float *w, long N, float 
    order. Where all of g is one pass of rows (M <= MAX_ROWS) small enough to stay in L1 (NT_ONE_ROW_BYTES) and w's
    rows are long enough for their lane sums to be a small part (NT_ONE_ROW_MIN_COLS), w is read one row at a time.
    Outside those bounds one row at a time was mostly slower (docs/performance.md has the measurements). */
-static void nt_item(const job_t *j, long e, long begin, long end)
+static void nt_item(const job_t *j, long e, long split, long begin, long end)
 {
     const long M = j->M, K = j->K, N = j->N;
     const float *g = j->a + e * M * N, *w = j->b + e * K * N;
@@ -517,7 +526,7 @@ static inline __attribute__((always_inline)) void tn_tile(const float *xt, long 
 }
 
 /* One expert, output column tiles [begin, end). */
-static void tn_item(const job_t *j, long e, long begin, long end)
+static void tn_item(const job_t *j, long e, long split, long begin, long end)
 {
     const long M = j->M, K = j->K, N = j->N;
     const float *xt = j->a + e * M * K, *g = j->b + e * M * N;
