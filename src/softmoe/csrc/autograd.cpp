@@ -1,5 +1,6 @@
-/* The autograd of softmoe's differentiable native ops: soft_moe_routing, soft_moe_mixing and top_k_combine (their
- * schemas and fakes in softmoe/kernels/*.py, their CPU kernels in bindings.cpp).
+/* The autograd of softmoe's differentiable native ops: soft_moe_routing, soft_moe_mixing, top_k_combine and the
+ * expert matmul's three products (their schemas and fakes in softmoe/kernels/*.py, their CPU kernels in
+ * bindings.cpp).
  *
  * Each op's Autograd kernel is a torch::autograd::Function that runs the op below autograd, saves what its backward
  * reads and differentiates it with the backward op, every step through the dispatcher: torch.compile, the profiler
@@ -10,6 +11,7 @@
  * while the gradients returned have one place for every argument. */
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/repeat_interleave.h>
+#include <ATen/ops/sum.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
@@ -143,6 +145,94 @@ std::tuple<Tensor, Tensor> mixing_autograd(const Tensor &x, const Tensor &dispat
     return {out[0], out[1]};
 }
 
+/* ---- softmoe::expert_matmul and its gradients' ops, expert_matmul_nt and expert_matmul_tn --------------------- */
+
+/* The gradients of each of the three products are the other two (and a sum for the bias), each called through the
+ * dispatcher, so that they are differentiable to any order. */
+using ExpertMatmulOp = Tensor(const Tensor &, const Tensor &, const OptionalTensor &, c10::string_view,
+                              c10::string_view);
+using ExpertMatmulPairOp = Tensor(const Tensor &, const Tensor &, c10::string_view);
+
+const c10::TypedOperatorHandle<ExpertMatmulOp> &expert_matmul_op()
+{
+    static const auto handle = op<ExpertMatmulOp>("softmoe::expert_matmul");
+    return handle;
+}
+
+const c10::TypedOperatorHandle<ExpertMatmulPairOp> &pair_op(bool nt)
+{
+    static const auto nt_handle = op<ExpertMatmulPairOp>("softmoe::expert_matmul_nt");
+    static const auto tn_handle = op<ExpertMatmulPairOp>("softmoe::expert_matmul_tn");
+    return nt ? nt_handle : tn_handle;
+}
+
+/* act(x @ weight + bias); a fused activation has no backward */
+struct ExpertMatmul : public torch::autograd::Function<ExpertMatmul> {
+    static Tensor forward(AutogradContext *ctx, const Tensor &x, const Tensor &weight, const OptionalTensor &bias,
+                          const std::string &activation, const std::string &isa)
+    {
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        ctx->save_for_backward({x, weight});
+        ctx->saved_data["activation"] = activation;
+        ctx->saved_data["isa"] = isa;
+        ctx->saved_data["has_bias"] = bias.has_value();
+        return expert_matmul_op().call(x, weight, bias, activation, isa);
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads)
+    {
+        const std::string activation = ctx->saved_data["activation"].toStringRef();
+        TORCH_CHECK(activation == "none", "softmoe::expert_matmul with the fused ", activation, " has no backward");
+        const auto saved = ctx->get_saved_variables();
+        const std::string isa = ctx->saved_data["isa"].toStringRef();
+        const Tensor &grad = grads[0];
+        Tensor grad_x, grad_weight, grad_bias;
+        if (ctx->needs_input_grad(0)) grad_x = pair_op(true).call(grad, saved[1], isa);
+        if (ctx->needs_input_grad(1)) grad_weight = pair_op(false).call(saved[0], grad, isa);
+        if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) grad_bias = grad.sum(1);
+        return {grad_x, grad_weight, grad_bias, Tensor(), Tensor()};
+    }
+};
+
+Tensor expert_matmul_autograd(const Tensor &x, const Tensor &weight, const OptionalTensor &bias,
+                              c10::string_view activation, c10::string_view isa)
+{
+    return ExpertMatmul::apply(x, weight, bias, std::string(activation), std::string(isa));
+}
+
+/* nt: grad (E, M, N) @ weight (E, K, N)^T; tn: x (E, M, K)^T @ grad (E, M, N). With upstream u, nt's gradients
+ * are u @ weight (expert_matmul) and u^T @ grad (tn); tn's are grad @ u^T (nt) and x @ u (expert_matmul). */
+template <bool NT> struct ExpertMatmulPair : public torch::autograd::Function<ExpertMatmulPair<NT>> {
+    static Tensor forward(AutogradContext *ctx, const Tensor &a, const Tensor &b, const std::string &isa)
+    {
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        ctx->save_for_backward({a, b});
+        ctx->saved_data["isa"] = isa;
+        return pair_op(NT).call(a, b, isa);
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads)
+    {
+        const auto saved = ctx->get_saved_variables();
+        const std::string isa = ctx->saved_data["isa"].toStringRef();
+        const Tensor &u = grads[0];
+        Tensor grad_a, grad_b;
+        if (NT) {
+            if (ctx->needs_input_grad(0)) grad_a = expert_matmul_op().call(u, saved[1], c10::nullopt, "none", isa);
+            if (ctx->needs_input_grad(1)) grad_b = pair_op(false).call(u, saved[0], isa);
+        } else {
+            if (ctx->needs_input_grad(0)) grad_a = pair_op(true).call(saved[1], u, isa);
+            if (ctx->needs_input_grad(1)) grad_b = expert_matmul_op().call(saved[0], u, c10::nullopt, "none", isa);
+        }
+        return {grad_a, grad_b, Tensor()};
+    }
+};
+
+template <bool NT> Tensor expert_matmul_pair_autograd(const Tensor &a, const Tensor &b, c10::string_view isa)
+{
+    return ExpertMatmulPair<NT>::apply(a, b, std::string(isa));
+}
+
 /* ---- softmoe::top_k_combine --------------------------------------------------------------------------------- */
 
 using TopKCombineOp = std::tuple<Tensor, Tensor>(const Tensor &, int64_t, int64_t, c10::string_view);
@@ -188,6 +278,11 @@ TORCH_LIBRARY_IMPL(softmoe, Autograd, m)
     m.impl("soft_moe_routing", &routing_autograd);
     m.impl("soft_moe_mixing", &mixing_autograd);
     m.impl("top_k_combine", &top_k_combine_autograd);
+    m.impl("expert_matmul", &expert_matmul_autograd);
+    m.impl("expert_matmul_nt", &expert_matmul_pair_autograd<true>);
+    m.impl("expert_matmul_tn", &expert_matmul_pair_autograd<false>);
+    /* softmoe::grouped_mm's forward on the CPU, whose backward is grouped_mm's own */
+    m.impl("expert_matmul_grouped", torch::autograd::autogradNotImplementedFallback());
     /* the backward ops, run with gradients recorded (create_graph), give outputs whose backward raises */
     m.impl("soft_moe_mixing_backward", torch::autograd::autogradNotImplementedFallback());
     m.impl("soft_moe_routing_backward", torch::autograd::autogradNotImplementedFallback());

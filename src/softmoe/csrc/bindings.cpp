@@ -1,9 +1,8 @@
 /* softmoe's native kernels behind the ops (one extension, built by softmoe/kernels/build.py): functions on at::Tensor
  * that check their arguments, allocate the outputs and call the kernel variant (see variant.h) named by their `isa`
- * argument, after checking with __builtin_cpu_supports that this CPU runs it. The routing, mixing and top-k ops'
- * kernels are registered with the dispatcher here (TORCH_LIBRARY_IMPL at the end; their schemas and fakes are
- * defined in Python, their autograd in autograd.cpp); the expert matmul's are Python functions that
- * softmoe/kernels/expert_matmul.py's ops call (with the GIL released). The kernels run on as many OpenMP threads as
+ * argument, after checking with __builtin_cpu_supports that this CPU runs it. Every op's kernel is registered with
+ * the dispatcher here (TORCH_LIBRARY_IMPL at the end; their schemas and fakes are defined in Python, their autograd in
+ * autograd.cpp), so that an op's call costs no Python beyond the call. The kernels run on as many OpenMP threads as
  * torch uses (at::get_num_threads()).
  */
 /* Only the headers needed (torch/extension.h would triple the build time). */
@@ -189,12 +188,23 @@ const float *pointer(const c10::optional<at::Tensor> &t) { return t ? t->data_pt
 
 int threads() { return at::get_num_threads(); }
 
-/* act(x @ weight (+ bias)): x (E, M, K), weight (E, K, N), bias (E, N) -> (E, M, N); act 0 none, 1 gelu, 2 gelu
- * with tanh, 3 relu. */
-at::Tensor expert_matmul(const at::Tensor &x_in, const at::Tensor &weight_in, const c10::optional<at::Tensor> &bias_in,
-                         int64_t act, const std::string &isa)
+/* The code of an activation the expert matmul applies to its output (ACT_* of expert_matmul.h). */
+int64_t activation_code(c10::string_view activation)
 {
-    const Variant &v = variant(isa);
+    static const char *const names[] = {"none", "gelu", "gelu_tanh", "relu"};
+    for (int64_t code = 0; code < 4; code++)
+        if (activation == names[code]) return code;
+    TORCH_CHECK_VALUE(false, "activation must be one of ['gelu', 'gelu_tanh', 'none', 'relu'], got '",
+                      std::string(activation), "'");
+}
+
+/* act(x @ weight (+ bias)): x (E, M, K), weight (E, K, N), bias (E, N) -> (E, M, N); activation "none", "gelu",
+ * "gelu_tanh" or "relu". */
+at::Tensor expert_matmul(const at::Tensor &x_in, const at::Tensor &weight_in, const c10::optional<at::Tensor> &bias_in,
+                         c10::string_view activation, c10::string_view isa)
+{
+    const Variant &v = variant(std::string(isa));
+    const int64_t act = activation_code(activation);
     check_float_cpu(x_in, "x", 3);
     check_float_cpu(weight_in, "weight", 3);
     const int64_t E = x_in.size(0), M = x_in.size(1), K = x_in.size(2), N = weight_in.size(2);
@@ -205,32 +215,64 @@ at::Tensor expert_matmul(const at::Tensor &x_in, const at::Tensor &weight_in, co
         check_shape(*bias_in, "bias", {E, N});
         bias = bias_in->contiguous();
     }
-    TORCH_CHECK(act >= 0 && act <= 3, "softmoe: unknown activation code ", act);
     const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
     at::Tensor out = at::empty({E, M, N}, x.options());
-    {
-        pybind11::gil_scoped_release no_gil;
-        v.expert_matmul(x.data_ptr<float>(), weight.data_ptr<float>(), pointer(bias), out.data_ptr<float>(), E, M, K, N,
-                        (int)act, threads());
+    v.expert_matmul(x.data_ptr<float>(), weight.data_ptr<float>(), pointer(bias), out.data_ptr<float>(), E, M, K, N,
+                    (int)act, threads());
+    return out;
+}
+
+/* softmoe::grouped_mm's product in the expert matmul: x (rows, K) sorted by expert, weight (E, K, N), ends (E,)
+ * int32 (expert j owns rows ends[j-1]:ends[j]), bias (E, N) -> act(x @ weight[j] + bias[j]) for each expert's rows,
+ * zero past ends[-1]. One call of the kernel per expert with rows, none for the others. */
+at::Tensor expert_matmul_grouped(const at::Tensor &x_in, const at::Tensor &weight_in, const at::Tensor &ends_in,
+                                 const c10::optional<at::Tensor> &bias_in, c10::string_view activation,
+                                 c10::string_view isa)
+{
+    const Variant &v = variant(std::string(isa));
+    const int64_t act = activation_code(activation);
+    check_float_cpu(x_in, "x", 2);
+    check_float_cpu(weight_in, "weight", 3);
+    const int64_t rows = x_in.size(0), K = x_in.size(1), E = weight_in.size(0), N = weight_in.size(2);
+    check_shape(weight_in, "weight", {E, K, N});
+    TORCH_CHECK(ends_in.device().is_cpu() && ends_in.scalar_type() == at::kInt && ends_in.dim() == 1 &&
+                    ends_in.size(0) == E,
+                "softmoe: ends must be an int32 CPU tensor of shape (", E, ",), got ", ends_in.scalar_type(), " ",
+                ends_in.sizes());
+    c10::optional<at::Tensor> bias;
+    if (bias_in) {
+        check_float_cpu(*bias_in, "bias", 2);
+        check_shape(*bias_in, "bias", {E, N});
+        bias = bias_in->contiguous();
     }
+    const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), ends = ends_in.contiguous();
+    const int32_t *end = ends.data_ptr<int32_t>();
+    for (int64_t j = 0, start = 0; j < E; start = end[j++])
+        TORCH_CHECK(start <= end[j] && end[j] <= rows, "softmoe: ends must be nondecreasing and at most the ", rows,
+                    " rows of x, got ", ends);
+    at::Tensor out = at::empty({rows, N}, x.options());
+    float *o = out.data_ptr<float>();
+    const float *xs = x.data_ptr<float>(), *w = weight.data_ptr<float>(), *b = pointer(bias);
+    for (int64_t j = 0, start = 0; j < E; start = end[j++])
+        if (end[j] > start)
+            v.expert_matmul(xs + start * K, w + j * K * N, b ? b + j * N : nullptr, o + start * N, 1, end[j] - start,
+                            K, N, (int)act, threads());
+    const int64_t owned = E > 0 ? end[E - 1] : 0;
+    std::fill(o + owned * N, o + rows * N, 0.0f);
     return out;
 }
 
 /* grad @ weight^T: grad (E, M, N), weight (E, K, N) -> (E, M, K) */
-at::Tensor expert_matmul_nt(const at::Tensor &grad_in, const at::Tensor &weight_in, const std::string &isa)
+at::Tensor expert_matmul_nt(const at::Tensor &grad_in, const at::Tensor &weight_in, c10::string_view isa)
 {
-    const Variant &v = variant(isa);
+    const Variant &v = variant(std::string(isa));
     check_float_cpu(grad_in, "grad", 3);
     check_float_cpu(weight_in, "weight", 3);
     const int64_t E = grad_in.size(0), M = grad_in.size(1), N = grad_in.size(2), K = weight_in.size(1);
     check_shape(weight_in, "weight", {E, K, N});
     const at::Tensor grad = grad_in.contiguous(), weight = weight_in.contiguous();
     at::Tensor out = at::empty({E, M, K}, grad.options());
-    {
-        pybind11::gil_scoped_release no_gil;
-        v.expert_matmul_nt(grad.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), E, M, K, N,
-                           threads());
-    }
+    v.expert_matmul_nt(grad.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), E, M, K, N, threads());
     return out;
 }
 
@@ -273,19 +315,16 @@ at::Tensor reusable_float_empty(const std::vector<int64_t> &sizes)
 }
 
 /* x^T @ grad: x (E, M, K), grad (E, M, N) -> (E, K, N), in a reused block (reusable_empty) */
-at::Tensor expert_matmul_tn(const at::Tensor &x_in, const at::Tensor &grad_in, const std::string &isa)
+at::Tensor expert_matmul_tn(const at::Tensor &x_in, const at::Tensor &grad_in, c10::string_view isa)
 {
-    const Variant &v = variant(isa);
+    const Variant &v = variant(std::string(isa));
     check_float_cpu(x_in, "x", 3);
     check_float_cpu(grad_in, "grad", 3);
     const int64_t E = x_in.size(0), M = x_in.size(1), K = x_in.size(2), N = grad_in.size(2);
     check_shape(grad_in, "grad", {E, M, N});
     const at::Tensor x = x_in.contiguous(), grad = grad_in.contiguous();
     at::Tensor out = reusable_empty({E, K, N}, x.options());
-    {
-        pybind11::gil_scoped_release no_gil;
-        v.expert_matmul_tn(x.data_ptr<float>(), grad.data_ptr<float>(), out.data_ptr<float>(), E, M, K, N, threads());
-    }
+    v.expert_matmul_tn(x.data_ptr<float>(), grad.data_ptr<float>(), out.data_ptr<float>(), E, M, K, N, threads());
     return out;
 }
 
@@ -985,7 +1024,7 @@ std::tuple<at::Tensor, at::Tensor> top_k_combine(const at::Tensor &combine_in, i
 } // namespace
 
 /* The CPU kernels of the ops the Python modules define (softmoe/kernels/soft_moe_routing.py, soft_moe_mixing.py,
- * top_k_combine.py: their schemas and fakes); their autograd is in autograd.cpp. */
+ * top_k_combine.py, expert_matmul.py: their schemas and fakes); their autograd is in autograd.cpp. */
 TORCH_LIBRARY_IMPL(softmoe, CPU, m)
 {
     m.impl("soft_moe_routing", &soft_moe_routing);
@@ -995,6 +1034,10 @@ TORCH_LIBRARY_IMPL(softmoe, CPU, m)
     m.impl("soft_moe_mixing_backward", &soft_moe_mixing_backward);
     m.impl("soft_moe_mixing_inference", &soft_moe_mixing_inference);
     m.impl("top_k_combine", &top_k_combine);
+    m.impl("expert_matmul", &expert_matmul);
+    m.impl("expert_matmul_nt", &expert_matmul_nt);
+    m.impl("expert_matmul_tn", &expert_matmul_tn);
+    m.impl("expert_matmul_grouped", &expert_matmul_grouped);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
@@ -1003,10 +1046,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("supported_isas", &supported_isas, "the kernel variants this CPU runs, best first");
     m.def("built_isas", &built_isas, "every kernel variant in this build, best first");
     m.def("lanes", &variant_lanes, "float lanes per vector of a variant", pybind11::arg("isa"));
-    m.def("expert_matmul", &expert_matmul, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-          pybind11::arg("activation"), pybind11::arg("isa"));
-    m.def("expert_matmul_nt", &expert_matmul_nt, pybind11::arg("grad"), pybind11::arg("weight"), pybind11::arg("isa"));
-    m.def("expert_matmul_tn", &expert_matmul_tn, pybind11::arg("x"), pybind11::arg("grad"), pybind11::arg("isa"));
     m.def("reusable_empty", &reusable_float_empty, "an uninitialized float32 CPU tensor from the pool of large blocks",
           pybind11::arg("sizes"));
 }

@@ -4,8 +4,9 @@ A ViT-S Soft MoE layer sends 8 rows through each 384 x 1536 weight, a product bo
 batched matmul reads well below what the memory delivers; these kernels stream the weights close to it
 (docs/performance.md has the measurements).
 
-Three custom ops, each with a fake (meta) implementation and an autograd formula, so that torch.compile,
-``torch.library.opcheck`` and double backward see them like torch's own ops (they run on float32 CPU tensors):
+Three custom ops, each with a fake (meta) implementation and an autograd formula (``csrc/autograd.cpp``), so that
+torch.compile, ``torch.library.opcheck`` and double backward see them like torch's own ops (they run on float32 CPU
+tensors), and a fourth for ``softmoe::grouped_mm``'s product on the CPU:
 
     softmoe::expert_matmul(Tensor x, Tensor weight, Tensor? bias, str activation, str isa) -> Tensor
         activation(x @ weight + bias): x (E, rows, K), weight (E, K, N), bias (E, N) -> (E, rows, N); activation
@@ -15,6 +16,10 @@ Three custom ops, each with a fake (meta) implementation and an autograd formula
     softmoe::expert_matmul_tn(Tensor x, Tensor grad, str isa) -> Tensor
         x^T @ grad: x (E, rows, K), grad (E, rows, N) -> (E, K, N)   (the gradient of weight, written with
         non-temporal stores)
+    softmoe::expert_matmul_grouped(Tensor x, Tensor weight, Tensor ends, Tensor? bias, str activation, str isa)
+        softmoe::grouped_mm's contract (:mod:`softmoe.kernels.grouped_mm`: x (rows, K) sorted by expert, ends (E,)
+        int32 -> (rows, N)), each expert's rows through the kernel, in one call; forward only (grouped_mm's own
+        autograd differentiates the product)
 
 ``isa`` names the kernel variant ("avx512", "avx2" or "portable", see :mod:`softmoe.kernels.build`); the
 gradients of each op are the other two (and a sum for the bias), so the ops are differentiable to any order.
@@ -30,9 +35,8 @@ from softmoe.kernels.build import native_available, native_module, required_isa
 from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
 from softmoe.tuning import value
 
-# The activations expert_matmul can apply to its output, by their codes in csrc/expert_matmul.h.
-NATIVE_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3}
-_ACTIVATION_CODES = {"none": 0, **NATIVE_ACTIVATIONS}
+# The activations expert_matmul can apply to its output (ACT_* of csrc/expert_matmul.h).
+NATIVE_ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 
 
 def _check_fake(x: Tensor, weight: Tensor, rows_of: str) -> None:
@@ -41,117 +45,51 @@ def _check_fake(x: Tensor, weight: Tensor, rows_of: str) -> None:
     torch._check(x.shape[0] == weight.shape[0], lambda: "x and weight must have the same number of experts")
 
 
-# ---- softmoe::expert_matmul -------------------------------------------------------------------------------------
+# The ops' schemas; their CPU kernels (csrc/bindings.cpp) and autograd (csrc/autograd.cpp) register when the native
+# extension loads.
+_LIBRARY = torch.library.Library("softmoe", "FRAGMENT")
+_LIBRARY.define("expert_matmul(Tensor x, Tensor weight, Tensor? bias, str activation, str isa) -> Tensor")
+_LIBRARY.define("expert_matmul_nt(Tensor grad, Tensor weight, str isa) -> Tensor")
+_LIBRARY.define("expert_matmul_tn(Tensor x, Tensor grad, str isa) -> Tensor")
+_LIBRARY.define(
+    "expert_matmul_grouped(Tensor x, Tensor weight, Tensor ends, Tensor? bias, str activation, str isa) -> Tensor"
+)
 
 
-@torch.library.custom_op("softmoe::expert_matmul", mutates_args=(), device_types="cpu")
-def expert_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, isa: str) -> Tensor:
-    """activation(x @ weight + bias) with the ``isa`` variant of the native kernel (see the module docstring)."""
-    if activation not in _ACTIVATION_CODES:
-        raise ValueError(f"activation must be one of {sorted(_ACTIVATION_CODES)}, got {activation!r}")
-    return native_module().expert_matmul(x, weight, bias, _ACTIVATION_CODES[activation], isa)
+def _check_bias(bias: Tensor | None, weight: Tensor) -> None:
+    if bias is not None:
+        torch._check(bias.shape == (weight.shape[0], weight.shape[2]), lambda: "bias must have shape (E, N)")
 
 
-@expert_matmul_op.register_fake
+@torch.library.register_fake("softmoe::expert_matmul")
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, isa: str) -> Tensor:
     _check_fake(x, weight, "x")
     torch._check(x.shape[2] == weight.shape[1], lambda: "x (E, rows, K) needs weight (E, K, N)")
-    if bias is not None:
-        torch._check(bias.shape == (weight.shape[0], weight.shape[2]), lambda: "bias must have shape (E, N)")
+    _check_bias(bias, weight)
     return x.new_empty(x.shape[0], x.shape[1], weight.shape[2])
 
 
-def _setup_expert_matmul(ctx, inputs, output) -> None:
-    x, weight, bias, activation, isa = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.has_bias, ctx.activation, ctx.isa = bias is not None, activation, isa
-
-
-def _backward_expert_matmul(ctx, grad: Tensor):
-    if ctx.activation != "none":
-        raise RuntimeError(f"softmoe::expert_matmul with the fused {ctx.activation} has no backward")
-    x, weight = ctx.saved_tensors
-    grad_x = grad_weight = grad_bias = None
-    if ctx.needs_input_grad[0]:
-        grad_x = torch.ops.softmoe.expert_matmul_nt(grad, weight, ctx.isa)
-    if ctx.needs_input_grad[1]:
-        grad_weight = torch.ops.softmoe.expert_matmul_tn(x, grad, ctx.isa)
-    if ctx.has_bias and ctx.needs_input_grad[2]:
-        grad_bias = grad.sum(1)
-    return grad_x, grad_weight, grad_bias, None, None
-
-
-expert_matmul_op.register_autograd(_backward_expert_matmul, setup_context=_setup_expert_matmul)
-
-
-# ---- softmoe::expert_matmul_nt: grad @ weight^T -------------------------------------------------------------------
-
-
-@torch.library.custom_op("softmoe::expert_matmul_nt", mutates_args=(), device_types="cpu")
-def expert_matmul_nt_op(grad: Tensor, weight: Tensor, isa: str) -> Tensor:
-    """grad (E, rows, N) @ weight (E, K, N)^T -> (E, rows, K) with the ``isa`` variant of the native kernel."""
-    return native_module().expert_matmul_nt(grad, weight, isa)
-
-
-@expert_matmul_nt_op.register_fake
+@torch.library.register_fake("softmoe::expert_matmul_nt")
 def _(grad: Tensor, weight: Tensor, isa: str) -> Tensor:
     _check_fake(grad, weight, "grad")
     torch._check(grad.shape[2] == weight.shape[2], lambda: "grad (E, rows, N) needs weight (E, K, N)")
     return grad.new_empty(grad.shape[0], grad.shape[1], weight.shape[1])
 
 
-def _setup_nt(ctx, inputs, output) -> None:
-    grad, weight, isa = inputs
-    ctx.save_for_backward(grad, weight)
-    ctx.isa = isa
-
-
-def _backward_nt(ctx, upstream: Tensor):
-    grad, weight = ctx.saved_tensors
-    d_grad = d_weight = None
-    if ctx.needs_input_grad[0]:  # upstream (E, rows, K) @ weight (E, K, N)
-        d_grad = torch.ops.softmoe.expert_matmul(upstream, weight, None, "none", ctx.isa)
-    if ctx.needs_input_grad[1]:  # upstream^T (E, K, rows) @ grad (E, rows, N)
-        d_weight = torch.ops.softmoe.expert_matmul_tn(upstream, grad, ctx.isa)
-    return d_grad, d_weight, None
-
-
-expert_matmul_nt_op.register_autograd(_backward_nt, setup_context=_setup_nt)
-
-
-# ---- softmoe::expert_matmul_tn: x^T @ grad ------------------------------------------------------------------------
-
-
-@torch.library.custom_op("softmoe::expert_matmul_tn", mutates_args=(), device_types="cpu")
-def expert_matmul_tn_op(x: Tensor, grad: Tensor, isa: str) -> Tensor:
-    """x (E, rows, K)^T @ grad (E, rows, N) -> (E, K, N) with the ``isa`` variant of the native kernel."""
-    return native_module().expert_matmul_tn(x, grad, isa)
-
-
-@expert_matmul_tn_op.register_fake
+@torch.library.register_fake("softmoe::expert_matmul_tn")
 def _(x: Tensor, grad: Tensor, isa: str) -> Tensor:
     _check_fake(x, grad, "x")
     torch._check(x.shape[1] == grad.shape[1], lambda: "x (E, rows, K) needs grad (E, rows, N)")
     return x.new_empty(x.shape[0], x.shape[2], grad.shape[2])
 
 
-def _setup_tn(ctx, inputs, output) -> None:
-    x, grad, isa = inputs
-    ctx.save_for_backward(x, grad)
-    ctx.isa = isa
-
-
-def _backward_tn(ctx, upstream: Tensor):
-    x, grad = ctx.saved_tensors
-    d_x = d_grad = None
-    if ctx.needs_input_grad[0]:  # grad (E, rows, N) @ upstream (E, K, N)^T
-        d_x = torch.ops.softmoe.expert_matmul_nt(grad, upstream, ctx.isa)
-    if ctx.needs_input_grad[1]:  # x (E, rows, K) @ upstream (E, K, N)
-        d_grad = torch.ops.softmoe.expert_matmul(x, upstream, None, "none", ctx.isa)
-    return d_x, d_grad, None
-
-
-expert_matmul_tn_op.register_autograd(_backward_tn, setup_context=_setup_tn)
+@torch.library.register_fake("softmoe::expert_matmul_grouped")
+def _(x: Tensor, weight: Tensor, ends: Tensor, bias: Tensor | None, activation: str, isa: str) -> Tensor:
+    torch._check(x.dim() == 2 and weight.dim() == 3, lambda: "x must be 2-dimensional and weight 3-dimensional")
+    torch._check(x.dtype == weight.dtype == torch.float32, lambda: "softmoe's native ops take float32 tensors")
+    torch._check(x.shape[1] == weight.shape[1], lambda: "x (rows, K) needs weight (E, K, N)")
+    _check_bias(bias, weight)
+    return x.new_empty(x.shape[0], weight.shape[2])
 
 
 # ---- the Python entry point and where it applies ----------------------------------------------------------------

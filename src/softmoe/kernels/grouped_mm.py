@@ -16,8 +16,10 @@ the (data-dependent) group sizes, and it never recompiles for a new pattern of s
 - elsewhere one product per non-empty expert (the group sizes are read on the host: free on CPU, one
   synchronization on a GPU). On CPU a large weight (K * N at least softmoe.tuning.TABLE's "large_weight") read by
   up to its "native_forward_max_rows" rows through a contiguous weight takes softmoe's native expert matmul
-  (float32); other products take oneDNN where it pays on this CPU (float32 inference;
-  :func:`softmoe.kernels.onednn.onednn_pays`: enough FLOPs, oneDNN timed faster than MKL once), else MKL.
+  (float32), and where it serves every group as it is (one row each, or a weight no taller than wide) all groups
+  run in one call of it (``softmoe::expert_matmul_grouped``, no Python per group); other products take oneDNN
+  where it pays on this CPU (float32 inference; :func:`softmoe.kernels.onednn.onednn_pays`: enough FLOPs, on a CPU
+  where oneDNN outruns MKL), else MKL.
   ``benchmarks/bench_products.py --isa avx512,avx2`` compares them (docs/performance.md has the measurements).
 
 Differentiable in x, weight and bias (``softmoe::grouped_mm_weight_grad`` gives the weight's gradient). For few rows
@@ -58,16 +60,27 @@ def row_block_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Ten
     return torch.ops.softmoe.expert_matmul(xb.contiguous(), wb, None, "none", cpu_isa()).sum(0)
 
 
+def native_serves(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+    """Whether :func:`group_product` runs ``rows`` rows of x (rows, K) through each weight of ``weight`` (E, K, N) in
+    the native expert matmul (module doc)."""
+    return (
+        x.device.type == "cpu"
+        and weight.shape[1] * weight.shape[2] >= value("large_weight")
+        and weight.is_contiguous()
+        and native_applies(x[None], weight, rows=rows, max_rows=value("native_forward_max_rows"))
+    )
+
+
 def group_product(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none"
 ) -> torch.Tensor:
     """act(x (rows, K) @ w (K, N) + bias (N,)) with the fastest kernel for few rows through a large CPU weight
     (module doc); the native kernel and oneDNN apply bias and activation themselves."""
-    if x.device.type == "cpu" and w.numel() >= value("large_weight"):
-        if w.is_contiguous() and native_applies(x[None], w[None], max_rows=value("native_forward_max_rows")):
-            return native_product(x, w, bias, activation)
-        if onednn_applies(x, w) and onednn_pays(2 * x.shape[0] * w.numel()):
-            return onednn_linear(x, w, bias, None if activation == "none" else activation)
+    if native_serves(x, w[None], x.shape[0]):
+        return native_product(x, w, bias, activation)
+    large = x.device.type == "cpu" and w.numel() >= value("large_weight")
+    if large and onednn_applies(x, w) and onednn_pays(2 * x.shape[0] * w.numel()):
+        return onednn_linear(x, w, bias, None if activation == "none" else activation)
     return _finish(x @ w, bias, activation)
 
 
@@ -79,10 +92,16 @@ def native_product(
     The kernel splits one row's product by the weight's rows (K) over the threads itself, more rows by columns; for
     those a weight taller than wide is split by rows instead, so that each thread streams one contiguous part of it,
     bias and activation then applied to the summed product."""
-    if x.shape[0] == 1 or w.shape[0] <= w.shape[1]:
+    if splits_itself(x.shape[0], w):
         b = None if bias is None else bias[None]
         return torch.ops.softmoe.expert_matmul(x[None], w[None], b, activation, cpu_isa())[0]
     return _finish(row_block_matmul(x, w, torch.get_num_threads()), bias, activation)
+
+
+def splits_itself(rows: int, w: torch.Tensor) -> bool:
+    """Whether the native kernel alone runs ``rows`` rows through w (..., K, N) as :func:`native_product` would: one
+    row, or a weight no taller than wide."""
+    return rows == 1 or w.shape[-2] <= w.shape[-1]
 
 
 def _finish(out: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
@@ -144,8 +163,12 @@ def grouped_mm(
         if bias is not None:
             out = out + torch.cat([bias, bias.new_zeros(1, bias.shape[1])])[group]
         return torch.where((group < weight.shape[0]).unsqueeze(1), _finish(out, None, activation), 0.0)
-    out = x.new_empty(x.shape[0], weight.shape[2])
     groups = _groups(ends)
+    most = max((stop - start for _, start, stop in groups), default=0)
+    if most and native_serves(x, weight, most) and splits_itself(most, weight):
+        # every group as group_product would run it, in one call
+        return torch.ops.softmoe.expert_matmul_grouped(x, weight, ends, bias, activation, cpu_isa())
+    out = x.new_empty(x.shape[0], weight.shape[2])
     for j, start, stop in groups:
         out[start:stop] = group_product(x[start:stop], weight[j], None if bias is None else bias[j], activation)
     out[groups[-1][2] if groups else 0 :] = 0.0
