@@ -212,53 +212,6 @@ def test_large_float32_weights_take_onednn_where_it_outruns_mkl(large_weights_on
 
 
 @pytest.mark.skipif(not native_available(), reason="softmoe's native kernels are not built here")
-@pytest.mark.parametrize(
-    "k, n, counts, threads",
-    [(40, 24, [1, 0, 1, 1, 0], 2), (24, 40, [3, 0, 1, 5, 2], 1), (33, 47, [0, 4, 0, 0, 1], 3), (40, 24, [0] * 5, 2)],
-    ids=["tall-one-row", "wide-several", "wide-tails", "no-rows"],
-)
-@pytest.mark.parametrize("activation", ["none", "gelu"])
-def test_groups_the_native_kernel_serves_run_in_one_call(monkeypatch, k, n, counts, threads, activation):
-    """Where the native kernel serves every group as it is (one row each, or a weight no taller than wide), the
-    groups run in one softmoe::expert_matmul_grouped call (none without rows): each expert's rows through its own
-    weight and bias, the rows past ends[-1] zero, equal to float64; grouped_mm's backward differentiates it."""
-    monkeypatch.setitem(TABLE, "large_weight", Measured(1, "a test"))
-    monkeypatch.setitem(TABLE, "native_min_weight", Measured(1, "a test"))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        torch.manual_seed(3)
-        x = torch.randn(sum(counts) + 2, k)  # two rows past ends[-1]
-        weight, bias = torch.randn(5, k, n), torch.randn(5, n)
-        with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            out = grouped_mm(x, weight, ends_of(counts), bias, activation)
-        calls = {event.key: event.count for event in prof.key_averages()}
-        assert calls.get("softmoe::expert_matmul_grouped") == (1 if sum(counts) else None)  # no rows: no product
-        assert "softmoe::expert_matmul" not in calls
-        want = torch.zeros(x.shape[0], n, dtype=F64)
-        start = 0
-        for j, count in enumerate(counts):
-            rows = x[start : start + count].double() @ weight[j].double() + bias[j].double()
-            want[start : start + count] = torch.nn.functional.gelu(rows) if activation == "gelu" else rows
-            start += count
-        assert (out.double() - want).abs().max().item() < 1e-4
-        assert not out[sum(counts) :].any()
-        if activation == "none" and sum(counts):
-            xg, wg, bg = (t.clone().requires_grad_() for t in (x, weight, bias))
-            x64, w64, b64 = (t.double().requires_grad_() for t in (x, weight, bias))
-            got = torch.autograd.grad(grouped_mm(xg, wg, ends_of(counts), bg).square().sum(), [xg, wg, bg])
-            owned = sum(counts)
-            ref = loop_reference(x64[:owned], w64, counts) + torch.cat(
-                [b64[j].expand(c, n) for j, c in enumerate(counts)]
-            )
-            expected = torch.autograd.grad(ref.square().sum(), [x64, w64, b64])
-            for g, e in zip(got, expected, strict=True):
-                assert (g.double() - e).abs().max().item() < 1e-3
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.mark.skipif(not native_available(), reason="softmoe's native kernels are not built here")
 @pytest.mark.parametrize("k, n", [(24, 40), (40, 24), (41, 24)], ids=["wide", "tall", "tall-odd"])
 def test_large_weights_take_the_native_expert_matmul_for_few_rows(large_weights_on_two_threads, monkeypatch, k, n):
     """Groups of 1..native_forward_max_rows rows (softmoe.tuning.TABLE) through a large weight run

@@ -95,15 +95,6 @@ def test_opcheck_expert_matmul_backward_ops(isa, shape):
     torch.library.opcheck(OPS.expert_matmul_tn.default, (x, g, isa))
 
 
-@pytest.mark.parametrize("counts, bias, activation", [([2, 0, 3], True, "gelu"), ([1, 1, 0], False, "none")])
-def test_opcheck_expert_matmul_grouped(isa, counts, bias, activation):
-    """softmoe::grouped_mm's CPU product: forward only (grouped_mm's autograd differentiates it)."""
-    x, w = torch.randn(sum(counts) + 1, 33), torch.randn(3, 33, 47)
-    b = torch.randn(3, 47) if bias else None
-    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
-    torch.library.opcheck(OPS.expert_matmul_grouped.default, (x, w, ends, b, activation, isa))
-
-
 @pytest.mark.parametrize("shape", MIXING_SHAPES, ids=lambda s: "B{}xM{}xD{}xn{}xp{}xH{}".format(*s))
 def test_opcheck_the_inference_ops(isa, shape):
     """The ops inference runs (no backward, no records): the fused mixing with every slot and with a kept combine,

@@ -83,14 +83,6 @@ class Experts(Protocol):
         ...
 
 
-def token_counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many entries of ``expert`` (int64; -1 entries are not counted) name each expert -> (num_experts,) int64,
-    without a host sync (unlike ``torch.bincount``, whose output size depends on the data)."""
-    flat = expert.reshape(-1)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert.device)
-    return counts.index_add_(0, torch.where(flat < 0, num_experts, flat), torch.ones_like(flat))[:num_experts]
-
-
 class MLPExperts(nn.Module):
     """``num_experts`` independent two-layer MLPs ``dim -> hidden -> out_dim`` with stacked weights.
 
@@ -175,9 +167,9 @@ class MLPExperts(nn.Module):
                 expert.clamp_min(0), torch.arange(groups, device=rows.device)
             ]
             return torch.where((expert >= 0).view(-1, 1, 1), y, 0.0)
-        key = torch.where(expert < 0, self.num_experts, expert)  # padding sorts last
-        order = torch.argsort(key, stable=True)
-        ends = (token_counts(expert, self.num_experts).cumsum(0) * per_group).to(torch.int32)
+        key, order = torch.sort(expert.remainder(self.num_experts + 1), stable=True)  # padding (-1) sorts last
+        experts = torch.arange(self.num_experts, device=expert.device)
+        ends = torch.searchsorted(key, experts, right=True, out_int32=True) * per_group  # no host sync
         flat = rows[order].reshape(groups * per_group, self.dim)
         fused = "none" if needs_grad(flat, self.weight1, self.bias1) else self.activation
         h = product(flat, self.weight1, ends, self.bias1, fused)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from softmoe.layer import SoftMoE
-from softmoe.selection import select_experts
+from softmoe.selection import select_experts, top_k_by_combine
 
 PAPER_MS = {
     1: {8: (21.50, 0.20), 6: (19.46, 0.23), 4: (14.75, 0.35), 2: (9.96, 0.19)},
@@ -49,26 +49,21 @@ class MoEStack(nn.Module):
 
 
 def experts_used(stack: MoEStack, x: torch.Tensor, k: int) -> list[int]:
-    """How many distinct experts each layer runs for this batch under Algorithm 1 with k experts per input."""
-    used = []
-    banks = []
-    for layer in stack.layers:
-        assert isinstance(layer, SoftMoE)  # the stack holds only SoftMoE layers
-        bank = layer.experts
-        original = bank.forward_selected
+    """How many distinct experts each layer runs for this batch under Algorithm 1 with k experts per input: the
+    experts it selects (``top_k_by_combine`` of each layer's combine weights on the input it receives)."""
+    used: list[int] = []
 
-        def record(rows, expert, original=original):
-            used.append(int(expert.unique().numel()))
-            return original(rows, expert)
+    def count(layer: SoftMoE, args: tuple) -> None:
+        selected = top_k_by_combine(layer.route(args[0]).combine, k)
+        used.append(int(selected.unique().numel()))
 
-        bank.forward_selected = record  # type: ignore[method-assign]  # counting wrapper on the instance, removed below
-        banks.append(bank)
+    handles = [layer.register_forward_pre_hook(count) for layer in stack.layers]
     try:
         with torch.no_grad(), select_experts(stack, k=k, plan="selected"):
             stack(x)
     finally:
-        for bank in banks:
-            del bank.forward_selected
+        for handle in handles:
+            handle.remove()
     return used
 
 

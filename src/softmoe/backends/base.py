@@ -80,8 +80,7 @@ class Backend:
         if plan == "auto":
             plan = self.plan(layer, x, dispatch, combine, selected, renormalize, top_k=combine_is_kept)
         if plan == "selected":
-            product = self.selected_product(layer, x, selected)
-            return selected_plan(layer, x, dispatch, combine, selected, renormalize, product)
+            return self.selected(layer, x, dispatch, combine, selected, renormalize)
         if not combine_is_kept:
             combine = torch.where(kept_slots(selected, layer.num_experts, layer.slots_per_expert), combine, 0.0)
         return self.mix(layer, x, dispatch, renormalized(combine) if renormalize else combine, kept=True)
@@ -105,12 +104,24 @@ class Backend:
             masked = renormalized(masked) if renormalize else masked
             return {
                 "dense": lambda: self.mix(layer, x, dispatch, masked, kept=True),
-                "selected": lambda: selected_plan(
-                    layer, x, dispatch, combine, selected, renormalize, self.selected_product(layer, x, selected)
-                ),
+                "selected": lambda: self.selected(layer, x, dispatch, combine, selected, renormalize),
             }
 
         return choose_plan(layer, x, selected, self.name, runs, top_k)
+
+    def selected(
+        self,
+        layer: SoftMoE,
+        x: torch.Tensor,
+        dispatch: torch.Tensor,
+        combine: torch.Tensor,
+        selected: torch.Tensor,
+        renormalize: bool,
+    ) -> torch.Tensor:
+        """Algorithm 1's selected plan (:func:`selected_plan`) with the grouped product :meth:`selected_product`
+        names: (batch, tokens, d_out)."""
+        product = self.selected_product(layer, x, selected)
+        return selected_plan(layer, x, dispatch, combine, selected, renormalize, product)
 
     def selected_product(self, layer: SoftMoE, x: torch.Tensor, selected: torch.Tensor) -> GroupedProduct | None:
         """The grouped product the selected plan runs the experts' layers through for tokens x keeping the experts

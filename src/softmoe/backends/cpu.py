@@ -7,6 +7,8 @@ mix           ``softmoe::soft_moe_mixing``, the whole mixing of small relu exper
               ``softmoe::expert_matmul`` for few rows through large weights, or with torch's batched matmuls
 select        Algorithm 1's choice in the routing's own pass in inference, or ``softmoe::top_k_combine`` after it
 mix_selected  in inference with the fused mixing, the dense plan: the kernel skips the unkept experts itself
+selected      in inference, where the expert matmul serves the kept experts' products as grouped_mm would, the
+              selected plan in one call (``softmoe::selected_mixing``)
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ import torch
 from softmoe.backends.base import algorithm1_k
 from softmoe.backends.generic import SlotsBackend, TokensBackend, expert_rows, slot_rows, token_space_is_cheaper
 from softmoe.kernels import native_available, native_status
-from softmoe.kernels.expert_matmul import expert_matmul, native_applies
+from softmoe.kernels.expert_matmul import NATIVE_ACTIVATIONS, expert_matmul, native_applies
+from softmoe.kernels.grouped_mm import kernel_serves_groups
 from softmoe.kernels.modes import needs_grad
 from softmoe.kernels.onednn import batched_matmul
+from softmoe.kernels.selected_mixing import selected_mixing
 from softmoe.kernels.soft_moe_mixing import native_mixing_applies, soft_moe_mixing
 from softmoe.kernels.soft_moe_routing import soft_moe_routing, soft_moe_routing_top_k
 from softmoe.kernels.top_k_combine import top_k_combine
 from softmoe.layer import renormalized
+from softmoe.selection_plan import kept_slots
 from softmoe.tuning import value
 
 _SLOTS, _TOKENS = SlotsBackend(), TokensBackend()
@@ -113,6 +118,21 @@ class CpuBackend(SlotsBackend):
         dispatch, combine = self.route(layer, x, mask)
         combine, selected = top_k_combine(combine, p, k)
         return self.mix_selected(layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept=True)
+
+    def selected(self, layer, x, dispatch, combine, selected, renormalize):
+        experts, p = layer.weights()[2], layer.slots_per_expert
+        weights = experts.weights()
+        most = selected.shape[0] * p  # the most rows an expert can take: every input keeps it
+        if not (
+            experts.activation in NATIVE_ACTIVATIONS
+            and not needs_grad(x, dispatch, combine, *weights)
+            and kernel_serves_groups(x, weights[0], most)
+            and kernel_serves_groups(x, weights[2], most)
+        ):
+            return super().selected(layer, x, dispatch, combine, selected, renormalize)
+        if renormalize:
+            combine = renormalized(torch.where(kept_slots(selected, layer.num_experts, p), combine, 0.0))
+        return selected_mixing(x, dispatch, combine, selected, weights, p, experts.activation)
 
     def mix_selected(self, layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept=False):
         if plan == "auto" and skips_unkept(layer, x, dispatch, combine):

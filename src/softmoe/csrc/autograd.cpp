@@ -281,8 +281,8 @@ TORCH_LIBRARY_IMPL(softmoe, Autograd, m)
     m.impl("expert_matmul", &expert_matmul_autograd);
     m.impl("expert_matmul_nt", &expert_matmul_pair_autograd<true>);
     m.impl("expert_matmul_tn", &expert_matmul_pair_autograd<false>);
-    /* softmoe::grouped_mm's forward on the CPU, whose backward is grouped_mm's own */
-    m.impl("expert_matmul_grouped", torch::autograd::autogradNotImplementedFallback());
+    /* Algorithm 1's selected plan in inference (the training path runs it in differentiable ops) */
+    m.impl("selected_mixing", torch::autograd::autogradNotImplementedFallback());
     /* the backward ops, run with gradients recorded (create_graph), give outputs whose backward raises */
     m.impl("soft_moe_mixing_backward", torch::autograd::autogradNotImplementedFallback());
     m.impl("soft_moe_routing_backward", torch::autograd::autogradNotImplementedFallback());

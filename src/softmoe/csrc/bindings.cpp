@@ -10,6 +10,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/gather.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/addcmul.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
@@ -222,44 +224,82 @@ at::Tensor expert_matmul(const at::Tensor &x_in, const at::Tensor &weight_in, co
     return out;
 }
 
-/* softmoe::grouped_mm's product in the expert matmul: x (rows, K) sorted by expert, weight (E, K, N), ends (E,)
- * int32 (expert j owns rows ends[j-1]:ends[j]), bias (E, N) -> act(x @ weight[j] + bias[j]) for each expert's rows,
- * zero past ends[-1]. One call of the kernel per expert with rows, none for the others. */
-at::Tensor expert_matmul_grouped(const at::Tensor &x_in, const at::Tensor &weight_in, const at::Tensor &ends_in,
-                                 const c10::optional<at::Tensor> &bias_in, c10::string_view activation,
-                                 c10::string_view isa)
+/* Algorithm 1's selected plan for inference, every step in this call: x (B, T, D) the slot inputs, dispatch and
+ * combine (B, T, n * p), selected (B, k) int64 (-1: an unused place), w1 (n, D, H), b1 (n, H), w2 (n, H, O), b2 (n, O)
+ * -> (B, T, O). The slots of each input's kept experts (D_kept^T X), each kept expert's MLP (act between its layers)
+ * on the slots of the inputs that keep it, grouped by expert so that each expert's weights are read once (the
+ * expert matmul's kernel), and the combine (C_kept Y); an unused place contributes nothing. */
+at::Tensor selected_mixing(const at::Tensor &x, const at::Tensor &dispatch, const at::Tensor &combine,
+                           const at::Tensor &selected_in, const at::Tensor &w1_in, const c10::optional<at::Tensor> &b1_in,
+                           const at::Tensor &w2_in, const c10::optional<at::Tensor> &b2_in, int64_t p,
+                           c10::string_view activation, c10::string_view isa)
 {
     const Variant &v = variant(std::string(isa));
     const int64_t act = activation_code(activation);
-    check_float_cpu(x_in, "x", 2);
-    check_float_cpu(weight_in, "weight", 3);
-    const int64_t rows = x_in.size(0), K = x_in.size(1), E = weight_in.size(0), N = weight_in.size(2);
-    check_shape(weight_in, "weight", {E, K, N});
-    TORCH_CHECK(ends_in.device().is_cpu() && ends_in.scalar_type() == at::kInt && ends_in.dim() == 1 &&
-                    ends_in.size(0) == E,
-                "softmoe: ends must be an int32 CPU tensor of shape (", E, ",), got ", ends_in.scalar_type(), " ",
-                ends_in.sizes());
-    c10::optional<at::Tensor> bias;
-    if (bias_in) {
-        check_float_cpu(*bias_in, "bias", 2);
-        check_shape(*bias_in, "bias", {E, N});
-        bias = bias_in->contiguous();
+    check_float_cpu(x, "x", 3);
+    check_float_cpu(dispatch, "dispatch", 3);
+    check_float_cpu(combine, "combine", 3);
+    check_float_cpu(w1_in, "w1", 3);
+    check_float_cpu(w2_in, "w2", 3);
+    const int64_t B = x.size(0), T = x.size(1), D = x.size(2), n = w1_in.size(0), H = w1_in.size(2);
+    const int64_t O = w2_in.size(2), k = selected_in.size(-1);
+    TORCH_CHECK(p >= 1, "softmoe: slots_per_expert must be >= 1, got ", p);
+    check_shape(dispatch, "dispatch", {B, T, n * p});
+    check_shape(combine, "combine", {B, T, n * p});
+    check_shape(w1_in, "w1", {n, D, H});
+    check_shape(w2_in, "w2", {n, H, O});
+    TORCH_CHECK(selected_in.device().is_cpu() && selected_in.scalar_type() == at::kLong, "softmoe: selected must be "
+                "an int64 CPU tensor, got ", selected_in.scalar_type(), " on ", selected_in.device());
+    check_shape(selected_in, "selected", {B, k});
+    c10::optional<at::Tensor> b1, b2;
+    if (b1_in) {
+        check_float_cpu(*b1_in, "b1", 2);
+        check_shape(*b1_in, "b1", {n, H});
+        b1 = b1_in->contiguous();
     }
-    const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), ends = ends_in.contiguous();
-    const int32_t *end = ends.data_ptr<int32_t>();
-    for (int64_t j = 0, start = 0; j < E; start = end[j++])
-        TORCH_CHECK(start <= end[j] && end[j] <= rows, "softmoe: ends must be nondecreasing and at most the ", rows,
-                    " rows of x, got ", ends);
-    at::Tensor out = at::empty({rows, N}, x.options());
-    float *o = out.data_ptr<float>();
-    const float *xs = x.data_ptr<float>(), *w = weight.data_ptr<float>(), *b = pointer(bias);
-    for (int64_t j = 0, start = 0; j < E; start = end[j++])
-        if (end[j] > start)
-            v.expert_matmul(xs + start * K, w + j * K * N, b ? b + j * N : nullptr, o + start * N, 1, end[j] - start,
-                            K, N, (int)act, threads());
-    const int64_t owned = E > 0 ? end[E - 1] : 0;
-    std::fill(o + owned * N, o + rows * N, 0.0f);
-    return out;
+    if (b2_in) {
+        check_float_cpu(*b2_in, "b2", 2);
+        check_shape(*b2_in, "b2", {n, O});
+        b2 = b2_in->contiguous();
+    }
+    const at::Tensor selected = selected_in.contiguous(), w1 = w1_in.contiguous(), w2 = w2_in.contiguous();
+    const int64_t *chosen = selected.data_ptr<int64_t>();
+    /* each place's slots (an unused place takes expert 0's; it gets no rows below), and the places of each expert in
+       the order of the inputs: a counting sort */
+    at::Tensor index = at::empty({B, 1, k * p}, selected.options());
+    int64_t *slot = index.data_ptr<int64_t>();
+    std::vector<int64_t> first(n + 1, 0);
+    for (int64_t i = 0; i < B * k; i++) {
+        const int64_t e = chosen[i];
+        TORCH_CHECK(e >= -1 && e < n, "softmoe: selected experts must lie in [-1, ", n, "), got ", e);
+        for (int64_t q = 0; q < p; q++) slot[i * p + q] = std::max<int64_t>(e, 0) * p + q;
+        if (e >= 0) first[e + 1]++;
+    }
+    for (int64_t e = 0; e < n; e++) first[e + 1] += first[e];
+    std::vector<int64_t> places(first[n]), next(first.begin(), first.end() - 1);
+    for (int64_t i = 0; i < B * k; i++)
+        if (chosen[i] >= 0) places[next[chosen[i]]++] = i;
+    const at::Tensor gather_index = index.expand({B, T, k * p});
+    const at::Tensor slots = at::bmm(dispatch.gather(2, gather_index).transpose(1, 2), x).contiguous(); /* (B, kp, D) */
+    const int64_t rows = first[n] * p;
+    at::Tensor grouped = at::empty({rows, D}, x.options()), hidden = at::empty({rows, H}, x.options());
+    at::Tensor out_rows = at::empty({rows, O}, x.options());
+    float *g = grouped.data_ptr<float>(), *h = hidden.data_ptr<float>(), *y = out_rows.data_ptr<float>();
+    const float *sl = slots.data_ptr<float>();
+    for (int64_t r = 0; r < first[n]; r++) std::copy_n(sl + places[r] * p * D, p * D, g + r * p * D);
+    const float *bias1 = pointer(b1), *bias2 = pointer(b2);
+    for (int64_t e = 0; e < n; e++) {
+        const int64_t r0 = first[e] * p, m = (first[e + 1] - first[e]) * p;
+        if (m == 0) continue;
+        v.expert_matmul(g + r0 * D, w1.data_ptr<float>() + e * D * H, bias1 ? bias1 + e * H : nullptr, h + r0 * H, 1,
+                        m, D, H, (int)act, threads());
+        v.expert_matmul(h + r0 * H, w2.data_ptr<float>() + e * H * O, bias2 ? bias2 + e * O : nullptr, y + r0 * O, 1,
+                        m, H, O, 0, threads());
+    }
+    at::Tensor expert_out = at::zeros({B, k * p, O}, x.options()); /* an unused place's rows stay zero */
+    float *eo = expert_out.data_ptr<float>();
+    for (int64_t r = 0; r < first[n]; r++) std::copy_n(y + r * p * O, p * O, eo + places[r] * p * O);
+    return at::bmm(combine.gather(2, gather_index), expert_out);
 }
 
 /* grad @ weight^T: grad (E, M, N), weight (E, K, N) -> (E, M, K) */
@@ -1037,7 +1077,7 @@ TORCH_LIBRARY_IMPL(softmoe, CPU, m)
     m.impl("expert_matmul", &expert_matmul);
     m.impl("expert_matmul_nt", &expert_matmul_nt);
     m.impl("expert_matmul_tn", &expert_matmul_tn);
-    m.impl("expert_matmul_grouped", &expert_matmul_grouped);
+    m.impl("selected_mixing", &selected_mixing);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)

@@ -21,7 +21,9 @@ measured thresholds that decide where each runs (rows, weight sizes, FLOPs) are 
     combine weights in one call (:mod:`softmoe.kernels.soft_moe_routing`; in inference :func:`soft_moe_routing_top_k`
     makes Algorithm 1's choice in the same pass);
   - ``torch.ops.softmoe.top_k_combine``: Algorithm 1's choice of experts from the combine weights, and the combine
-    weights with the others' slots zeroed, in one call (:mod:`softmoe.kernels.top_k_combine`).
+    weights with the others' slots zeroed, in one call (:mod:`softmoe.kernels.top_k_combine`);
+  - ``torch.ops.softmoe.selected_mixing``: Algorithm 1's selected plan for inference (the kept slots, the kept
+    experts' MLPs, the combine) in one call (:mod:`softmoe.kernels.selected_mixing`).
 
   One build serves every x86-64 CPU: each kernel is compiled for AVX-512, AVX2 and the baseline, and the best
   variant this CPU runs is picked at run time (``SOFTMOE_ISA`` to ask for one, :func:`use_isa` in tests,
@@ -50,6 +52,7 @@ from softmoe.kernels.expert_matmul import NATIVE_ACTIVATIONS, expert_matmul, nat
 from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
 from softmoe.kernels.onednn import ONEDNN_ACTIVATIONS, batched_matmul, onednn_applies, onednn_linear, onednn_outruns_mkl
 from softmoe.kernels.routing_softmaxes import fused_routing_applies, routing_softmaxes
+from softmoe.kernels.selected_mixing import selected_mixing
 from softmoe.kernels.skinny_grouped_mm import skinny_applies, skinny_grouped_mm
 from softmoe.kernels.soft_moe_mixing import MIXING_MAX_TOKENS, native_mixing_applies, soft_moe_mixing
 from softmoe.kernels.soft_moe_routing import native_routing_applies, soft_moe_routing, soft_moe_routing_top_k
@@ -78,6 +81,7 @@ __all__ = [
     "onednn_outruns_mkl",
     "plain_eager_mode",
     "routing_softmaxes",
+    "selected_mixing",
     "skinny_applies",
     "skinny_grouped_mm",
     "soft_moe_mixing",

@@ -6,7 +6,7 @@ batched matmul reads well below what the memory delivers; these kernels stream t
 
 Three custom ops, each with a fake (meta) implementation and an autograd formula (``csrc/autograd.cpp``), so that
 torch.compile, ``torch.library.opcheck`` and double backward see them like torch's own ops (they run on float32 CPU
-tensors), and a fourth for ``softmoe::grouped_mm``'s product on the CPU:
+tensors):
 
     softmoe::expert_matmul(Tensor x, Tensor weight, Tensor? bias, str activation, str isa) -> Tensor
         activation(x @ weight + bias): x (E, rows, K), weight (E, K, N), bias (E, N) -> (E, rows, N); activation
@@ -16,10 +16,6 @@ tensors), and a fourth for ``softmoe::grouped_mm``'s product on the CPU:
     softmoe::expert_matmul_tn(Tensor x, Tensor grad, str isa) -> Tensor
         x^T @ grad: x (E, rows, K), grad (E, rows, N) -> (E, K, N)   (the gradient of weight, written with
         non-temporal stores)
-    softmoe::expert_matmul_grouped(Tensor x, Tensor weight, Tensor ends, Tensor? bias, str activation, str isa)
-        softmoe::grouped_mm's contract (:mod:`softmoe.kernels.grouped_mm`: x (rows, K) sorted by expert, ends (E,)
-        int32 -> (rows, N)), each expert's rows through the kernel, in one call; forward only (grouped_mm's own
-        autograd differentiates the product)
 
 ``isa`` names the kernel variant ("avx512", "avx2" or "portable", see :mod:`softmoe.kernels.build`); the
 gradients of each op are the other two (and a sum for the bias), so the ops are differentiable to any order.
@@ -51,9 +47,6 @@ _LIBRARY = torch.library.Library("softmoe", "FRAGMENT")
 _LIBRARY.define("expert_matmul(Tensor x, Tensor weight, Tensor? bias, str activation, str isa) -> Tensor")
 _LIBRARY.define("expert_matmul_nt(Tensor grad, Tensor weight, str isa) -> Tensor")
 _LIBRARY.define("expert_matmul_tn(Tensor x, Tensor grad, str isa) -> Tensor")
-_LIBRARY.define(
-    "expert_matmul_grouped(Tensor x, Tensor weight, Tensor ends, Tensor? bias, str activation, str isa) -> Tensor"
-)
 
 
 def _check_bias(bias: Tensor | None, weight: Tensor) -> None:
@@ -81,15 +74,6 @@ def _(x: Tensor, grad: Tensor, isa: str) -> Tensor:
     _check_fake(x, grad, "x")
     torch._check(x.shape[1] == grad.shape[1], lambda: "x (E, rows, K) needs grad (E, rows, N)")
     return x.new_empty(x.shape[0], x.shape[2], grad.shape[2])
-
-
-@torch.library.register_fake("softmoe::expert_matmul_grouped")
-def _(x: Tensor, weight: Tensor, ends: Tensor, bias: Tensor | None, activation: str, isa: str) -> Tensor:
-    torch._check(x.dim() == 2 and weight.dim() == 3, lambda: "x must be 2-dimensional and weight 3-dimensional")
-    torch._check(x.dtype == weight.dtype == torch.float32, lambda: "softmoe's native ops take float32 tensors")
-    torch._check(x.shape[1] == weight.shape[1], lambda: "x (rows, K) needs weight (E, K, N)")
-    _check_bias(bias, weight)
-    return x.new_empty(x.shape[0], weight.shape[2])
 
 
 # ---- the Python entry point and where it applies ----------------------------------------------------------------

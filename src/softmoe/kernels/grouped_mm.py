@@ -16,10 +16,8 @@ the (data-dependent) group sizes, and it never recompiles for a new pattern of s
 - elsewhere one product per non-empty expert (the group sizes are read on the host: free on CPU, one
   synchronization on a GPU). On CPU a large weight (K * N at least softmoe.tuning.TABLE's "large_weight") read by
   up to its "native_forward_max_rows" rows through a contiguous weight takes softmoe's native expert matmul
-  (float32), and where it serves every group as it is (one row each, or a weight no taller than wide) all groups
-  run in one call of it (``softmoe::expert_matmul_grouped``, no Python per group); other products take oneDNN
-  where it pays on this CPU (float32 inference; :func:`softmoe.kernels.onednn.onednn_pays`: enough FLOPs, on a CPU
-  where oneDNN outruns MKL), else MKL.
+  (float32); other products take oneDNN where it pays on this CPU (float32 inference;
+  :func:`softmoe.kernels.onednn.onednn_pays`: enough FLOPs, on a CPU where oneDNN outruns MKL), else MKL.
   ``benchmarks/bench_products.py --isa avx512,avx2`` compares them (docs/performance.md has the measurements).
 
 Differentiable in x, weight and bias (``softmoe::grouped_mm_weight_grad`` gives the weight's gradient). For few rows
@@ -98,6 +96,12 @@ def native_product(
     return _finish(row_block_matmul(x, w, torch.get_num_threads()), bias, activation)
 
 
+def kernel_serves_groups(x: torch.Tensor, weight: torch.Tensor, most: int) -> bool:
+    """Whether the native expert matmul serves groups of 1 to ``most`` rows of x through each weight of ``weight``
+    (E, K, N) as they are, one call per group (no row blocks): as :func:`group_product` would run them."""
+    return native_serves(x, weight, most) and splits_itself(most, weight)
+
+
 def splits_itself(rows: int, w: torch.Tensor) -> bool:
     """Whether the native kernel alone runs ``rows`` rows through w (..., K, N) as :func:`native_product` would: one
     row, or a weight no taller than wide."""
@@ -163,12 +167,8 @@ def grouped_mm(
         if bias is not None:
             out = out + torch.cat([bias, bias.new_zeros(1, bias.shape[1])])[group]
         return torch.where((group < weight.shape[0]).unsqueeze(1), _finish(out, None, activation), 0.0)
-    groups = _groups(ends)
-    most = max((stop - start for _, start, stop in groups), default=0)
-    if most and native_serves(x, weight, most) and splits_itself(most, weight):
-        # every group as group_product would run it, in one call
-        return torch.ops.softmoe.expert_matmul_grouped(x, weight, ends, bias, activation, cpu_isa())
     out = x.new_empty(x.shape[0], weight.shape[2])
+    groups = _groups(ends)
     for j, start, stop in groups:
         out[start:stop] = group_product(x[start:stop], weight[j], None if bias is None else bias[j], activation)
     out[groups[-1][2] if groups else 0 :] = 0.0
