@@ -81,9 +81,9 @@ class Backend:
             plan = self.plan(layer, x, dispatch, combine, selected, renormalize, top_k=combine_is_kept)
         if plan == "selected":
             return self.selected(layer, x, dispatch, combine, selected, renormalize)
-        if not combine_is_kept:
-            combine = torch.where(kept_slots(selected, layer.num_experts, layer.slots_per_expert), combine, 0.0)
-        return self.mix(layer, x, dispatch, renormalized(combine) if renormalize else combine, kept=True)
+        if not combine_is_kept or renormalize:
+            combine = kept_combine(layer, combine, selected, renormalize)
+        return self.mix(layer, x, dispatch, combine, kept=True)
 
     def plan(
         self,
@@ -99,9 +99,7 @@ class Backend:
         the plans timed); ``top_k``: ``selected`` is Algorithm 1's top k, every place used."""
 
         def runs() -> dict:
-            keep = kept_slots(selected, layer.num_experts, layer.slots_per_expert)
-            masked = torch.where(keep, combine, 0.0)
-            masked = renormalized(masked) if renormalize else masked
+            masked = kept_combine(layer, combine, selected, renormalize)
             return {
                 "dense": lambda: self.mix(layer, x, dispatch, masked, kept=True),
                 "selected": lambda: self.selected(layer, x, dispatch, combine, selected, renormalize),
@@ -140,6 +138,13 @@ class Backend:
             "mix": "torch ops: slots, every expert, combine",
             "select": "the selector on the combine weights",
         }
+
+
+def kept_combine(layer: SoftMoE, combine: torch.Tensor, selected: torch.Tensor, renormalize: bool) -> torch.Tensor:
+    """combine (batch, tokens, n*p) with the slots of the experts not ``selected`` (batch, k) zeroed; with
+    ``renormalize`` each token's weights rescaled to sum to 1 over the kept slots."""
+    kept = torch.where(kept_slots(selected, layer.num_experts, layer.slots_per_expert), combine, 0.0)
+    return renormalized(kept) if renormalize else kept
 
 
 def selected_plan(

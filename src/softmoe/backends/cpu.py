@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from softmoe.backends.base import algorithm1_k
+from softmoe.backends.base import algorithm1_k, kept_combine
 from softmoe.backends.generic import SlotsBackend, TokensBackend, expert_rows, slot_rows, token_space_is_cheaper
 from softmoe.kernels import native_available, native_status
 from softmoe.kernels.expert_matmul import NATIVE_ACTIVATIONS, expert_matmul, native_applies
@@ -27,7 +27,6 @@ from softmoe.kernels.soft_moe_mixing import native_mixing_applies, soft_moe_mixi
 from softmoe.kernels.soft_moe_routing import soft_moe_routing, soft_moe_routing_top_k
 from softmoe.kernels.top_k_combine import top_k_combine
 from softmoe.layer import renormalized
-from softmoe.selection_plan import kept_slots
 from softmoe.tuning import value
 
 _SLOTS, _TOKENS = SlotsBackend(), TokensBackend()
@@ -131,7 +130,7 @@ class CpuBackend(SlotsBackend):
         ):
             return super().selected(layer, x, dispatch, combine, selected, renormalize)
         if renormalize:
-            combine = renormalized(torch.where(kept_slots(selected, layer.num_experts, p), combine, 0.0))
+            combine = kept_combine(layer, combine, selected, renormalize)
         return selected_mixing(x, dispatch, combine, selected, weights, p, experts.activation)
 
     def mix_selected(self, layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept=False):
