@@ -63,6 +63,23 @@ def test_equals_the_plan_in_float64(isa, case, activation, threads):
         assert (got.double() - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
 
 
+def test_empty_batches_and_tokens_and_strided_inputs(isa):
+    """No input, no token: zeros of the right shape; inputs through strides give the contiguous inputs' result."""
+    x, dispatch, combine, selected, *weights = inputs(2, 3, 8, 4, 1, 16, 8, [[0, 3], [2, 0]], True)
+    for batch, tokens in ((0, 3), (2, 0)):
+        args = (x[:batch, :tokens], dispatch[:batch, :tokens], combine[:batch, :tokens], selected[:batch])
+        out = OPS.selected_mixing(*args, *weights, 1, "relu", isa)
+        assert out.shape == (batch, tokens, 8) and not out.any()
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (x, dispatch, combine)]
+    assert not any(t.is_contiguous() for t in strided)
+    torch.testing.assert_close(
+        OPS.selected_mixing(*strided, selected, *weights, 1, "relu", isa),
+        OPS.selected_mixing(x, dispatch, combine, selected, *weights, 1, "relu", isa),
+        rtol=0,
+        atol=0,
+    )
+
+
 def test_rejects_bad_selections():
     args = inputs(2, 3, 8, 4, 1, 16, 8, [[0, 4], [1, 2]], True)
     with pytest.raises(RuntimeError, match=r"selected experts must lie in \[-1, 4\), got 4"):
@@ -107,7 +124,26 @@ def test_the_layer_takes_it_in_inference(every_weight_large, renormalize, strate
         chosen = layer.selector.select(layer.route(x).combine)
         assert "softmoe::selected_mixing" in ops_called(lambda: layer(x))
         out = layer(x)
+    assert (chosen < 0).any() == (strategy == "mass")  # "mass" leaves places unused here
     want = masked_reference_forward(layer.double(), x.double(), chosen, renormalize=renormalize)
+    assert (out.double() - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("expert_bias", [True, False])
+def test_the_layer_takes_it_for_a_batch_through_weights_no_taller_than_wide(every_weight_large, expert_bias):
+    """A batch of inputs keeping shared experts, 2 slots per expert, experts that widen (dim 8 -> 12 -> 16): the
+    kernel serves every expert's rows as they are, and the layer equals the paper's masked forward in float64; a
+    masked input and normalized inputs change nothing of that."""
+    torch.manual_seed(7)
+    layer = softmoe.SoftMoE(8, 6, 2, expert_hidden=12, out_dim=16, expert_bias=expert_bias, normalize="inputs").eval()
+    x, mask = torch.randn(5, 4, 8), torch.ones(5, 4, dtype=torch.bool)
+    mask[1, 2:] = False
+    with torch.no_grad(), softmoe.select_experts(layer, k=3, plan="selected"):
+        chosen = layer.selector.select(layer.route(x, mask).combine)
+        assert "softmoe::selected_mixing" in ops_called(lambda: layer(x, mask))
+        out = layer(x, mask)
+    assert out.shape == (5, 4, 16) and len(set(chosen.flatten().tolist())) < chosen.numel()
+    want = masked_reference_forward(layer.double(), x.double(), chosen, mask)
     assert (out.double() - want).abs().max().item() < 1e-5
 
 

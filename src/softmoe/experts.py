@@ -167,7 +167,7 @@ class MLPExperts(nn.Module):
                 expert.clamp_min(0), torch.arange(groups, device=rows.device)
             ]
             return torch.where((expert >= 0).view(-1, 1, 1), y, 0.0)
-        key, order = torch.sort(expert.remainder(self.num_experts + 1), stable=True)  # padding (-1) sorts last
+        key, order = torch.sort(torch.where(expert < 0, self.num_experts, expert), stable=True)  # padding last
         experts = torch.arange(self.num_experts, device=expert.device)
         ends = torch.searchsorted(key, experts, right=True, out_int32=True) * per_group  # no host sync
         flat = rows[order].reshape(groups * per_group, self.dim)

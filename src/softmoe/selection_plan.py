@@ -3,7 +3,8 @@
 Both plans give the same output (Algorithm 1's: unselected experts contribute nothing):
 
     "selected"  each expert runs on the slots of the inputs that keep it, grouped by expert
-                (``Experts.forward_selected``); an unselected (input, expert) pair costs nothing.
+                (``Experts.forward_selected``; on the "cpu" backend in inference the whole plan in one call,
+                ``softmoe::selected_mixing``); an unselected (input, expert) pair costs nothing.
     "dense"     every expert runs on every slot, as in the plain forward, and the slots of unselected experts get
                 zero combine weight; no work is saved, except where the mixing skips the unkept experts itself
                 (the "cpu" backend's fused small-expert kernel in inference).

@@ -2,19 +2,30 @@
 
 import torch
 
+from softmoe.backends.base import Backend
 from softmoe_repro import latency
 
 
-def test_stack_shape_and_experts_used():
+def test_stack_shape_and_experts_used(monkeypatch):
+    """experts_used counts the experts each layer runs: those the backends' mixing receives (recorded here)."""
     torch.manual_seed(0)
     stack = latency.MoEStack(hidden=4).eval()
     x = torch.randn(3, latency.TOKENS, latency.DIM)
     with torch.no_grad():
         assert stack(x).shape == x.shape
+    ran = []
+    original = Backend.mix_selected
+
+    def recording(self, layer, x, dispatch, combine, selected, *args, **kwargs):
+        ran.append(int(selected.unique().numel()))
+        return original(self, layer, x, dispatch, combine, selected, *args, **kwargs)
+
+    monkeypatch.setattr(Backend, "mix_selected", recording)
     one = latency.experts_used(stack, x[:1], k=2)
-    assert one == [2] * latency.LAYERS  # one input: exactly its k experts run in each layer
+    assert one == ran == [2] * latency.LAYERS  # one input: exactly its k experts run in each layer
+    ran.clear()
     three = latency.experts_used(stack, x, k=2)
-    assert all(2 <= used <= 6 for used in three)
+    assert three == ran and all(2 <= used <= 6 for used in three) and max(three) > 2
     assert not any(layer._forward_pre_hooks for layer in stack.layers)  # the counting hooks are gone again
 
 

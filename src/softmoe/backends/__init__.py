@@ -8,6 +8,9 @@ A backend is an object (:class:`Backend`) with the layer's steps, for the inputs
                                          other rules of softmoe.selection): the choice, then mix_selected
     mix_selected(layer, x, D, C, selected, renormalize, plan)
                                          the selected experts' mixing, on the plan of softmoe.selection_plan
+    selected(layer, x, D, C, selected, renormalize)
+                                         the "selected" plan: only the kept experts, on the slots of the inputs
+                                         that keep them
 
 ``SoftMoE(backend=name)`` takes a name of :data:`BACKENDS`:
 
@@ -16,7 +19,8 @@ A backend is an object (:class:`Backend`) with the layer's steps, for the inputs
     "slots"      generic torch, MLP experts: the slot formulation, its backward written out in one autograd node.
     "tokens"     generic torch, MLP experts: the exact token-space rewrite (no slot tensor is written).
     "cpu"        softmoe's native CPU ops (float32, MLP experts): routing and Algorithm 1's choice in one pass, the
-                 fused mixing of small relu experts, the expert matmul for few rows through large weights.
+                 fused mixing of small relu experts, the expert matmul for few rows through large weights, the
+                 selected plan in one call in inference.
     "cuda"       CUDA, MLP experts: the Triton routing kernel in eager inference, grouped GEMM for selected experts.
     "auto"       the default: :func:`resolve` picks one of the above for each input, by the rules written there.
 

@@ -81,8 +81,10 @@ class Backend:
             plan = self.plan(layer, x, dispatch, combine, selected, renormalize, top_k=combine_is_kept)
         if plan == "selected":
             return self.selected(layer, x, dispatch, combine, selected, renormalize)
-        if not combine_is_kept or renormalize:
+        if not combine_is_kept:
             combine = kept_combine(layer, combine, selected, renormalize)
+        elif renormalize:
+            combine = renormalized(combine)
         return self.mix(layer, x, dispatch, combine, kept=True)
 
     def plan(

@@ -7,8 +7,8 @@ mix           ``softmoe::soft_moe_mixing``, the whole mixing of small relu exper
               ``softmoe::expert_matmul`` for few rows through large weights, or with torch's batched matmuls
 select        Algorithm 1's choice in the routing's own pass in inference, or ``softmoe::top_k_combine`` after it
 mix_selected  in inference with the fused mixing, the dense plan: the kernel skips the unkept experts itself
-selected      in inference, where the expert matmul serves the kept experts' products as grouped_mm would, the
-              selected plan in one call (``softmoe::selected_mixing``)
+selected      the selected plan in one call (``softmoe::selected_mixing``) in inference, where the expert matmul
+              serves the kept experts' products as grouped_mm would (:func:`fused_selected_serves`)
 """
 
 from __future__ import annotations
@@ -43,6 +43,20 @@ def skips_unkept(layer, x: torch.Tensor, *routing: torch.Tensor) -> bool:
     """Whether the mixing of x with a kept combine runs only the kept experts' work: the fused mixing in inference
     (``softmoe::soft_moe_mixing_inference`` lays the kept slots out)."""
     return fused_mixing_serves(layer, x) and not needs_grad(x, *routing, *layer.weights()[2].weights())
+
+
+def fused_selected_serves(layer, x: torch.Tensor) -> bool:
+    """Whether ``softmoe::selected_mixing`` runs Algorithm 1's selected plan for tokens x in inference: the experts'
+    activation is one the expert matmul applies, and the kernel serves the rows of every expert (at most batch x
+    slots per expert: every input keeps it) as they are, through both layers."""
+    experts = layer.weights()[2]
+    weight1, _, weight2, _ = experts.weights()
+    most = x.shape[0] * layer.slots_per_expert
+    return (
+        experts.activation in NATIVE_ACTIVATIONS
+        and kernel_serves_groups(x, weight1, most)
+        and kernel_serves_groups(x, weight2, most)
+    )
 
 
 class CpuBackend(SlotsBackend):
@@ -119,19 +133,13 @@ class CpuBackend(SlotsBackend):
         return self.mix_selected(layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept=True)
 
     def selected(self, layer, x, dispatch, combine, selected, renormalize):
-        experts, p = layer.weights()[2], layer.slots_per_expert
+        experts = layer.weights()[2]
         weights = experts.weights()
-        most = selected.shape[0] * p  # the most rows an expert can take: every input keeps it
-        if not (
-            experts.activation in NATIVE_ACTIVATIONS
-            and not needs_grad(x, dispatch, combine, *weights)
-            and kernel_serves_groups(x, weights[0], most)
-            and kernel_serves_groups(x, weights[2], most)
-        ):
+        if needs_grad(x, dispatch, combine, *weights) or not fused_selected_serves(layer, x):
             return super().selected(layer, x, dispatch, combine, selected, renormalize)
         if renormalize:
             combine = kept_combine(layer, combine, selected, renormalize)
-        return selected_mixing(x, dispatch, combine, selected, weights, p, experts.activation)
+        return selected_mixing(x, dispatch, combine, selected, weights, layer.slots_per_expert, experts.activation)
 
     def mix_selected(self, layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept=False):
         if plan == "auto" and skips_unkept(layer, x, dispatch, combine):
@@ -145,8 +153,12 @@ class CpuBackend(SlotsBackend):
             "native": "the slot formulation with softmoe::expert_matmul",
             "slots": "the slot formulation in batched matmuls",
         }[self.mixing(layer, x)]
+        plan = (
+            "softmoe::selected_mixing in inference, else torch ops" if fused_selected_serves(layer, x) else "torch ops"
+        )
         return {
             "route": "softmoe::soft_moe_routing",
             "mix": mixing,
-            "select": "Algorithm 1 in the routing's pass (inference) or softmoe::top_k_combine",
+            "select": f"Algorithm 1 in the routing's pass (inference) or softmoe::top_k_combine; the selected plan in "
+            f"{plan} and softmoe::grouped_mm",
         }
