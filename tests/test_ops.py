@@ -192,6 +192,53 @@ def test_mixing_gradients_through_the_registration_match_float64(isa):
         grads[0].sum().backward()
 
 
+def differentiable_op_calls(isa):
+    """(name, op, arguments) of each differentiable op, tensors first-class arguments with fixed values."""
+    gen = torch.Generator().manual_seed(6)
+    mixing = detached(mixing_inputs(9, 3, 8, 3, 2, 5, bias=True, seed=6))
+    combine = torch.randn(9, 3, 6, generator=gen).softmax(-1)
+    x, w, b = detached(matmul_inputs((2, 3, 7, 5), True, seed=6))
+    return [
+        ("soft_moe_routing", OPS.soft_moe_routing,
+         [torch.randn(9, 3, 8, generator=gen), torch.randn(8, 6, generator=gen), torch.tensor(1.3), "router", isa,
+          False]),
+        ("soft_moe_mixing", OPS.soft_moe_mixing, [*mixing, True, isa]),
+        ("expert_matmul", OPS.expert_matmul, [x, w, b, "none", isa]),
+        ("expert_matmul_nt", OPS.expert_matmul_nt, [torch.randn(2, 3, 5, generator=gen), w, isa]),
+        ("expert_matmul_tn", OPS.expert_matmul_tn, [x, torch.randn(2, 3, 5, generator=gen), isa]),
+        ("top_k_combine", OPS.top_k_combine, [combine, 2, 2, isa]),
+    ]
+
+
+def test_each_input_alone_records_its_gradient_and_no_input_records_nothing(isa):
+    """Each differentiable op's Autograd kernel records a node where any one tensor input requires grad (that input
+    then gets the gradient it gets with all of them requiring grad) and none where no input does or grad mode is
+    off (there the op runs below autograd at once): the same outputs, bit for bit, every way."""
+    for name, op, args in differentiable_op_calls(isa):
+        places = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        outputs = op(*args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        upstream = torch.randn_like(outputs[0])
+        with torch.no_grad():
+            unrecorded = op(*args)
+        unrecorded = unrecorded if isinstance(unrecorded, tuple) else (unrecorded,)
+        for out, plain, again in zip(outputs, unrecorded, op(*args) if len(outputs) > 1 else (op(*args),)):
+            assert out.grad_fn is None and plain.grad_fn is None and again.grad_fn is None, name
+            assert torch.equal(out, plain), name
+        every = [a.detach().requires_grad_() if i in places else a for i, a in enumerate(args)]
+        first = op(*every)
+        first = first[0] if isinstance(first, tuple) else first
+        want = torch.autograd.grad(first, [every[i] for i in places], upstream)
+        for place, grad in zip(places, want, strict=True):
+            alone = [a.detach().requires_grad_() if i == place else a for i, a in enumerate(args)]
+            out = op(*alone)
+            out = out[0] if isinstance(out, tuple) else out
+            assert out.grad_fn is not None, (name, place)
+            assert torch.equal(out, outputs[0]), (name, place)
+            (got,) = torch.autograd.grad(out, alone[place], upstream)
+            assert relative_error(got, grad) < 1e-6, (name, place)
+
+
 # ---- torch.compile ---------------------------------------------------------------------------------------------
 
 

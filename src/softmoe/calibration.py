@@ -77,7 +77,7 @@ class Calibration:
 
 def _pair_cost(layer: SoftMoE) -> float:
     """The FLOPs of one (input, expert) pair of ``layer``: its slots through one expert."""
-    return layer.slots_per_expert * flops_per_row(layer.weights()[2])
+    return layer.slots_per_expert * flops_per_row(layer.experts)
 
 
 class _CountingSelector:

@@ -42,6 +42,16 @@ class FactoryKwargs(TypedDict):
     dtype: torch.dtype | None
 
 
+def registered(module: nn.Module, name: str):
+    """``module.<name>``: a registered parameter or submodule looked up in its dict directly, where
+    ``nn.Module.__getattr__`` searches three dicts per name (for the steps every call takes); anything else (a
+    plain attribute, a parametrized tensor of torch.nn.utils.parametrize) as an attribute."""
+    params, modules = module._parameters, module._modules
+    if name in params:
+        return params[name]
+    return modules[name] if name in modules else getattr(module, name)
+
+
 def check_expert_input(x: torch.Tensor, num_experts: int, dim: int) -> None:
     """Raise a ValueError unless ``x`` has shape (num_experts, rows, dim)."""
     if x.dim() != 3 or x.shape[0] != num_experts or x.shape[2] != dim:
@@ -178,13 +188,9 @@ class MLPExperts(nn.Module):
         return torch.empty_like(y).index_copy(0, order, y)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """(weight1, bias1, weight2, bias2), the registered parameters looked up directly (``nn.Module.__getattr__``
-        searches the module's dicts for every name, and this runs on every call); others (e.g. under
-        torch.nn.utils.parametrize) as attributes."""
-        params = self._parameters
-        weight1, bias1, weight2, bias2 = [
-            params[name] if name in params else getattr(self, name) for name in ("weight1", "bias1", "weight2", "bias2")
-        ]
+        """(weight1, bias1, weight2, bias2), looked up by :func:`registered` (this runs on every call)."""
+        weight1, bias1 = registered(self, "weight1"), registered(self, "bias1")
+        weight2, bias2 = registered(self, "weight2"), registered(self, "bias2")
         # Only the biases are optional: __init__ always sets both weights.
         assert weight1 is not None and weight2 is not None
         return weight1, bias1, weight2, bias2

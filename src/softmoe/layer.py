@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from softmoe.checks import autocast_device, check_normalization, check_positive_ints, check_selected, check_tokens
-from softmoe.experts import Experts, FactoryKwargs, MLPExperts, StackedExperts
+from softmoe.experts import Experts, FactoryKwargs, MLPExperts, StackedExperts, registered
 from softmoe.initializers import truncated_lecun_normal_
 from softmoe.selection_plan import check_plan, host_reads_are_free
 
@@ -262,7 +262,8 @@ class SoftMoE(nn.Module):
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor | None, Experts]:
         """(phi as (dim, n*p), scale, experts)."""
-        return self.phi.reshape(self.dim, self.num_slots), self.scale, cast(Experts, self.experts)
+        phi, scale, experts = registered(self, "phi"), registered(self, "scale"), registered(self, "experts")
+        return phi.reshape(self.dim, self.num_slots), scale, cast(Experts, experts)
 
     def backend_for(self, x: torch.Tensor):
         """The :class:`~softmoe.backends.BackendChoice` for x (batch, tokens, dim) in the current mode: the backend
@@ -298,7 +299,7 @@ class SoftMoE(nn.Module):
         sets ``self.selector``) only each input's selected experts are computed, as in :meth:`forward_selected`.
         Every step runs on the backend :meth:`backend_for` names.
         """
-        check_tokens(x, self.dim, mask, self.weights()[0].dtype)
+        check_tokens(x, self.dim, mask, self.phi.dtype)
         backend = self.backend_for(x).backend
         x = self.slot_inputs(x)
         if self.selector is not None:
@@ -331,7 +332,7 @@ class SoftMoE(nn.Module):
         that is free (CPU tensors outside torch.compile); True always (a host synchronization on a GPU); False never.
         """
         check_plan(plan)
-        check_tokens(x, self.dim, mask, self.weights()[0].dtype)
+        check_tokens(x, self.dim, mask, self.phi.dtype)
         check_selected(
             selected, x.shape[0], self.num_experts, host_reads_are_free(selected) if check is None else check
         )

@@ -269,7 +269,7 @@ def choose_plan(
     giving the plans' calls by name)."""
     batch, k = selected.shape
     n, p = layer.num_experts, layer.slots_per_expert
-    experts = layer.weights()[2]
+    experts = layer.experts
     flops, device = flops_per_row(experts), x.device
     fewest, most = (batch * k, k), (batch * k, min(n, batch * k))
     kept: tuple[int, int] | None = most

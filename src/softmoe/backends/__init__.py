@@ -97,7 +97,7 @@ def resolve(layer: SoftMoE, x: torch.Tensor) -> BackendChoice:
         return chosen("reference", "a torch.func transform or forward-mode AD is active: plain torch ops")
     if autocast_on(x):
         return chosen("reference", "autocast is on: plain torch ops")
-    experts = layer.weights()[2]
+    experts = layer.experts
     if not isinstance(experts, MLPExperts):
         return chosen("reference", f"{type(experts).__name__} experts run Definition 1 in plain torch ops")
     if x.is_cuda:

@@ -53,7 +53,7 @@ class Backend:
         """C f(D^T X) with every expert: (batch, tokens, d_out). ``kept``: combine is zero outside the slots of
         each input's kept experts (Algorithm 1's dense plan), which a backend may use to skip work."""
         slots = dispatch_slots(x, dispatch)
-        return combine_slots(combine, experts_on_slots(layer.weights()[2], slots, layer.num_experts))
+        return combine_slots(combine, experts_on_slots(layer.experts, slots, layer.num_experts))
 
     def select(
         self, layer: SoftMoE, x: torch.Tensor, mask: torch.Tensor | None, selector: ExpertSelector
@@ -173,7 +173,7 @@ def selected_plan(
         used = (selected >= 0).repeat_interleave(p, dim=1).unsqueeze(1)  # (batch, 1, k * p)
         kept_combine = renormalized(torch.where(used, kept_combine, 0.0))
     slots = dispatch_slots(x, kept_dispatch).view(batch * k, p, d)
-    experts, expert = layer.weights()[2], selected.reshape(batch * k)
+    experts, expert = layer.experts, selected.reshape(batch * k)
     if product is None:
         expert_out = experts.forward_selected(slots, expert)
     else:  # a backend's own product: only MLPExperts take one (the backends that pass one serve them only)

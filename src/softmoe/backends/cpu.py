@@ -35,21 +35,21 @@ _SLOTS, _TOKENS = SlotsBackend(), TokensBackend()
 def fused_mixing_serves(layer, x: torch.Tensor) -> bool:
     """Whether ``softmoe::soft_moe_mixing`` runs the layer's mixing of x: relu experts that keep the dimension,
     few tokens, weights small enough (:func:`~softmoe.kernels.soft_moe_mixing.native_mixing_applies`)."""
-    experts = layer.weights()[2]
+    experts = layer.experts
     return experts.out_dim == experts.dim and native_mixing_applies(x, experts.hidden, experts.activation)
 
 
 def skips_unkept(layer, x: torch.Tensor, *routing: torch.Tensor) -> bool:
     """Whether the mixing of x with a kept combine runs only the kept experts' work: the fused mixing in inference
     (``softmoe::soft_moe_mixing_inference`` lays the kept slots out)."""
-    return fused_mixing_serves(layer, x) and not needs_grad(x, *routing, *layer.weights()[2].weights())
+    return fused_mixing_serves(layer, x) and not needs_grad(x, *routing, *layer.experts.weights())
 
 
 def fused_selected_serves(layer, x: torch.Tensor) -> bool:
     """Whether ``softmoe::selected_mixing`` runs Algorithm 1's selected plan for tokens x in inference: the experts'
     activation is one the expert matmul applies, and the kernel serves the rows of every expert (at most batch x
     slots per expert: every input keeps it) as they are, through both layers."""
-    experts = layer.weights()[2]
+    experts = layer.experts
     weight1, _, weight2, _ = experts.weights()
     most = x.shape[0] * layer.slots_per_expert
     return (
@@ -66,7 +66,7 @@ class CpuBackend(SlotsBackend):
         why = super().unsupported(layer, x)
         if why is not None:
             return why
-        if not (x.is_cpu and x.dtype == layer.weights()[2].weights()[0].dtype == torch.float32):
+        if not (x.is_cpu and x.dtype == layer.experts.weights()[0].dtype == torch.float32):
             return f"the native ops take float32 CPU tensors, got {x.dtype} on {x.device}"
         if not native_available():
             return native_status()
@@ -84,7 +84,7 @@ class CpuBackend(SlotsBackend):
         matmul) or "slots" (by capability, then the token formulation's cost model, then the rows per expert)."""
         if fused_mixing_serves(layer, x):
             return "fused"
-        experts, (batch, tokens, _) = layer.weights()[2], x.shape
+        experts, (batch, tokens, _) = layer.experts, x.shape
         if token_space_is_cheaper(experts, tokens, layer.slots_per_expert):
             return "tokens"
         # without grad mode only the forward products run: the native kernel serves more rows there
@@ -99,7 +99,7 @@ class CpuBackend(SlotsBackend):
             return _TOKENS.mix(layer, x, dispatch, combine)
         if mixing == "slots":
             return _SLOTS.mix(layer, x, dispatch, combine)
-        experts, p = layer.weights()[2], layer.slots_per_expert
+        experts, p = layer.experts, layer.slots_per_expert
         weight1, bias1, weight2, bias2 = experts.weights()
         if mixing == "fused":
             return soft_moe_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, kept_combine=kept)
@@ -133,7 +133,7 @@ class CpuBackend(SlotsBackend):
         return self.mix_selected(layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept=True)
 
     def selected(self, layer, x, dispatch, combine, selected, renormalize):
-        experts = layer.weights()[2]
+        experts = layer.experts
         weights = experts.weights()
         if needs_grad(x, dispatch, combine, *weights) or not fused_selected_serves(layer, x):
             return super().selected(layer, x, dispatch, combine, selected, renormalize)

@@ -103,7 +103,7 @@ class CudaBackend(SlotsBackend):
 
     def skinny_serves(self, layer, x: torch.Tensor, rows: int) -> bool:
         """Whether the selected plan's products of ``rows`` rows of tokens x run in softmoe::skinny_grouped_mm."""
-        weight = cast(MLPExperts, layer.weights()[2]).weights()[0]  # ("cuda" serves MLPExperts only)
+        weight = cast(MLPExperts, layer.experts).weights()[0]  # ("cuda" serves MLPExperts only)
         return skinny_applies(rows, x.dtype, weight.dtype, x.device)
 
     def steps(self, layer, x):

@@ -34,7 +34,7 @@ class MLPBackend(Backend):
     """A backend for :class:`~softmoe.experts.MLPExperts` outside torch.func transforms and autocast."""
 
     def unsupported(self, layer: SoftMoE, x: torch.Tensor) -> str | None:
-        experts = layer.weights()[2]
+        experts = layer.experts
         if not isinstance(experts, MLPExperts):
             return f"it runs MLPExperts, not {type(experts).__name__} (use 'reference')"
         if transforms_active():
@@ -55,7 +55,7 @@ class SlotsBackend(MLPBackend):
         return why
 
     def mix(self, layer, x, dispatch, combine, kept=False):
-        experts = layer.weights()[2]
+        experts = layer.experts
         dispatch, combine = dispatch.to(x.dtype), combine.to(x.dtype)
         weights = experts.weights()
         if needs_grad(x, dispatch, combine, *weights):
@@ -78,7 +78,7 @@ class TokensBackend(MLPBackend):
 
     def mix(self, layer, x, dispatch, combine, kept=False):
         shape = (*x.shape[:2], layer.num_experts, layer.slots_per_expert)
-        return token_space_mixing(layer.weights()[2], x, dispatch.view(shape), combine.view(shape))
+        return token_space_mixing(layer.experts, x, dispatch.view(shape), combine.view(shape))
 
     def mixing(self, layer, x):
         return "tokens"

@@ -3,7 +3,8 @@
  * bindings.cpp).
  *
  * Each op's Autograd kernel is a torch::autograd::Function that runs the op below autograd, saves what its backward
- * reads and differentiates it with the backward op, every step through the dispatcher: torch.compile, the profiler
+ * reads and differentiates it with the backward op (without a gradient to record, the op below autograd alone),
+ * every step through the dispatcher: torch.compile, the profiler
  * and dispatch modes see each op that runs, eager and compiled calls run the same kernels, and an eager call, with or
  * without gradients, costs no Python beyond the op's call.
  *
@@ -16,6 +17,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/utils.h> /* compute_requires_grad */
 #include <torch/library.h>
 
 #include <string>
@@ -35,6 +37,18 @@ template <class Signature> c10::TypedOperatorHandle<Signature> op(const char *na
     return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+/* An op's kernel below autograd: what each Function's forward runs, and all that an Autograd kernel runs where no
+ * gradient is to be recorded (grad mode off, or no input requires one), as torch's own ops do: no Function node,
+ * context or saved tensors then. */
+template <class Signature, class... Args>
+auto below_autograd(const c10::TypedOperatorHandle<Signature> &handle, const Args &...args)
+{
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return handle.call(args...);
+}
+
+using torch::autograd::compute_requires_grad;
+
 /* ---- softmoe::soft_moe_routing ------------------------------------------------------------------------------ */
 
 using Routing4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
@@ -48,14 +62,18 @@ using RoutingBackwardOp = Grads3(const OptionalTensor &, const OptionalTensor &,
 using RoutingTorchGradsOp = Grads3(const OptionalTensor &, const OptionalTensor &, const OptionalTensor &,
                                    const Tensor &, const Tensor &, const OptionalTensor &, c10::string_view);
 
+const c10::TypedOperatorHandle<RoutingOp> &routing_op()
+{
+    static const auto handle = op<RoutingOp>("softmoe::soft_moe_routing");
+    return handle;
+}
+
 struct Routing : public torch::autograd::Function<Routing> {
     static variable_list forward(AutogradContext *ctx, const Tensor &x, const Tensor &phi,
                                  const OptionalTensor &scale, const std::string &normalize, const std::string &isa,
                                  bool onednn)
     {
-        static const auto routing = op<RoutingOp>("softmoe::soft_moe_routing");
-        at::AutoDispatchBelowADInplaceOrView below_autograd;
-        const auto [logits, dispatch, combine, r] = routing.call(x, phi, scale, normalize, isa, onednn);
+        const auto [logits, dispatch, combine, r] = below_autograd(routing_op(), x, phi, scale, normalize, isa, onednn);
         ctx->save_for_backward({x, phi, scale.value_or(Tensor()), logits, dispatch, combine, r});
         ctx->mark_non_differentiable({r});
         ctx->set_materialize_grads(false); /* an output left unused (the layer's logits) gets no gradient of zeros */
@@ -90,6 +108,8 @@ struct Routing : public torch::autograd::Function<Routing> {
 Routing4 routing_autograd(const Tensor &x, const Tensor &phi, const OptionalTensor &scale,
                           c10::string_view normalize, c10::string_view isa, bool onednn)
 {
+    if (!compute_requires_grad(x, phi, scale))
+        return below_autograd(routing_op(), x, phi, scale, normalize, isa, onednn);
     const variable_list out = Routing::apply(x, phi, scale, std::string(normalize), std::string(isa), onednn);
     return {out[0], out[1], out[2], out[3]};
 }
@@ -103,14 +123,19 @@ using MixingBackwardOp = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tens
     const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
     const OptionalTensor &, const Tensor &, c10::string_view);
 
+const c10::TypedOperatorHandle<MixingOp> &mixing_op()
+{
+    static const auto handle = op<MixingOp>("softmoe::soft_moe_mixing");
+    return handle;
+}
+
 struct Mixing : public torch::autograd::Function<Mixing> {
     static variable_list forward(AutogradContext *ctx, const Tensor &x, const Tensor &dispatch, const Tensor &combine,
                                  const Tensor &weight1, const OptionalTensor &bias1, const Tensor &weight2,
                                  const OptionalTensor &bias2, bool keep_outputs, const std::string &isa)
     {
-        static const auto mixing = op<MixingOp>("softmoe::soft_moe_mixing");
-        at::AutoDispatchBelowADInplaceOrView below_autograd;
-        const auto [out, saved] = mixing.call(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa);
+        const auto [out, saved] =
+            below_autograd(mixing_op(), x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa);
         ctx->save_for_backward({x, dispatch, combine, weight1, weight2, bias2.value_or(Tensor()), saved});
         ctx->mark_non_differentiable({saved});
         ctx->set_materialize_grads(false); /* no zeros written for saved's gradient */
@@ -140,6 +165,8 @@ std::tuple<Tensor, Tensor> mixing_autograd(const Tensor &x, const Tensor &dispat
                                            const Tensor &weight1, const OptionalTensor &bias1, const Tensor &weight2,
                                            const OptionalTensor &bias2, bool keep_outputs, c10::string_view isa)
 {
+    if (!compute_requires_grad(x, dispatch, combine, weight1, bias1, weight2, bias2))
+        return below_autograd(mixing_op(), x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa);
     const variable_list out =
         Mixing::apply(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, std::string(isa));
     return {out[0], out[1]};
@@ -171,12 +198,11 @@ struct ExpertMatmul : public torch::autograd::Function<ExpertMatmul> {
     static Tensor forward(AutogradContext *ctx, const Tensor &x, const Tensor &weight, const OptionalTensor &bias,
                           const std::string &activation, const std::string &isa)
     {
-        at::AutoDispatchBelowADInplaceOrView below_autograd;
         ctx->save_for_backward({x, weight});
         ctx->saved_data["activation"] = activation;
         ctx->saved_data["isa"] = isa;
         ctx->saved_data["has_bias"] = bias.has_value();
-        return expert_matmul_op().call(x, weight, bias, activation, isa);
+        return below_autograd(expert_matmul_op(), x, weight, bias, activation, isa);
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads)
@@ -197,6 +223,8 @@ struct ExpertMatmul : public torch::autograd::Function<ExpertMatmul> {
 Tensor expert_matmul_autograd(const Tensor &x, const Tensor &weight, const OptionalTensor &bias,
                               c10::string_view activation, c10::string_view isa)
 {
+    if (!compute_requires_grad(x, weight, bias))
+        return below_autograd(expert_matmul_op(), x, weight, bias, activation, isa);
     return ExpertMatmul::apply(x, weight, bias, std::string(activation), std::string(isa));
 }
 
@@ -205,10 +233,9 @@ Tensor expert_matmul_autograd(const Tensor &x, const Tensor &weight, const Optio
 template <bool NT> struct ExpertMatmulPair : public torch::autograd::Function<ExpertMatmulPair<NT>> {
     static Tensor forward(AutogradContext *ctx, const Tensor &a, const Tensor &b, const std::string &isa)
     {
-        at::AutoDispatchBelowADInplaceOrView below_autograd;
         ctx->save_for_backward({a, b});
         ctx->saved_data["isa"] = isa;
-        return pair_op(NT).call(a, b, isa);
+        return below_autograd(pair_op(NT), a, b, isa);
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads)
@@ -230,6 +257,7 @@ template <bool NT> struct ExpertMatmulPair : public torch::autograd::Function<Ex
 
 template <bool NT> Tensor expert_matmul_pair_autograd(const Tensor &a, const Tensor &b, c10::string_view isa)
 {
+    if (!compute_requires_grad(a, b)) return below_autograd(pair_op(NT), a, b, isa);
     return ExpertMatmulPair<NT>::apply(a, b, std::string(isa));
 }
 
@@ -237,13 +265,17 @@ template <bool NT> Tensor expert_matmul_pair_autograd(const Tensor &a, const Ten
 
 using TopKCombineOp = std::tuple<Tensor, Tensor>(const Tensor &, int64_t, int64_t, c10::string_view);
 
+const c10::TypedOperatorHandle<TopKCombineOp> &top_k_combine_op()
+{
+    static const auto handle = op<TopKCombineOp>("softmoe::top_k_combine");
+    return handle;
+}
+
 struct TopKCombine : public torch::autograd::Function<TopKCombine> {
     static variable_list forward(AutogradContext *ctx, const Tensor &combine, int64_t p, int64_t k,
                                  const std::string &isa)
     {
-        static const auto top_k_combine = op<TopKCombineOp>("softmoe::top_k_combine");
-        at::AutoDispatchBelowADInplaceOrView below_autograd;
-        const auto [kept, selected] = top_k_combine.call(combine, p, k, isa);
+        const auto [kept, selected] = below_autograd(top_k_combine_op(), combine, p, k, isa);
         ctx->mark_non_differentiable({selected});
         ctx->save_for_backward({selected});
         ctx->saved_data["experts"] = combine.size(2) / p;
@@ -267,6 +299,7 @@ struct TopKCombine : public torch::autograd::Function<TopKCombine> {
 std::tuple<Tensor, Tensor> top_k_combine_autograd(const Tensor &combine, int64_t p, int64_t k,
                                                   c10::string_view isa)
 {
+    if (!compute_requires_grad(combine)) return below_autograd(top_k_combine_op(), combine, p, k, isa);
     const variable_list out = TopKCombine::apply(combine, p, k, std::string(isa));
     return {out[0], out[1]};
 }
