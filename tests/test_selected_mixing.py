@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import softmoe
+from softmoe import selection_plan
 from softmoe.activations import ACTIVATIONS
 from softmoe.kernels import native_available
 from softmoe.selection import masked_reference_forward
@@ -130,33 +131,61 @@ def test_the_layer_takes_it_in_inference(every_weight_large, renormalize, strate
 
 
 @pytest.mark.parametrize("expert_bias", [True, False])
-def test_the_layer_takes_it_for_a_batch_through_weights_no_taller_than_wide(every_weight_large, expert_bias):
-    """A batch of inputs keeping shared experts, 2 slots per expert, experts that widen (dim 8 -> 12 -> 16): the
-    kernel serves every expert's rows as they are, and the layer equals the paper's masked forward in float64; a
-    masked input and normalized inputs change nothing of that."""
+@pytest.mark.parametrize("hidden, out_dim", [(12, 16), (20, 8)])
+def test_the_layer_takes_it_for_a_batch(every_weight_large, expert_bias, hidden, out_dim):
+    """A batch of inputs keeping shared experts, 2 slots per expert, experts that widen (dim 8 -> 12 -> 16) or whose
+    down-projection is taller than wide (8 -> 20 -> 8, its rows split by columns): the kernel serves every expert's
+    rows, and the layer equals the paper's masked forward in float64; a masked input and normalized inputs change
+    nothing of that."""
     torch.manual_seed(7)
-    layer = softmoe.SoftMoE(8, 6, 2, expert_hidden=12, out_dim=16, expert_bias=expert_bias, normalize="inputs").eval()
+    layer = softmoe.SoftMoE(
+        8, 6, 2, expert_hidden=hidden, out_dim=out_dim, expert_bias=expert_bias, normalize="inputs"
+    ).eval()
     x, mask = torch.randn(5, 4, 8), torch.ones(5, 4, dtype=torch.bool)
     mask[1, 2:] = False
     with torch.no_grad(), softmoe.select_experts(layer, k=3, plan="selected"):
         chosen = layer.selector.select(layer.route(x, mask).combine)
         assert "softmoe::selected_mixing" in ops_called(lambda: layer(x, mask))
         out = layer(x, mask)
-    assert out.shape == (5, 4, 16) and len(set(chosen.flatten().tolist())) < chosen.numel()
+    assert out.shape == (5, 4, out_dim) and len(set(chosen.flatten().tolist())) < chosen.numel()
     want = masked_reference_forward(layer.double(), x.double(), chosen, mask)
     assert (out.double() - want).abs().max().item() < 1e-5
 
 
-def test_not_taken_where_a_gradient_is_needed_or_the_kernel_would_not_serve(every_weight_large):
-    """A gradient takes the differentiable plan; so do more rows per expert through a weight taller than wide (the
-    down-projection at batch 2), which the expert matmul serves in row blocks."""
+def test_plan_auto_takes_it_wherever_it_serves(every_weight_large):
+    """Plan "auto" runs the selected plan in one call wherever the op serves (it does a part of the dense plan's
+    work and nothing more), here 5 of 6 experts at batch 3, where the cost model would take the dense plan (each
+    expert in use costs the plan's bookkeeping in torch's ops); with a gradient it is the cost model's again."""
+    torch.manual_seed(8)
+    layer = softmoe.SoftMoE(12, 6, expert_hidden=20).eval()
+    x = torch.randn(3, 5, 12)
+    with softmoe.select_experts(layer, k=5):
+        chosen = layer.selector.select(layer.route(x).combine)
+        assert not selection_plan.selected_plan_is_cheaper(
+            selection_plan.plan_costs(3, 5, 6, 1, selection_plan.flops_per_row(layer.experts), x.device),
+            x.device,
+        )
+        with torch.no_grad():
+            assert selection_plan.auto_plan(layer, x, chosen) == "selected"
+            assert "softmoe::selected_mixing" in ops_called(lambda: layer(x))
+            out = layer(x)
+        assert selection_plan.auto_plan(layer, x, chosen) == "dense"
+    want = masked_reference_forward(layer.double(), x.double(), chosen)
+    assert (out.double() - want).abs().max().item() < 1e-5
+
+
+def test_not_taken_where_a_gradient_is_needed_or_the_kernel_would_not_serve(every_weight_large, monkeypatch):
+    """A gradient takes the differentiable plan; so do more rows per expert than the expert matmul takes (batch x
+    slots per expert above softmoe.tuning.TABLE's "native_forward_max_rows")."""
     torch.manual_seed(5)
     layer = softmoe.SoftMoE(12, 6, expert_hidden=20).eval()
+    monkeypatch.setitem(TABLE, "native_forward_max_rows", Measured(2, "a test"))
     with softmoe.select_experts(layer, k=2, plan="selected"):
         x = torch.randn(1, 5, 12)
         assert "softmoe::selected_mixing" not in ops_called(lambda: layer(x).sum().backward())
         with torch.no_grad():
-            assert "softmoe::selected_mixing" not in ops_called(lambda: layer(torch.randn(2, 5, 12)))
+            assert "softmoe::selected_mixing" in ops_called(lambda: layer(torch.randn(2, 5, 12)))
+            assert "softmoe::selected_mixing" not in ops_called(lambda: layer(torch.randn(3, 5, 12)))
 
 
 def test_compiled_with_fullgraph_once_for_every_selection(every_weight_large):

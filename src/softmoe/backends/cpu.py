@@ -6,9 +6,11 @@ mix           ``softmoe::soft_moe_mixing``, the whole mixing of small relu exper
               else the token formulation where its cost model finds it cheaper; else the slot formulation with
               ``softmoe::expert_matmul`` for few rows through large weights, or with torch's batched matmuls
 select        Algorithm 1's choice in the routing's own pass in inference, or ``softmoe::top_k_combine`` after it
-mix_selected  in inference with the fused mixing, the dense plan: the kernel skips the unkept experts itself
+plan          plan "auto" for Algorithm 1: in inference with the fused mixing the dense plan (the kernel skips the
+              unkept experts itself); where the selected plan runs in one call, that plan (it does a part of the
+              dense plan's work and nothing more); else the cost model (softmoe.selection_plan)
 selected      the selected plan in one call (``softmoe::selected_mixing``) in inference, where the expert matmul
-              serves the kept experts' products as grouped_mm would (:func:`fused_selected_serves`)
+              serves every kept expert's rows (:func:`fused_selected_serves`)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from softmoe.backends.base import algorithm1_k, kept_combine
 from softmoe.backends.generic import SlotsBackend, TokensBackend, expert_rows, slot_rows, token_space_is_cheaper
 from softmoe.kernels import native_available, native_status
 from softmoe.kernels.expert_matmul import NATIVE_ACTIVATIONS, expert_matmul, native_applies
-from softmoe.kernels.grouped_mm import kernel_serves_groups
+from softmoe.kernels.grouped_mm import native_serves
 from softmoe.kernels.modes import needs_grad
 from softmoe.kernels.onednn import batched_matmul
 from softmoe.kernels.selected_mixing import selected_mixing
@@ -47,16 +49,21 @@ def skips_unkept(layer, x: torch.Tensor, *routing: torch.Tensor) -> bool:
 
 def fused_selected_serves(layer, x: torch.Tensor) -> bool:
     """Whether ``softmoe::selected_mixing`` runs Algorithm 1's selected plan for tokens x in inference: the experts'
-    activation is one the expert matmul applies, and the kernel serves the rows of every expert (at most batch x
-    slots per expert: every input keeps it) as they are, through both layers."""
+    activation is one the expert matmul applies, and the expert matmul serves the rows of every expert (at most
+    batch x slots per expert: every input keeps it) through both layers, each expert's product in one call that
+    splits its work over the threads itself (for more than one row by columns, a weight taller than wide too)."""
     experts = layer.experts
     weight1, _, weight2, _ = experts.weights()
     most = x.shape[0] * layer.slots_per_expert
     return (
-        experts.activation in NATIVE_ACTIVATIONS
-        and kernel_serves_groups(x, weight1, most)
-        and kernel_serves_groups(x, weight2, most)
+        experts.activation in NATIVE_ACTIVATIONS and native_serves(x, weight1, most) and native_serves(x, weight2, most)
     )
+
+
+def selected_in_one_call(layer, x: torch.Tensor, *routing: torch.Tensor) -> bool:
+    """Whether the selected plan runs in one call of ``softmoe::selected_mixing``: in inference, where
+    :func:`fused_selected_serves`."""
+    return not needs_grad(x, *routing, *layer.experts.weights()) and fused_selected_serves(layer, x)
 
 
 class CpuBackend(SlotsBackend):
@@ -133,18 +140,22 @@ class CpuBackend(SlotsBackend):
         return self.mix_selected(layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept=True)
 
     def selected(self, layer, x, dispatch, combine, selected, renormalize):
-        experts = layer.experts
-        weights = experts.weights()
-        if needs_grad(x, dispatch, combine, *weights) or not fused_selected_serves(layer, x):
+        if not selected_in_one_call(layer, x, dispatch, combine):
             return super().selected(layer, x, dispatch, combine, selected, renormalize)
         if renormalize:
             combine = kept_combine(layer, combine, selected, renormalize)
-        return selected_mixing(x, dispatch, combine, selected, weights, layer.slots_per_expert, experts.activation)
+        experts = layer.experts
+        return selected_mixing(
+            x, dispatch, combine, selected, experts.weights(), layer.slots_per_expert, experts.activation
+        )
 
-    def mix_selected(self, layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept=False):
-        if plan == "auto" and skips_unkept(layer, x, dispatch, combine):
-            plan = "dense"  # the fused mixing runs only the kept experts' work
-        return super().mix_selected(layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept)
+    def plan(self, layer, x, dispatch, combine, selected, renormalize, top_k=False):
+        if skips_unkept(layer, x, dispatch, combine):
+            return "dense"  # the fused mixing runs only the kept experts' work
+        if selected_in_one_call(layer, x, dispatch, combine):
+            # the kept experts' products, each expert's weights read once, and nothing the dense plan does not do
+            return "selected"
+        return super().plan(layer, x, dispatch, combine, selected, renormalize, top_k)
 
     def steps(self, layer, x):
         mixing = {

@@ -96,12 +96,6 @@ def native_product(
     return _finish(row_block_matmul(x, w, torch.get_num_threads()), bias, activation)
 
 
-def kernel_serves_groups(x: torch.Tensor, weight: torch.Tensor, most: int) -> bool:
-    """Whether the native expert matmul serves groups of 1 to ``most`` rows of x through each weight of ``weight``
-    (E, K, N) as they are, one call per group (no row blocks): as :func:`group_product` would run them."""
-    return native_serves(x, weight, most) and splits_itself(most, weight)
-
-
 def splits_itself(rows: int, w: torch.Tensor) -> bool:
     """Whether the native kernel alone runs ``rows`` rows through w (..., K, N) as :func:`native_product` would: one
     row, or a weight no taller than wide."""
