@@ -4,9 +4,9 @@
  *
  * Each op's Autograd kernel is a torch::autograd::Function that runs the op below autograd, saves what its backward
  * reads and differentiates it with the backward op (without a gradient to record, the op below autograd alone),
- * every step through the dispatcher: torch.compile, the profiler
- * and dispatch modes see each op that runs, eager and compiled calls run the same kernels, and an eager call, with or
- * without gradients, costs no Python beyond the op's call.
+ * every step through the dispatcher: torch.compile, the profiler and dispatch modes see each op that runs, eager and
+ * compiled calls run the same kernels, and an eager call, with or without gradients, costs no Python beyond the op's
+ * call.
  *
  * An absent optional tensor is no input of a Function's node: needs_input_grad counts only the tensors present,
  * while the gradients returned have one place for every argument. */
