@@ -239,6 +239,18 @@ def test_each_input_alone_records_its_gradient_and_no_input_records_nothing(isa)
             assert relative_error(got, grad) < 1e-6, (name, place)
 
 
+def test_a_forward_mode_tangent_is_refused_not_dropped(isa):
+    """A dual tensor (torch.autograd.forward_ad) into a differentiable op, under no_grad too, raises torch's error for
+    a Function without a forward-mode formula: its tangent is not silently lost."""
+    from torch.autograd import forward_ad
+
+    for name, op, args in differentiable_op_calls(isa):
+        with forward_ad.dual_level(), torch.no_grad():
+            dual = forward_ad.make_dual(args[0], torch.ones_like(args[0]))
+            with pytest.raises(RuntimeError, match="jvp is not implemented"):
+                op(dual, *args[1:])
+
+
 # ---- torch.compile ---------------------------------------------------------------------------------------------
 
 

@@ -3,7 +3,7 @@
  * bindings.cpp).
  *
  * Each op's Autograd kernel is a torch::autograd::Function that runs the op below autograd, saves what its backward
- * reads and differentiates it with the backward op (without a gradient to record, the op below autograd alone),
+ * reads and differentiates it with the backward op (with nothing to record, the op below autograd alone),
  * every step through the dispatcher: torch.compile, the profiler and dispatch modes see each op that runs, eager and
  * compiled calls run the same kernels, and an eager call, with or without gradients, costs no Python beyond the op's
  * call.
@@ -17,7 +17,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/autograd/functions/utils.h> /* compute_requires_grad */
+#include <torch/csrc/autograd/functions/utils.h> /* compute_requires_grad, isFwGradDefined */
 #include <torch/library.h>
 
 #include <string>
@@ -47,7 +47,12 @@ auto below_autograd(const c10::TypedOperatorHandle<Signature> &handle, const Arg
     return handle.call(args...);
 }
 
-using torch::autograd::compute_requires_grad;
+/* Whether an Autograd kernel has anything to record: a gradient (grad mode on and an input that requires one), or a
+ * forward-mode tangent, which the Functions refuse with torch's error rather than drop. */
+template <class... Inputs> bool records(const Inputs &...inputs)
+{
+    return torch::autograd::compute_requires_grad(inputs...) || (torch::autograd::isFwGradDefined(inputs) || ...);
+}
 
 /* ---- softmoe::soft_moe_routing ------------------------------------------------------------------------------ */
 
@@ -108,7 +113,7 @@ struct Routing : public torch::autograd::Function<Routing> {
 Routing4 routing_autograd(const Tensor &x, const Tensor &phi, const OptionalTensor &scale,
                           c10::string_view normalize, c10::string_view isa, bool onednn)
 {
-    if (!compute_requires_grad(x, phi, scale))
+    if (!records(x, phi, scale))
         return below_autograd(routing_op(), x, phi, scale, normalize, isa, onednn);
     const variable_list out = Routing::apply(x, phi, scale, std::string(normalize), std::string(isa), onednn);
     return {out[0], out[1], out[2], out[3]};
@@ -165,7 +170,7 @@ std::tuple<Tensor, Tensor> mixing_autograd(const Tensor &x, const Tensor &dispat
                                            const Tensor &weight1, const OptionalTensor &bias1, const Tensor &weight2,
                                            const OptionalTensor &bias2, bool keep_outputs, c10::string_view isa)
 {
-    if (!compute_requires_grad(x, dispatch, combine, weight1, bias1, weight2, bias2))
+    if (!records(x, dispatch, combine, weight1, bias1, weight2, bias2))
         return below_autograd(mixing_op(), x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa);
     const variable_list out =
         Mixing::apply(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, std::string(isa));
@@ -223,7 +228,7 @@ struct ExpertMatmul : public torch::autograd::Function<ExpertMatmul> {
 Tensor expert_matmul_autograd(const Tensor &x, const Tensor &weight, const OptionalTensor &bias,
                               c10::string_view activation, c10::string_view isa)
 {
-    if (!compute_requires_grad(x, weight, bias))
+    if (!records(x, weight, bias))
         return below_autograd(expert_matmul_op(), x, weight, bias, activation, isa);
     return ExpertMatmul::apply(x, weight, bias, std::string(activation), std::string(isa));
 }
@@ -257,7 +262,7 @@ template <bool NT> struct ExpertMatmulPair : public torch::autograd::Function<Ex
 
 template <bool NT> Tensor expert_matmul_pair_autograd(const Tensor &a, const Tensor &b, c10::string_view isa)
 {
-    if (!compute_requires_grad(a, b)) return below_autograd(pair_op(NT), a, b, isa);
+    if (!records(a, b)) return below_autograd(pair_op(NT), a, b, isa);
     return ExpertMatmulPair<NT>::apply(a, b, std::string(isa));
 }
 
@@ -299,7 +304,7 @@ struct TopKCombine : public torch::autograd::Function<TopKCombine> {
 std::tuple<Tensor, Tensor> top_k_combine_autograd(const Tensor &combine, int64_t p, int64_t k,
                                                   c10::string_view isa)
 {
-    if (!compute_requires_grad(combine)) return below_autograd(top_k_combine_op(), combine, p, k, isa);
+    if (!records(combine)) return below_autograd(top_k_combine_op(), combine, p, k, isa);
     const variable_list out = TopKCombine::apply(combine, p, k, std::string(isa));
     return {out[0], out[1]};
 }
