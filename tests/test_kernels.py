@@ -268,20 +268,27 @@ def test_products_that_cannot_take_onednn_never_time_it(fresh_probe, monkeypatch
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 @pytest.mark.parametrize("slots_per_expert", [1, 2])
-def test_slot_backend_with_onednn_products_matches_float64(activation, slots_per_expert, onednn_products):
-    """The slot backend's expert products, forward and backward, in oneDNN: output and every gradient against the
-    same layer in float64 (torch's products)."""
+@pytest.mark.skipif(not native_available(), reason="the cpu backend needs the native build")
+def test_the_cpu_backends_slot_formulation_with_onednn_products_matches_float64(
+    activation, slots_per_expert, onednn_products
+):
+    """The "cpu" backend's slot formulation runs its expert products, forward and backward, in oneDNN (the "slots"
+    backend in torch's): output and every gradient against the same layer in float64 (torch's products)."""
     torch.manual_seed(3)
-    layer = SoftMoE(12, 4, slots_per_expert, expert_hidden=10, activation=activation, backend="slots")
-    x, grad = torch.randn(3, 9, 12), torch.randn(3, 9, 12)
+    layer = SoftMoE(12, 4, slots_per_expert, expert_hidden=10, activation=activation, backend="cpu")
+    x, grad = torch.randn(3, 9, 12), torch.randn(3, 9, 12)  # 9 tokens: not the fused kernel
+    assert layer.backend_for(x).backend.mixing(layer, x) == "slots"
     out = layer(x.requires_grad_(True))
     assert ONEDNN in kernels_called(lambda: out.backward(grad))  # the backward's products too
     got = output_and_gradients(layer, x, grad)
-    want = output_and_gradients(copy.deepcopy(layer).double(), x.double(), grad.double())
+    ref = copy.deepcopy(layer).double()
+    ref.backend = "reference"
+    want = output_and_gradients(ref, x.double(), grad.double())
     for g, w in zip(got, want, strict=True):
         assert relative_error(g, w) < 1e-5
-    with torch.no_grad():  # inference, on the slot backend and on the native one (9 tokens: not the fused kernel)
+    with torch.no_grad():
         assert ONEDNN in kernels_called(lambda: layer(x))
         assert (layer(x).double() - want[0]).abs().max().item() < 1e-5
-        layer.backend = "cpu" if native_available() else "slots"
+        layer.backend = "slots"
+        assert ONEDNN not in kernels_called(lambda: layer(x))
         assert (layer(x).double() - want[0]).abs().max().item() < 1e-5

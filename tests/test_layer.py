@@ -738,6 +738,61 @@ def test_every_backend_matches_definition_1_in_float64(backend, normalize):
         assert (got - expected).abs().max().item() < PARITY_TOL
 
 
+def test_the_reference_backend_runs_torch_ops_only(monkeypatch):
+    """backend="reference" runs no softmoe op and no oneDNN product in any step, on float32 CPU tensors whose products
+    oneDNN takes elsewhere (the tuning table set so that it pays for every product here): the forward, its backward,
+    Algorithm 1 on each plan with and without gradients, an adaptive strategy; its selected plan equals the masked
+    reference in float64, output and gradients. The slot and token formulations' mixing is torch's ops too."""
+    from softmoe.kernels.onednn import batched_matmul
+    from softmoe.selection import masked_reference_forward
+
+    vendor, family, _ = cpu_signature()
+    monkeypatch.setitem(TABLE, "onednn_cpus", Measured(((vendor, family, None),), "a test: this CPU"))
+    monkeypatch.setitem(TABLE, "onednn_min_product_flops", Measured(0, "a test: every product"))
+    monkeypatch.setitem(TABLE, "onednn_min_batch_flops", Measured(0, "a test: every product"))
+
+    def own_ops(run) -> set[str]:
+        return {op for op in kernels_called(run) if op.startswith(("softmoe::", "mkldnn::"))}
+
+    torch.manual_seed(33)
+    layer = SoftMoE(16, 4, 2, expert_hidden=32, backend="reference")
+    x = torch.randn(5, 6, 16)
+    with torch.no_grad():
+        weight = layer.experts.weight1
+        onednn = own_ops(lambda: batched_matmul(torch.randn(4, 10, 16), weight))
+    assert onednn == ({"mkldnn::_linear_pointwise"} if torch.backends.mkldnn.is_available() else set())
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        layer(x.detach().requires_grad_()).sum().backward()
+
+    def inference():
+        with torch.no_grad():
+            layer(x)
+
+    assert own_ops(step) == set() and own_ops(inference) == set()
+    for generic in ("slots", "tokens"):  # the formulations' mixing: torch's products too
+        layer.backend = generic
+        assert own_ops(step) == set() and own_ops(inference) == set(), generic
+    layer.backend = "reference"
+    for plan in ("auto", "dense", "selected"):
+        with select_experts(layer, k=2, plan=plan):
+            assert own_ops(step) == set() and own_ops(inference) == set(), plan
+    with select_experts(layer, k=0.5, strategy="mass", tau=0.6, plan="selected"):
+        assert own_ops(inference) == set()
+
+    ref = SoftMoE(16, 4, 2, expert_hidden=32, backend="reference", dtype=F64)
+    x64 = torch.randn(5, 6, 16, dtype=F64, requires_grad=True)
+    selected = torch.tensor([[0, 3], [1, 2], [2, -1], [0, 1], [3, 0]])
+    got = ref.forward_selected(x64, selected, plan="selected")
+    want = masked_reference_forward(ref, x64, selected)
+    assert (got - want).abs().max().item() < PARITY_TOL
+    grad = torch.randn_like(got)
+    leaves = [x64, *ref.parameters()]
+    for g, w in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad), strict=True):
+        assert (g - w).abs().max().item() < PARITY_TOL
+
+
 @pytest.mark.parametrize("path", ["tokens", "slots"])
 def test_gradients_reach_every_parameter(path):
     layer = make_layer(path, 2, dtype=torch.float32, sharpen=False)

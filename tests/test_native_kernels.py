@@ -163,14 +163,17 @@ def test_large_weight_gradients_reuse_a_block_once_it_is_free(library):
     assert relative_error(third, 3 * want) < 1e-5
 
 
-def test_the_slot_backends_large_weight_gradients_reuse_a_block_once_it_is_free(library):
-    """The slot backend's expert weight gradients (torch's products) go into the same pool of blocks: reused once
-    dropped, never while held, right in every case; a double backward (create_graph) keeps torch's own product."""
+def test_the_slot_formulations_large_weight_gradients_reuse_a_block_once_it_is_free(library):
+    """The "cpu" backend's slot formulation puts its expert weight gradients (torch's products) into the same pool of
+    blocks: reused once dropped, never while held, right in every case; a double backward (create_graph) keeps
+    torch's own product."""
     torch.manual_seed(5)
-    layer = SoftMoE(64, 4, slots_per_expert=2, expert_hidden=32768, backend="slots")  # 33.5 MB gradients
+    layer = SoftMoE(64, 4, slots_per_expert=2, expert_hidden=32768, backend="cpu")  # 33.5 MB gradients
     ref = SoftMoE(64, 4, slots_per_expert=2, expert_hidden=32768, backend="reference", dtype=torch.float64)
     ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
-    x, g = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
+    # 18 rows per expert: more than the native expert matmul takes with gradients
+    x, g = torch.randn(9, 3, 64), torch.randn(9, 3, 64)
+    assert layer.backend_for(x).backend.mixing(layer, x) == "slots"
     (ref(x.double()) * g.double()).sum().backward()
     w1, want = layer.experts.weight1, ref.experts.weight1.grad
 

@@ -14,7 +14,7 @@ import torch
 import softmoe.backends.cpu as cpu_backend
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.kernels import cpu_isa, native_available, soft_moe_routing, soft_moe_routing_top_k
-from softmoe.kernels.top_k_combine import native_top_k_applies, top_k_combine
+from softmoe.kernels.top_k_combine import top_k_combine
 from softmoe.selection import top_k_by_combine
 from softmoe.selection_plan import kept_slots
 from softmoe.tuning import TABLE, Measured
@@ -123,7 +123,7 @@ def test_opcheck_and_the_gradient_reaches_the_kept_slots_only():
     assert torch.equal(grad, torch.where(kept_slots(selected, 3, 2), upstream, 0.0))
 
 
-def test_bad_arguments_are_value_errors_and_other_tensors_are_not_served():
+def test_bad_arguments_are_value_errors():
     combine = torch.rand(2, 3, 6)
     with pytest.raises(ValueError, match=r"k must be an integer in \[1, 3\] \(the experts\), got 4"):
         top_k_combine(combine, 2, 4)
@@ -131,9 +131,6 @@ def test_bad_arguments_are_value_errors_and_other_tensors_are_not_served():
         top_k_combine(combine, 1, 0)
     with pytest.raises(ValueError, match="6 slots are not a whole number of experts of 4 slots"):
         top_k_combine(combine, 4, 1)
-    assert native_top_k_applies(combine)
-    assert not native_top_k_applies(combine.double())
-    assert not native_top_k_applies(torch.empty(2, 3, 6, device="meta"))
 
 
 # (batch, tokens, dim, experts, slots per expert, k, normalize): the kernel's own products (<= 32 slots) and MKL's or
@@ -291,8 +288,8 @@ def test_gradients_flow_through_the_layers_choice():
 
 
 def test_the_selector_chooses_as_the_layer_on_float32_cpu_tensors():
-    """top_k_by_combine takes the op for float32 CPU combine weights, so a selector's select() and the layer agree
-    even where float32 sums in torch's order would tie: here the experts' sums are 1 and 1 + 2^-24."""
+    """top_k_by_combine sums in float64 as the op does, so a selector's select() and the layer agree even where
+    float32 sums would tie: here the experts' sums are 1 and 1 + 2^-24."""
     combine = torch.tensor([[[1.0, 1.0], [0.0, 2.0**-24]]])
     assert combine.sum(dim=1).tolist() == [[1.0, 1.0]]  # tied in float32
     assert top_k_combine(combine, 1, 1)[1].tolist() == [[1]]
@@ -302,8 +299,7 @@ def test_the_selector_chooses_as_the_layer_on_float32_cpu_tensors():
 
 @pytest.mark.parametrize("case", ["mask", "noise", "float64"])
 def test_masks_noise_and_float64_choose_through_the_selector(case):
-    """The selector chooses, once; the layer does not run the op besides (the selector's own top_k_by_combine
-    takes it for float32 combine weights)."""
+    """The selector chooses, once, in torch's ops (top_k_by_combine); the layer runs neither op besides."""
     torch.manual_seed(5)
     dtype = torch.float64 if case == "float64" else torch.float32
     layer = SoftMoE(12, 6, expert_hidden=20, noise_std=0.5 if case == "noise" else 0.0, dtype=dtype)
@@ -315,7 +311,7 @@ def test_masks_noise_and_float64_choose_through_the_selector(case):
         with softmoe_ops() as ops:
             layer(x, mask)
     assert selector.calls == 1
-    assert len(ops["top_k_combine"]) == (dtype == torch.float32) and not ops["soft_moe_routing_top_k"]
+    assert not ops["top_k_combine"] and not ops["soft_moe_routing_top_k"]
 
 
 def test_the_layers_choice_compiles_with_the_op_in_its_graph():

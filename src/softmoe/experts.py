@@ -32,7 +32,6 @@ from softmoe.checks import check_positive_ints
 from softmoe.compat import transforms_active
 from softmoe.kernels.grouped_mm import GroupedProduct, grouped_mm
 from softmoe.kernels.modes import host_reads_are_free, needs_grad
-from softmoe.kernels.onednn import batched_matmul
 
 
 class FactoryKwargs(TypedDict):
@@ -148,10 +147,10 @@ class MLPExperts(nn.Module):
                     param.copy_(param[:1].expand_as(param))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (num_experts, rows, dim) -> (num_experts, rows, out_dim), in batched matmuls (torch's, or oneDNN's
-        where :func:`softmoe.kernels.batched_matmul` finds them faster)."""
+        """x: (num_experts, rows, dim) -> (num_experts, rows, out_dim), in torch's batched matmuls (the backends
+        that run faster products for these experts run them in their own mixing)."""
         check_expert_input(x, self.num_experts, self.dim)
-        return batched_matmul(self.act(batched_matmul(x, self.weight1, self.bias1)), self.weight2, self.bias2)
+        return affine(self.act(affine(x, self.weight1, self.bias1)), self.weight2, self.bias2)
 
     def forward_selected(
         self, rows: torch.Tensor, expert: torch.Tensor, product: GroupedProduct = grouped_mm
@@ -201,6 +200,11 @@ class MLPExperts(nn.Module):
             f"num_experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}{out}, "
             f"activation={self.activation!r}, bias={self.bias1 is not None}"
         )
+
+
+def affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (E, rows, K) @ weight (E, K, N) + bias (E, N) -> (E, rows, N), each expert's rows through its own weight."""
+    return torch.bmm(x, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, weight)
 
 
 def _reinitialize(module: nn.Module) -> None:

@@ -39,8 +39,6 @@ import torch
 from torch import nn
 
 from softmoe.kernels.modes import host_reads_are_free
-from softmoe.kernels.top_k_combine import native_top_k_applies
-from softmoe.kernels.top_k_combine import top_k_combine as native_top_k_combine
 from softmoe.layer import SoftMoE, combine_slots, dispatch_slots
 from softmoe.selection_plan import check_plan, mask_from_subsets
 from softmoe.topk import top_k, top_k_list
@@ -96,15 +94,10 @@ def top_k_by_combine(combine: torch.Tensor, k: int) -> torch.Tensor:
     and there are at least softmoe.tuning.TABLE's "topk_min_scores" scores, ``torch.topk`` (faster than the stable
     sort for that many scores) gives the set when no row has such a tie. With fewer scores the sort's 2 ops beat that
     path's 10, and up to "host_topk_max_scores" (where reads are free) a sort on the host
-    (:func:`softmoe.topk.top_k_list`) beats both.
-    A float32 CPU combine takes the native op (:func:`softmoe.kernels.top_k_combine`, its sums in float64), as the
-    layer does for Algorithm 1: the selector and the layer choose alike.
+    (:func:`softmoe.topk.top_k_list`) beats both. Plain torch ops, the sums in float64 as in the "cpu" backend's
+    native choice: a selector and that backend agree where sums in float32 would tie.
     """
-    batch, tokens, num_experts, slots_per_expert = combine.shape
-    if native_top_k_applies(combine):
-        flat = combine.reshape(batch, tokens, num_experts * slots_per_expert)
-        return native_top_k_combine(flat, slots_per_expert, k)[1]
-    scores = combine_scores(combine)
+    scores = combine.sum(dim=(1, 3), dtype=torch.float64)
     on_host = host_reads_are_free(scores)
     if on_host and scores.numel() <= value("host_topk_max_scores"):
         return torch.tensor([top_k_list(row, k) for row in scores.tolist()], dtype=torch.int64).view(-1, k)

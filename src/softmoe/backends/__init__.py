@@ -14,13 +14,16 @@ A backend is an object (:class:`Backend`) with the layer's steps, for the inputs
 
 ``SoftMoE(backend=name)`` takes a name of :data:`BACKENDS`:
 
-    "reference"  plain torch ops for every step: Definition 1 as written. Any experts, device and dtype, autocast,
+    "reference"  plain torch ops for every step: Definition 1 as written (Algorithm 1's choice by a sort, its
+                 selected plan with every expert on every kept slot). Any experts, device and dtype, autocast,
                  torch.compile, torch.func transforms and forward-mode AD.
-    "slots"      generic torch, MLP experts: the slot formulation, its backward written out in one autograd node.
+    "slots"      generic torch, MLP experts: the slot formulation in torch's batched products, its backward written
+                 out in one autograd node; the selected plan in the experts' grouped product.
     "tokens"     generic torch, MLP experts: the exact token-space rewrite (no slot tensor is written).
     "cpu"        softmoe's native CPU ops (float32, MLP experts): routing and Algorithm 1's choice in one pass, the
                  fused mixing of small relu experts, the expert matmul for few rows through large weights, the
-                 selected plan in one call in inference.
+                 slot formulation's products in oneDNN where it outruns MKL, the selected plan in one call in
+                 inference.
     "cuda"       CUDA, MLP experts: the Triton routing kernel in eager inference, grouped GEMM for selected experts.
     "auto"       the default: :func:`resolve` picks one of the above for each input, by the rules written there.
 

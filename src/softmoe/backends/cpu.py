@@ -4,7 +4,8 @@ route         ``softmoe::soft_moe_routing``: logits, dispatch and combine in one
               logit noise)
 mix           ``softmoe::soft_moe_mixing``, the whole mixing of small relu experts in one pass, where it serves;
               else the token formulation where its cost model finds it cheaper; else the slot formulation with
-              ``softmoe::expert_matmul`` for few rows through large weights, or with torch's batched matmuls
+              ``softmoe::expert_matmul`` for few rows through large weights, or with batched matmuls (oneDNN's where
+              they outrun MKL on this CPU; the weight gradients in blocks of the native pool, reused step to step)
 select        Algorithm 1's choice in the routing's own pass in inference, or ``softmoe::top_k_combine`` after it
 plan          plan "auto" for Algorithm 1: in inference with the fused mixing the dense plan (the kernel skips the
               unkept experts itself); where the selected plan runs in one call, that plan (it does a part of the
@@ -20,7 +21,7 @@ import torch
 from softmoe.backends.base import algorithm1_k, kept_combine
 from softmoe.backends.generic import SlotsBackend, TokensBackend, expert_rows, slot_rows, token_space_is_cheaper
 from softmoe.kernels import native_available, native_status
-from softmoe.kernels.expert_matmul import NATIVE_ACTIVATIONS, expert_matmul, native_applies
+from softmoe.kernels.expert_matmul import NATIVE_ACTIVATIONS, expert_matmul, native_applies, reusable_empty
 from softmoe.kernels.grouped_mm import native_serves
 from softmoe.kernels.modes import needs_grad
 from softmoe.kernels.onednn import batched_matmul
@@ -31,7 +32,7 @@ from softmoe.kernels.top_k_combine import top_k_combine
 from softmoe.layer import renormalized
 from softmoe.tuning import value
 
-_SLOTS, _TOKENS = SlotsBackend(), TokensBackend()
+_TOKENS = TokensBackend()
 
 
 def fused_mixing_serves(layer, x: torch.Tensor) -> bool:
@@ -68,6 +69,10 @@ def selected_in_one_call(layer, x: torch.Tensor, *routing: torch.Tensor) -> bool
 
 class CpuBackend(SlotsBackend):
     name = "cpu"
+    # the slot formulation's batched products in oneDNN where it outruns MKL on this CPU, its weight gradients in
+    # blocks of the native pool reused from step to step
+    matmul = staticmethod(batched_matmul)
+    gradient_buffer = staticmethod(reusable_empty)
 
     def unsupported(self, layer, x):
         why = super().unsupported(layer, x)
@@ -105,7 +110,7 @@ class CpuBackend(SlotsBackend):
         if mixing == "tokens":
             return _TOKENS.mix(layer, x, dispatch, combine)
         if mixing == "slots":
-            return _SLOTS.mix(layer, x, dispatch, combine)
+            return super().mix(layer, x, dispatch, combine)
         experts, p = layer.experts, layer.slots_per_expert
         weight1, bias1, weight2, bias2 = experts.weights()
         if mixing == "fused":
@@ -162,7 +167,7 @@ class CpuBackend(SlotsBackend):
             "fused": "softmoe::soft_moe_mixing, every step of the small experts in one pass",
             "tokens": "the token-space rewrite (its cost model)",
             "native": "the slot formulation with softmoe::expert_matmul",
-            "slots": "the slot formulation in batched matmuls",
+            "slots": "the slot formulation in batched matmuls (oneDNN's where they outrun MKL on this CPU)",
         }[self.mixing(layer, x)]
         plan = (
             "softmoe::selected_mixing in inference, else torch ops" if fused_selected_serves(layer, x) else "torch ops"

@@ -3,17 +3,16 @@ MLP experts, "slots" and "tokens" (see :mod:`softmoe.backends`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from softmoe.activations import activation_fn
+from softmoe.activations import ACTIVATIONS, activation_fn
 from softmoe.backends.base import Backend, autocast_on
 from softmoe.compat import transforms_active
-from softmoe.experts import MLPExperts
-from softmoe.kernels.expert_matmul import reusable_empty
+from softmoe.experts import MLPExperts, affine
 from softmoe.kernels.modes import needs_grad
-from softmoe.kernels.onednn import batched_matmul
 from softmoe.tuning import value
 
 if TYPE_CHECKING:
@@ -22,12 +21,36 @@ if TYPE_CHECKING:
 
 class ReferenceBackend(Backend):
     """Plain torch ops for every step: the base class's generic steps; Algorithm 1 as the dense plan unless
-    the plan "selected" is asked for (the experts' own ``forward_selected``)."""
+    the plan "selected" is asked for (the experts' own ``forward_selected``, MLP experts with
+    :func:`grouped_product_in_torch`)."""
 
     name = "reference"
 
     def plan(self, layer, x, dispatch, combine, selected, renormalize, top_k=False) -> str:
         return "dense"
+
+    def selected_product(self, layer, x, selected):
+        return grouped_product_in_torch if isinstance(layer.experts, MLPExperts) else None
+
+
+def grouped_product_in_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ends: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+) -> torch.Tensor:
+    """The grouped product of :mod:`softmoe.kernels.grouped_mm` (x (rows, K) sorted by expert, weight (E, K, N), ends
+    (E,) the cumulative row counts -> (rows, N)) in plain torch ops: every row through every expert's weight in one
+    batched product, each row keeping its own expert's (E times the work of the grouped product), zero for the rows
+    past ends[-1]. No host read of ``ends``, so nothing to synchronize and nothing data-dependent to trace."""
+    experts, rows = weight.shape[0], x.shape[0]
+    row = torch.arange(rows, device=x.device)
+    owner = torch.searchsorted(ends, row.to(ends.dtype), right=True)  # experts for the rows past ends[-1]
+    out = affine(x.expand(experts, rows, x.shape[1]), weight, bias)[owner.clamp_max(experts - 1), row]
+    if activation != "none":
+        out = ACTIVATIONS[activation](out)
+    return torch.where((owner < experts).unsqueeze(1), out, 0.0)
 
 
 class MLPBackend(Backend):
@@ -44,9 +67,15 @@ class MLPBackend(Backend):
 
 class SlotsBackend(MLPBackend):
     """slots = D^T X, every expert on its slots in batched matmuls, C Y~: one autograd node with its backward
-    written out (:class:`SlotMixing`), which autocast does not see into."""
+    written out (:class:`SlotMixing`), which autocast does not see into.
+
+    ``matmul`` runs the batched products (a (E, M, K) @ b (E, K, N) + bias (E, N)), ``gradient_buffer`` gives the
+    block a weight gradient is written into ((shape, like) -> an uninitialized tensor; None: torch's own): torch's
+    here, the "cpu" backend's its own (:class:`~softmoe.backends.cpu.CpuBackend`)."""
 
     name = "slots"
+    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = staticmethod(affine)
+    gradient_buffer: Callable[[tuple[int, ...], torch.Tensor], torch.Tensor] | None = None
 
     def unsupported(self, layer, x):
         why = super().unsupported(layer, x)
@@ -58,11 +87,12 @@ class SlotsBackend(MLPBackend):
         experts = layer.experts
         dispatch, combine = dispatch.to(x.dtype), combine.to(x.dtype)
         weights = experts.weights()
+        p, activation = layer.slots_per_expert, experts.activation
         if needs_grad(x, dispatch, combine, *weights):
-            return SlotMixing.apply(x, dispatch, combine, *weights, layer.slots_per_expert, experts.activation)
+            return SlotMixing.apply(x, dispatch, combine, *weights, p, activation, self.matmul, self.gradient_buffer)
         # no gradient to record: the formulas without the autograd Function (its apply costs host time, by which
         # eager CUDA calls are bound)
-        return slot_mixing(x, dispatch, combine, *weights, layer.slots_per_expert, experts.activation)[0]
+        return slot_mixing(x, dispatch, combine, *weights, p, activation, self.matmul)[0]
 
     def mixing(self, layer, x):
         return "slots"
@@ -158,13 +188,14 @@ def _activation_backward(grad: torch.Tensor, pre: torch.Tensor, activation: str)
     return torch.ops.aten.gelu_backward(grad, pre, approximate=approximate)
 
 
-def slot_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, slots_per_expert, activation):
-    """C act(rows(D^T X) W1 + b1) W2 + b2 -> (out, rows, hidden, activated, y): 's forward."""
+def slot_mixing(x, dispatch, combine, weight1, bias1, weight2, bias2, slots_per_expert, activation, matmul):
+    """C act(rows(D^T X) W1 + b1) W2 + b2 -> (out, rows, hidden, activated, y): :class:`SlotMixing`'s forward, its
+    batched products by ``matmul`` (:class:`SlotsBackend`)."""
     rows = expert_rows(torch.bmm(dispatch.transpose(1, 2), x), weight1.shape[0], slots_per_expert)
-    hidden = batched_matmul(rows, weight1, bias1)
+    hidden = matmul(rows, weight1, bias1)
     activated = activation_fn(activation)(hidden)
-    y = slot_rows(batched_matmul(activated, weight2, bias2), x.shape[0], slots_per_expert)
-    return batched_matmul(combine, y), rows, hidden, activated, y
+    y = slot_rows(matmul(activated, weight2, bias2), x.shape[0], slots_per_expert)
+    return matmul(combine, y, None), rows, hidden, activated, y
 
 
 class SlotMixing(torch.autograd.Function):
@@ -175,46 +206,51 @@ class SlotMixing(torch.autograd.Function):
     db2 = sum dy, dh = act'(h) (dy W2^T), dW1 = rows^T dh, db1 = sum dh, dslots = dh W1^T, dX = D dslots and
     dD = X dslots^T. When the backward itself is to be differentiated (``create_graph=True``) it first recomputes
     the intermediates from the inputs under autograd, so that these formulas, and second derivatives, stay exact.
+    ``matmul`` and ``gradient_buffer`` as :class:`SlotsBackend`'s.
     """
 
     @staticmethod
-    def forward(ctx, x, dispatch, combine, weight1, bias1, weight2, bias2, slots_per_expert, activation):
+    def forward(
+        ctx, x, dispatch, combine, weight1, bias1, weight2, bias2, slots_per_expert, activation, matmul, gradient_buffer
+    ):
         inputs = (x, dispatch, combine, weight1, bias1, weight2, bias2)
-        out, rows, hidden, activated, y = slot_mixing(*inputs, slots_per_expert, activation)
+        out, rows, hidden, activated, y = slot_mixing(*inputs, slots_per_expert, activation, matmul)
         ctx.save_for_backward(*inputs, rows, hidden, activated, y)
         ctx.slots_per_expert, ctx.activation = slots_per_expert, activation
+        ctx.matmul, ctx.gradient_buffer = matmul, gradient_buffer
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, dispatch, combine, weight1, bias1, weight2, bias2, rows, hidden, activated, y = ctx.saved_tensors
-        p, need = ctx.slots_per_expert, ctx.needs_input_grad
+        p, need, matmul, buffer = ctx.slots_per_expert, ctx.needs_input_grad, ctx.matmul, ctx.gradient_buffer
         # out.sum().backward() hands over an expanded (stride-0) gradient, which sent both products below through
         # torch's slow strided path; one copy instead
         grad = grad.contiguous()
         if torch.is_grad_enabled():  # create_graph: the intermediates again, now as functions of the inputs
             inputs = (x, dispatch, combine, weight1, bias1, weight2, bias2)
-            _, rows, hidden, activated, y = slot_mixing(*inputs, p, ctx.activation)
+            _, rows, hidden, activated, y = slot_mixing(*inputs, p, ctx.activation, matmul)
         grad_combine = torch.bmm(grad, y.transpose(1, 2)) if need[2] else None
         grad_y = expert_rows(torch.bmm(combine.transpose(1, 2), grad), weight1.shape[0], p)
-        grad_w2 = _weight_gradient(activated, grad_y) if need[5] else None
+        grad_w2 = _weight_gradient(activated, grad_y, buffer) if need[5] else None
         grad_b2 = grad_y.sum(1) if need[6] else None
-        grad_hidden = _activation_backward(batched_matmul(grad_y, weight2.transpose(1, 2)), hidden, ctx.activation)
-        grad_w1 = _weight_gradient(rows, grad_hidden) if need[3] else None
+        grad_hidden = _activation_backward(matmul(grad_y, weight2.transpose(1, 2), None), hidden, ctx.activation)
+        grad_w1 = _weight_gradient(rows, grad_hidden, buffer) if need[3] else None
         grad_b1 = grad_hidden.sum(1) if need[4] else None
         grad_x = grad_dispatch = None
         if need[0] or need[1]:
-            grad_slots = slot_rows(batched_matmul(grad_hidden, weight1.transpose(1, 2)), x.shape[0], p)
+            grad_slots = slot_rows(matmul(grad_hidden, weight1.transpose(1, 2), None), x.shape[0], p)
             grad_x = torch.bmm(dispatch, grad_slots) if need[0] else None
             grad_dispatch = torch.bmm(x, grad_slots.transpose(1, 2)) if need[1] else None
-        return grad_x, grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, None, None
+        return grad_x, grad_dispatch, grad_combine, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None
 
 
-def _weight_gradient(inputs: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+def _weight_gradient(inputs: torch.Tensor, grad: torch.Tensor, buffer) -> torch.Tensor:
     """Each expert's weight gradient inputs^T @ grad: (n, rows, K), (n, rows, N) -> (n, K, N). Without a graph to
-    record it goes into a block reused from step to step (:func:`softmoe.kernels.expert_matmul.reusable_empty`): a
-    ViT-S layer's are 302 MB each, fresh pages at every step in a default process."""
-    if torch.is_grad_enabled():  # create_graph: torch.bmm's out= records no graph
+    record and with a ``buffer`` (:class:`SlotsBackend`'s ``gradient_buffer``) it goes into the block that gives:
+    the "cpu" backend's is reused from step to step (a ViT-S layer's gradients are 302 MB each, fresh pages at every
+    step in a default process)."""
+    if torch.is_grad_enabled() or buffer is None:  # create_graph: torch.bmm's out= records no graph
         return torch.bmm(inputs.transpose(1, 2), grad)
     shape = (inputs.shape[0], inputs.shape[2], grad.shape[2])
-    return torch.bmm(inputs.transpose(1, 2), grad, out=reusable_empty(shape, grad))
+    return torch.bmm(inputs.transpose(1, 2), grad, out=buffer(shape, grad))

@@ -56,7 +56,7 @@ from softmoe.kernels.selected_mixing import selected_mixing
 from softmoe.kernels.skinny_grouped_mm import skinny_applies, skinny_grouped_mm
 from softmoe.kernels.soft_moe_mixing import MIXING_MAX_TOKENS, native_mixing_applies, soft_moe_mixing
 from softmoe.kernels.soft_moe_routing import native_routing_applies, soft_moe_routing, soft_moe_routing_top_k
-from softmoe.kernels.top_k_combine import native_top_k_applies, top_k_combine
+from softmoe.kernels.top_k_combine import top_k_combine
 
 __all__ = [
     "ISAS",
@@ -74,7 +74,6 @@ __all__ = [
     "native_mixing_applies",
     "native_routing_applies",
     "native_status",
-    "native_top_k_applies",
     "needs_grad",
     "onednn_applies",
     "onednn_linear",

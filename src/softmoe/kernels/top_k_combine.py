@@ -7,13 +7,12 @@
         tokens and the expert's p slots), ascending (NaN largest, ties to the lower index: softmoe.topk.top_k's rule;
         the sums in float64); ``isa`` the kernel variant that runs it
 
-``softmoe.selection.top_k_by_combine`` takes this op for float32 CPU tensors, so a selector and the layer choose
-alike; elsewhere it sums in the tensor's precision with torch's ops, where two experts whose sums differ only by
-rounding may rank the other way. In torch's ops the choice and the dense plan's mask were a sum, a sort or a host
-read, a mask built from the choice and a ``torch.where``, several ops where this is one (docs/performance.md has
-the measurements). The op has a fake and a C++ autograd registration (``csrc/autograd.cpp``: ``kept``'s gradient is
-the upstream gradient on the kept slots; ``selected`` is not differentiable), so it composes with torch.compile and
-autograd.
+The "cpu" backend makes Algorithm 1's choice with it (or in the routing's pass);
+``softmoe.selection.top_k_by_combine`` makes the same choice in torch's ops, its sums in float64 too. In torch's ops
+the choice and the dense plan's mask were a sum, a sort or a host read, a mask built from the choice and a
+``torch.where``, several ops where this is one (docs/performance.md has the measurements). The op has a fake and a
+C++ autograd registration (``csrc/autograd.cpp``: ``kept``'s gradient is the upstream gradient on the kept slots;
+``selected`` is not differentiable), so it composes with torch.compile and autograd.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from softmoe.kernels.build import native_available, required_isa
-from softmoe.kernels.modes import transforms_active
+from softmoe.kernels.build import required_isa
 
 # The op's schema; its CPU kernel (csrc/bindings.cpp) and autograd (csrc/autograd.cpp) register when the native
 # extension loads.
@@ -45,17 +43,6 @@ def _(combine: Tensor, slots_per_expert: int, k: int, isa: str) -> tuple[Tensor,
     return kept, combine.new_empty((combine.shape[0], k), dtype=torch.int64)
 
 
-def native_top_k_applies(combine: Tensor) -> bool:
-    """Whether :func:`top_k_combine` serves ``combine``: a float32 CPU tensor, no torch.func transform active (the
-    op has no vmap rule) and the native kernels built."""
-    return (
-        combine.device.type == "cpu"
-        and combine.dtype == torch.float32
-        and not transforms_active()
-        and native_available()
-    )
-
-
 def check_choice(name: str, slots: int, slots_per_expert: int, k: int) -> None:
     """A ValueError unless the ``slots`` of ``name`` are whole experts of ``slots_per_expert`` and k lies in [1, n]."""
     if (
@@ -72,7 +59,7 @@ def check_choice(name: str, slots: int, slots_per_expert: int, k: int) -> None:
 def top_k_combine(combine: Tensor, slots_per_expert: int, k: int) -> tuple[Tensor, Tensor]:
     """Algorithm 1 on combine (batch, tokens, n * p): (combine with the unselected experts' slots zeroed, the
     selected experts (batch, k) int64 ascending), by ``softmoe::top_k_combine`` with the variant
-    :func:`~softmoe.kernels.cpu_isa` names. Only
-    where :func:`native_top_k_applies`; a ValueError for a k outside [1, n] or slots that are not n * p."""
+    :func:`~softmoe.kernels.cpu_isa` names, for float32 CPU tensors outside torch.func transforms (the op has no vmap
+    rule; the "cpu" backend's inputs); a ValueError for a k outside [1, n] or slots that are not n * p."""
     check_choice("combine", combine.shape[-1], slots_per_expert, k)
     return torch.ops.softmoe.top_k_combine.default(combine, slots_per_expert, k, required_isa())
