@@ -72,18 +72,23 @@ def test_algorithm1_on_a_soft_moe_vit_compiles_once_with_fullgraph(selection):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("custom", [False, True], ids=["mlp", "custom"])
-def test_forward_selected_compiles_with_fullgraph_and_matches_eager(custom):
+@pytest.mark.parametrize(
+    "custom, backend, plan",
+    [(False, "auto", "auto"), (True, "auto", "auto"), (False, "reference", "selected")],
+    ids=["mlp", "custom", "mlp-reference-selected"],
+)
+def test_forward_selected_compiles_with_fullgraph_and_matches_eager(custom, backend, plan):
     torch.manual_seed(2)
     expert = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)) if custom else None
-    layer = SoftMoE(8, 6, 2, expert_hidden=16, expert=expert).eval()
+    layer = SoftMoE(8, 6, 2, expert_hidden=16, expert=expert, backend=backend).eval()
     recorder = Recorder()
     compiled = torch.compile(layer.forward_selected, backend=recorder, fullgraph=True)
     with torch.no_grad():
         for seed in range(4):
             x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(seed))
             selected = torch.randperm(6, generator=torch.Generator().manual_seed(seed))[:2].sort().values.expand(3, 2)
-            torch.testing.assert_close(compiled(x, selected.contiguous()), layer.forward_selected(x, selected))
+            want = layer.forward_selected(x, selected, plan=plan)
+            torch.testing.assert_close(compiled(x, selected.contiguous(), plan=plan), want)
     assert len(recorder.graphs) == 1
 
 

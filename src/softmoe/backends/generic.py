@@ -12,6 +12,7 @@ from softmoe.activations import ACTIVATIONS, activation_fn
 from softmoe.backends.base import Backend, autocast_on
 from softmoe.compat import transforms_active
 from softmoe.experts import MLPExperts, affine
+from softmoe.kernels.grouped_mm import row_groups
 from softmoe.kernels.modes import needs_grad
 from softmoe.tuning import value
 
@@ -45,9 +46,9 @@ def grouped_product_in_torch(
     batched product, each row keeping its own expert's (E times the work of the grouped product), zero for the rows
     past ends[-1]. No host read of ``ends``, so nothing to synchronize and nothing data-dependent to trace."""
     experts, rows = weight.shape[0], x.shape[0]
-    row = torch.arange(rows, device=x.device)
-    owner = torch.searchsorted(ends, row.to(ends.dtype), right=True)  # experts for the rows past ends[-1]
-    out = affine(x.expand(experts, rows, x.shape[1]), weight, bias)[owner.clamp_max(experts - 1), row]
+    owner = row_groups(ends, rows)  # experts for the rows past ends[-1]
+    every = affine(x.expand(experts, rows, x.shape[1]), weight, bias)
+    out = every[owner.clamp_max(experts - 1), torch.arange(rows, device=x.device)]
     if activation != "none":
         out = ACTIVATIONS[activation](out)
     return torch.where((owner < experts).unsqueeze(1), out, 0.0)
