@@ -3,10 +3,13 @@ means a torch release changed one of them: fix softmoe.compat, not the callers."
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch import nn
 from torch.autograd import forward_ad
+from torch.nn.utils import parametrize
 
-from softmoe.compat import grouped_gemm, has_grouped_gemm, onednn_linear_pointwise, transforms_active
+from softmoe.compat import grouped_gemm, has_grouped_gemm, onednn_linear_pointwise, registered, transforms_active
 
 
 def test_transforms_active_sees_vmap_grad_and_forward_mode_ad():
@@ -21,8 +24,8 @@ def test_transforms_active_sees_vmap_grad_and_forward_mode_ad():
 
 
 def test_onednn_linear_pointwise_is_a_fused_linear():
-    if not torch.backends.mkldnn.is_available():
-        return
+    if not torch.backends.mkldnn.is_available():  # softmoe asks first and keeps torch's products then
+        pytest.skip("this torch has no oneDNN")
     torch.manual_seed(0)
     x, w, b = torch.randn(5, 12), torch.randn(7, 12), torch.randn(7)
     for attr, algorithm, act in (("none", "", lambda t: t), ("relu", "", torch.relu),
@@ -33,8 +36,7 @@ def test_onednn_linear_pointwise_is_a_fused_linear():
 
 
 def test_grouped_gemm_is_one_product_per_row_group():
-    if not has_grouped_gemm():  # torch before 2.8: softmoe runs one product per expert instead
-        return
+    assert has_grouped_gemm()  # the supported torch versions all have it (softmoe falls back without a word)
     torch.manual_seed(0)
     x, w = torch.randn(8, 8), torch.randn(3, 8, 16)  # (rows of 16-byte multiples, as the kernel needs)
     ends = torch.tensor([4, 4, 8], dtype=torch.int32)
@@ -44,3 +46,14 @@ def test_grouped_gemm_is_one_product_per_row_group():
     grads = grouped_gemm(x.t().contiguous(), g, ends)
     torch.testing.assert_close(grads[0], x[:4].t() @ g[:4], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grads[1], torch.zeros(8, 16), rtol=0, atol=0)
+
+
+def test_registered_reads_parameters_and_submodules_from_the_modules_dicts():
+    layer = nn.Linear(3, 4)
+    holder = nn.Sequential(layer)
+    assert registered(layer, "weight") is layer.weight and "weight" in layer._parameters
+    assert registered(holder, "0") is layer and "0" in holder._modules
+    assert registered(nn.Linear(3, 4, bias=False), "bias") is None  # registered as None
+    assert registered(layer, "in_features") == 3  # a plain attribute
+    parametrize.register_parametrization(layer, "weight", nn.Identity())
+    assert torch.equal(registered(layer, "weight"), layer.weight)  # computed by its parametrization

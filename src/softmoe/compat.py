@@ -7,9 +7,10 @@ torch release changes or removes what it relies on, instead of softmoe silently 
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.autograd import forward_ad
 
-__all__ = ["grouped_gemm", "has_grouped_gemm", "onednn_linear_pointwise", "transforms_active"]
+__all__ = ["grouped_gemm", "has_grouped_gemm", "onednn_linear_pointwise", "registered", "transforms_active"]
 
 
 def transforms_active() -> bool:
@@ -38,3 +39,13 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.
     """torch's grouped GEMM (``torch._grouped_mm``): a (rows, K) @ b (E, K, N) with the row groups ending at
     ``offs`` (E,) int32 -> (rows, N); or a (K, rows) @ b (rows, N) -> (E, K, N), one product per group."""
     return torch._grouped_mm(a, b, offs=offs)
+
+
+def registered(module: nn.Module, name: str):
+    """``module.<name>``: a registered parameter or submodule looked up in the module's own dicts (``_parameters``,
+    ``_modules``, private), where ``nn.Module.__getattr__`` searches three dicts per name (for the steps every call
+    takes); anything else (a plain attribute, a parametrized tensor of torch.nn.utils.parametrize) as an attribute."""
+    params, modules = module._parameters, module._modules
+    if name in params:
+        return params[name]
+    return modules[name] if name in modules else getattr(module, name)

@@ -29,7 +29,7 @@ from torch import nn
 
 from softmoe.activations import activation_fn
 from softmoe.checks import check_positive_ints
-from softmoe.compat import transforms_active
+from softmoe.compat import registered, transforms_active
 from softmoe.kernels.grouped_mm import GroupedProduct, grouped_mm
 from softmoe.kernels.modes import host_reads_are_free, needs_grad
 
@@ -39,16 +39,6 @@ class FactoryKwargs(TypedDict):
 
     device: torch.device | str | None
     dtype: torch.dtype | None
-
-
-def registered(module: nn.Module, name: str):
-    """``module.<name>``: a registered parameter or submodule looked up in its dict directly, where
-    ``nn.Module.__getattr__`` searches three dicts per name (for the steps every call takes); anything else (a
-    plain attribute, a parametrized tensor of torch.nn.utils.parametrize) as an attribute."""
-    params, modules = module._parameters, module._modules
-    if name in params:
-        return params[name]
-    return modules[name] if name in modules else getattr(module, name)
 
 
 def check_expert_input(x: torch.Tensor, num_experts: int, dim: int) -> None:

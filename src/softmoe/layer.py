@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from softmoe.checks import autocast_device, check_normalization, check_positive_ints, check_selected, check_tokens
-from softmoe.experts import Experts, FactoryKwargs, MLPExperts, StackedExperts, registered
+from softmoe.compat import registered
+from softmoe.experts import Experts, FactoryKwargs, MLPExperts, StackedExperts
 from softmoe.initializers import truncated_lecun_normal_
 from softmoe.selection_plan import check_plan, host_reads_are_free
 

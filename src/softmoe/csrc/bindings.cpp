@@ -1005,8 +1005,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_moe_routing_backward(
         grad_x.addcmul_(x_flat, coef, -1.0);
     }
     /* (D, S), a contraction over the B M rows: the kernel's up to SOFTMOE_ROUTING_SMALL_SLOTS slots; beyond, oneDNN,
-       where it outruns MKL, takes x^T as its rows: given them transposed (its own copy of the view runs on one
-       thread) it outran MKL at 64-256 slots (docs/performance.md has the measurements). */
+       where it outruns MKL, takes x^T as its rows, given them transposed (its own copy of the view runs on one
+       thread; docs/performance.md has the measurements). */
     const at::Tensor grad_phi_n = small    ? grad_phi_t.t()
                                 : onednn ? linear_product(transposed(x_flat), gp_flat.t(), true)
                                          : at::mm(x_flat.t(), gp_flat);

@@ -20,8 +20,8 @@ choice takes about sixteen kernels after the two softmaxes (a sum, two sorts, a 
 combine weights); on CUDA this op is one Triton kernel for all of it (:mod:`softmoe.kernels.routing_softmaxes_triton`),
 which also divides each token's logits by the token's norm (the router's normalization: one RMS norm fewer) and
 writes the weights in a bfloat16 layer's dtype (two casts fewer). The "cuda" backend takes it for Algorithm 1 in
-eager inference (the plain forward keeps torch's softmaxes: the op gained less than 1.2x there), always through the
-op.
+eager inference (the plain forward keeps torch's softmaxes, where the op did not pay: docs/performance.md has the
+measurements), always through the op.
 Elsewhere, and on CUDA without Triton or with ``SOFTMOE_TRITON=0``, the op is torch's ops. Differentiable in the
 logits and the tokens (the choice is a constant of the backward, as in the unfused path).
 """
