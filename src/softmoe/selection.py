@@ -81,9 +81,10 @@ def resolve_k(k: int | float, num_experts: int) -> int:
     return k
 
 
-def combine_scores(combine: torch.Tensor) -> torch.Tensor:
-    """Algorithm 1's C_sum: combine (batch, tokens, n, p) summed over tokens and slots -> (batch, n)."""
-    return combine.sum(dim=(1, 3))
+def combine_scores(combine: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Algorithm 1's C_sum: combine (batch, tokens, n, p) summed over tokens and slots -> (batch, n), in ``dtype``
+    (None: combine's)."""
+    return combine.sum(dim=(1, 3), dtype=dtype)
 
 
 def top_k_by_combine(combine: torch.Tensor, k: int) -> torch.Tensor:
@@ -97,7 +98,7 @@ def top_k_by_combine(combine: torch.Tensor, k: int) -> torch.Tensor:
     (:func:`softmoe.topk.top_k_list`) beats both. Plain torch ops, the sums in float64 as in the "cpu" backend's
     native choice: a selector and that backend agree where sums in float32 would tie.
     """
-    scores = combine.sum(dim=(1, 3), dtype=torch.float64)
+    scores = combine_scores(combine, torch.float64)
     on_host = host_reads_are_free(scores)
     if on_host and scores.numel() <= value("host_topk_max_scores"):
         return torch.tensor([top_k_list(row, k) for row in scores.tolist()], dtype=torch.int64).view(-1, k)
