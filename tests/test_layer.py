@@ -674,6 +674,30 @@ def test_forward_mode_ad_in_inference_keeps_its_tangents(monkeypatch, plan):
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4
 
 
+def test_backend_for_names_the_ops_each_step_runs():
+    """backend_for(x).steps says what runs each step for x, and the ops it names are the ones that run: the native
+    routing and fused mixing where the "cpu" backend serves, plain torch ops (no softmoe op) on "reference"."""
+    torch.manual_seed(0)
+    small = SoftMoE(16, 4, expert_hidden=32, activation="relu").eval()
+    large = SoftMoE(64, 2, 4, expert_hidden=4096).eval()  # 8 rows per expert through 64 x 4096 weights
+    seen = set()
+    for layer, x in ((small, torch.randn(3, 5, 16)), (large, torch.randn(2, 6, 64))):
+        for name in ("reference", "slots", "tokens", *(("cpu",) if native_available() else ())):
+            for grad in (False, True):
+                layer.backend = name
+                with torch.set_grad_enabled(grad):
+                    choice = layer.backend_for(x)
+                    ran = {op for op in kernels_called(lambda: layer(x)) if op.startswith("softmoe::")}  # noqa: B023
+                assert (choice.name, choice.reason, choice.backend) == (name, "requested", REGISTRY[name])
+                assert set(choice.steps) == {"route", "mix", "select"} and all(choice.steps.values())
+                named = {op.rstrip(",") for step in ("route", "mix") for op in choice.steps[step].split() if "::" in op}
+                assert named == ran, (name, grad, choice.steps, ran)
+                seen |= named
+    if native_available():
+        ops = ("soft_moe_routing", "soft_moe_mixing", "soft_moe_mixing_inference", "expert_matmul")
+        assert {f"softmoe::{op}" for op in ops} <= seen
+
+
 def test_auto_backend_rules_and_reasons():
     """"auto" takes the native ops for float32 CPU tensors (mixing by their cost model: here the slot formulation,
     and the native expert matmul for few rows through large weights), the cost model's formulation for float64,

@@ -268,10 +268,16 @@ class SoftMoE(nn.Module):
 
     def backend_for(self, x: torch.Tensor):
         """The :class:`~softmoe.backends.BackendChoice` for x (batch, tokens, dim) in the current mode: the backend
-        that runs each step, and why. A ValueError when the requested backend cannot serve x."""
+        that runs, why, and what runs each of its steps (``.steps``: "route", "mix", "select", in words). A
+        ValueError when the requested backend cannot serve x."""
+        from softmoe.backends import explain  # (softmoe.backends builds on this module)
+
+        return explain(self, x)
+
+    def _choose(self, x: torch.Tensor):  # the backend backend_for names, without describing its steps
         from softmoe.backends import choose  # (softmoe.backends builds on this module)
 
-        return choose(self, x)
+        return choose(self, x)[0]
 
     def slot_inputs(self, x: torch.Tensor) -> torch.Tensor:
         """The tokens the slots are built from, (batch, tokens, dim): x itself, or for ``normalize="inputs"`` the
@@ -301,7 +307,7 @@ class SoftMoE(nn.Module):
         Every step runs on the backend :meth:`backend_for` names.
         """
         check_tokens(x, self.dim, mask, self.phi.dtype)
-        backend = self.backend_for(x).backend
+        backend = self._choose(x)
         x = self.slot_inputs(x)
         if self.selector is not None:
             return backend.select(self, x, mask, self.selector)
@@ -337,7 +343,7 @@ class SoftMoE(nn.Module):
         check_selected(
             selected, x.shape[0], self.num_experts, host_reads_are_free(selected) if check is None else check
         )
-        backend = self.backend_for(x).backend
+        backend = self._choose(x)
         x = self.slot_inputs(x)
         dispatch, combine = backend.route(self, x, mask)
         return backend.mix_selected(self, x, dispatch, combine, selected, renormalize, plan)

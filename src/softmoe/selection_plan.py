@@ -298,7 +298,9 @@ def choose_plan(
 def auto_plan(layer, x: torch.Tensor, selected: torch.Tensor) -> str:
     """The plan ("selected" or "dense") plan "auto" runs for ``layer``'s tokens x (batch, tokens, dim) keeping the
     experts ``selected`` (batch, k), on the backend ``layer.backend_for(x)`` names (:func:`choose_plan`)."""
-    backend = layer.backend_for(x).backend
+    from softmoe.backends import choose  # (softmoe.backends builds on this module)
+
+    backend, _ = choose(layer, x)
     x = layer.slot_inputs(x)
     dispatch, combine = backend.route(layer, x, None)
     return backend.plan(layer, x, dispatch, combine, selected, False)

@@ -27,7 +27,8 @@ A backend is an object (:class:`Backend`) with the layer's steps, for the inputs
     "cuda"       CUDA, MLP experts: the Triton routing kernel in eager inference, grouped GEMM for selected experts.
     "auto"       the default: :func:`resolve` picks one of the above for each input, by the rules written there.
 
-``layer.backend_for(x)`` says which backend runs for an input and why (a :class:`BackendChoice`). A backend that
+``layer.backend_for(x)`` says which backend runs for an input, why, and what runs each of its steps (a
+:class:`BackendChoice`). A backend that
 cannot serve an input raises a ValueError saying why; "auto" never does.
 """
 
@@ -48,7 +49,7 @@ from softmoe.kernels.build import native_available
 if TYPE_CHECKING:
     from softmoe.layer import SoftMoE
 
-__all__ = ["BACKENDS", "REGISTRY", "Backend", "BackendChoice", "check_backend", "resolve"]
+__all__ = ["BACKENDS", "REGISTRY", "Backend", "BackendChoice", "check_backend", "choose", "explain", "resolve"]
 
 REGISTRY: dict[str, Backend] = {
     backend.name: backend
@@ -58,11 +59,13 @@ BACKENDS = ("auto", *REGISTRY)
 
 
 class BackendChoice(NamedTuple):
-    """The backend that runs for one input (a name of :data:`REGISTRY`), why, and the backend itself."""
+    """The backend that runs for one input (a name of :data:`REGISTRY`), why, the backend itself, and what runs each
+    of its steps for that input in the current mode ("route", "mix", "select"; in words, naming the ops)."""
 
     name: str
     reason: str
     backend: Backend
+    steps: dict[str, str]
 
 
 def check_backend(name: str) -> str:
@@ -72,19 +75,26 @@ def check_backend(name: str) -> str:
     return name
 
 
-def choose(layer: SoftMoE, x: torch.Tensor) -> BackendChoice:
-    """The backend for tokens x (batch, tokens, dim) of ``layer``: the requested one where it can serve x (else a
-    ValueError saying why), or for "auto" :func:`resolve`'s."""
+def choose(layer: SoftMoE, x: torch.Tensor) -> tuple[Backend, str]:
+    """The backend for tokens x (batch, tokens, dim) of ``layer`` and why: the requested one where it can serve x
+    (else a ValueError saying why), or for "auto" :func:`resolve`'s."""
     if layer.backend == "auto":
         return resolve(layer, x)
     backend = REGISTRY[layer.backend]
     why = backend.unsupported(layer, x)
     if why is not None:
         raise ValueError(f"backend {layer.backend!r} cannot run this input: {why}")
-    return BackendChoice(backend.name, "requested", backend)
+    return backend, "requested"
 
 
-def resolve(layer: SoftMoE, x: torch.Tensor) -> BackendChoice:
+def explain(layer: SoftMoE, x: torch.Tensor) -> BackendChoice:
+    """:func:`choose`'s backend for tokens x of ``layer``, why, and what runs each of its steps for x (the
+    backend's :meth:`~Backend.steps`): what :meth:`SoftMoE.backend_for` returns."""
+    backend, reason = choose(layer, x)
+    return BackendChoice(backend.name, reason, backend, backend.steps(layer, x))
+
+
+def resolve(layer: SoftMoE, x: torch.Tensor) -> tuple[Backend, str]:
     """The backend "auto" runs for tokens x (batch, tokens, dim) of ``layer``: the one place where softmoe decides.
 
     In order: plain torch ops where a torch.func transform, forward-mode AD or autocast is active, or for experts
@@ -93,8 +103,8 @@ def resolve(layer: SoftMoE, x: torch.Tensor) -> BackendChoice:
     (:func:`~softmoe.backends.generic.token_space_is_cheaper`, constants in softmoe.tuning.TABLE).
     """
 
-    def chosen(name: str, reason: str) -> BackendChoice:
-        return BackendChoice(name, reason, REGISTRY[name])
+    def chosen(name: str, reason: str) -> tuple[Backend, str]:
+        return REGISTRY[name], reason
 
     if transforms_active():
         return chosen("reference", "a torch.func transform or forward-mode AD is active: plain torch ops")

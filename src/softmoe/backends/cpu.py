@@ -163,8 +163,10 @@ class CpuBackend(SlotsBackend):
         return super().plan(layer, x, dispatch, combine, selected, renormalize, top_k)
 
     def steps(self, layer, x):
+        inference = not needs_grad(x, layer.phi, *layer.experts.weights())
+        fused = "softmoe::soft_moe_mixing_inference" if inference else "softmoe::soft_moe_mixing"
         mixing = {
-            "fused": "softmoe::soft_moe_mixing, every step of the small experts in one pass",
+            "fused": f"{fused}, every step of the small experts in one pass",
             "tokens": "the token-space rewrite (its cost model)",
             "native": "the slot formulation with softmoe::expert_matmul",
             "slots": "the slot formulation in batched matmuls (oneDNN's where they outrun MKL on this CPU)",

@@ -136,23 +136,21 @@ def soft_moe_mixing(
 
     x (batch, tokens, dim); dispatch, combine (batch, tokens, slots) with slots = experts * slots_per_expert, slot s
     belonging to expert s // slots_per_expert; weight1 (experts, dim, hidden), bias1 (experts, hidden), weight2
-    (experts, hidden, dim), bias2 (experts, dim) -> (batch, tokens, dim). No (batch, slots, dim) tensor is written:
-    each thread takes 16 (AVX-512; two groups of 8 with AVX2) inputs at a time, one per vector lane, and runs
-    dispatch, both expert layers and the combine of a slot back to back in its cache. In inference (no gradient to
-    record: ``softmoe::soft_moe_mixing_inference``)
-    it keeps no records and, with fewer inputs than a
-    group of lanes per thread or with ``kept_combine``, lays the work out per call in the cheapest of three ways the
-    kernel counts: groups of inputs (with ``kept_combine``, those that keep the same slots, a slot run for a group
-    where one of its inputs keeps it), the rows of each expert (its inputs, 8 at a time with AVX-512 and 4 with AVX2,
-    vectors along hidden and dim: each weight vector serves them all), or each input's experts one at a time with
-    vectors along dim and hidden (small batches, where a group of lanes is mostly empty). With ``kept_combine``
-    (combine zero outside the slots of each input's kept experts: Algorithm 1's dense plan) only the kept slots run;
-    ``kept_slots`` (the kept slots as bits, as :func:`~softmoe.kernels.soft_moe_routing_top_k` gives them with that
-    combine) saves finding them from its nonzero weights. Finite outputs are the same either way; with
-    ``kept_combine`` an expert whose outputs are not finite adds NaN (its output times a zero weight) only to the
-    inputs that run it. Only where
-    :func:`native_mixing_applies`; other dtypes, devices, more than MIXING_MAX_TOKENS tokens or inconsistent shapes
-    raise a ValueError. Runs ``softmoe::soft_moe_mixing`` with the variant :func:`~softmoe.kernels.cpu_isa` names.
+    (experts, hidden, dim), bias2 (experts, dim) -> (batch, tokens, dim). No (batch, slots, dim) tensor is written: each
+    thread takes 16 (AVX-512; two groups of 8 with AVX2) inputs at a time, one per vector lane, and runs dispatch, both
+    expert layers and the combine of a slot back to back in its cache. In inference (no gradient to record:
+    ``softmoe::soft_moe_mixing_inference``) it keeps no records and, with fewer inputs than a group of lanes per thread
+    or with ``kept_combine``, lays the work out per call in the cheapest of three ways the kernel counts: groups of
+    inputs (with ``kept_combine``, those that keep the same slots, a slot run for a group where one of its inputs keeps
+    it), the rows of each expert (its inputs, 8 at a time with AVX-512 and 4 with AVX2, vectors along hidden and dim:
+    each weight vector serves them all), or each input's experts one at a time with vectors along dim and hidden (small
+    batches, where a group of lanes is mostly empty). With ``kept_combine`` (combine zero outside the slots of each
+    input's kept experts: Algorithm 1's dense plan) only the kept slots run; ``kept_slots`` (the kept slots as bits, as
+    :func:`~softmoe.kernels.soft_moe_routing_top_k` gives them with that combine) saves finding them from its nonzero
+    weights. Finite outputs are the same either way; with ``kept_combine`` an expert whose outputs are not finite adds
+    NaN (its output times a zero weight) only to the inputs that run it. Only where :func:`native_mixing_applies`; other
+    dtypes, devices, more than MIXING_MAX_TOKENS tokens or inconsistent shapes raise a ValueError. Runs
+    ``softmoe::soft_moe_mixing`` with the variant :func:`~softmoe.kernels.cpu_isa` names.
     """
     isa = required_isa()
     tensors = (x, dispatch, combine, weight1, bias1, weight2, bias2)
