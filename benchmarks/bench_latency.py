@@ -2,8 +2,8 @@
 
 Smaller k use ``softmoe.select_experts(strategy="combine")``, which does not run unselected experts. k = n is
 timed both as the plain forward (all experts in batched matmuls) and through the selection path with every
-expert kept (the selected plan: ``softmoe::grouped_mm``, one product per expert, or on the CPU in inference
-``softmoe::selected_mixing`` where it serves); the faster of the two is the baseline
+expert kept (the selected plan: a grouped product, one product per expert, on the CPU ``softmoe::native_grouped_mm``
+or in inference ``softmoe::selected_mixing`` where it serves); the faster of the two is the baseline
 of the speed-ups, so they measure skipped work, not a kernel difference. All configurations are timed
 round-robin in the same run after warm-up; the table gives the median and std in ms, the speed-up over k = n,
 and the time as a multiple of the roofline of the kept work (see ``softmoe_repro.latency.work``) with peak

@@ -32,7 +32,7 @@ from common import (  # noqa: E402
 )
 
 from softmoe.kernels import native_available, native_status  # noqa: E402
-from softmoe.kernels.grouped_mm import native_product  # noqa: E402
+from softmoe.kernels.native_grouped_mm import native_product  # noqa: E402
 from softmoe.kernels.onednn import onednn_linear  # noqa: E402
 from softmoe.tuning import value  # noqa: E402
 

@@ -20,6 +20,11 @@ def ref_activation(name: str, t: torch.Tensor) -> torch.Tensor:
     raise AssertionError(name)
 
 
+# The grouped products of Algorithm 1's selected plan (one contract: softmoe.kernels.grouped_mm): the generic op and
+# the "cpu" backend's.
+GROUPED_PRODUCTS = ("softmoe::grouped_mm", "softmoe::native_grouped_mm")
+
+
 def kernels_called(fn) -> set[str]:
     """The names of the operators that ``fn()`` ran (torch profiler), e.g. "mkldnn::_linear_pointwise"."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

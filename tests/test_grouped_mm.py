@@ -1,4 +1,5 @@
-"""softmoe::grouped_mm: rows sorted by expert through each expert's weight, a registered custom op."""
+"""softmoe::grouped_mm and softmoe::native_grouped_mm: rows sorted by expert through each expert's weight, registered
+custom ops of one contract (torch's products; each expert's product in softmoe's CPU kernels by its shape)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,18 @@ from reference import kernels_called
 from softmoe.activations import ACTIVATIONS
 from softmoe.compat import has_grouped_gemm
 from softmoe.kernels import native_available
-from softmoe.kernels.grouped_mm import grouped_mm, grouped_mm_weight_grad, row_block_matmul
+from softmoe.kernels.grouped_mm import grouped_mm, grouped_mm_weight_grad
+from softmoe.kernels.native_grouped_mm import native_grouped_mm, row_block_matmul
 from softmoe.runtime import cpu_signature
 from softmoe.tuning import TABLE, Measured, value
 
 F64 = torch.float64
+# the tests of the contract run on both ops
+OPS = pytest.mark.parametrize("op", [grouped_mm, native_grouped_mm], ids=["grouped_mm", "native_grouped_mm"])
+OVERLOADS = {
+    grouped_mm: torch.ops.softmoe.grouped_mm.default,
+    native_grouped_mm: torch.ops.softmoe.native_grouped_mm.default,
+}
 
 
 def ends_of(counts: list[int]) -> torch.Tensor:
@@ -30,11 +38,12 @@ def loop_reference(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> 
 
 
 @pytest.mark.parametrize("counts", [[3, 1, 4, 2], [0, 5, 0, 2], [6, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0]])
-def test_grouped_mm_and_gradients_equal_the_per_expert_loop(counts):
+@OPS
+def test_grouped_mm_and_gradients_equal_the_per_expert_loop(op, counts):
     torch.manual_seed(sum(counts))
     x = torch.randn(sum(counts), 5, dtype=F64, requires_grad=True)
     weight = torch.randn(4, 5, 3, dtype=F64, requires_grad=True)
-    out = grouped_mm(x, weight, ends_of(counts))
+    out = op(x, weight, ends_of(counts))
     want = loop_reference(x, weight, counts)
     assert out.shape == (sum(counts), 3)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
@@ -50,7 +59,8 @@ def test_grouped_mm_and_gradients_equal_the_per_expert_loop(counts):
 
 
 @pytest.mark.parametrize("counts", [[3, 1, 4, 2], [0, 5, 0, 2], [0, 0, 0, 0]])
-def test_bias_is_added_per_expert_with_its_gradient(counts):
+@OPS
+def test_bias_is_added_per_expert_with_its_gradient(op, counts):
     """bias[j] is added to expert j's rows only (not to rows past the last end); its gradient is the sum of that
     expert's rows of the upstream gradient."""
     torch.manual_seed(sum(counts) + 1)
@@ -58,7 +68,7 @@ def test_bias_is_added_per_expert_with_its_gradient(counts):
     x = torch.randn(rows, 5, dtype=F64, requires_grad=True)
     weight = torch.randn(4, 5, 3, dtype=F64, requires_grad=True)
     bias = torch.randn(4, 3, dtype=F64, requires_grad=True)
-    out = grouped_mm(x, weight, ends_of(counts), bias)
+    out = op(x, weight, ends_of(counts), bias)
     owner = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
     want = torch.cat([loop_reference(x, weight, counts) + bias[owner], torch.zeros(2, 3, dtype=F64)])
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
@@ -70,7 +80,8 @@ def test_bias_is_added_per_expert_with_its_gradient(counts):
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
 @pytest.mark.parametrize("native", [False, True])
-def test_a_fused_activation_equals_it_applied_after(monkeypatch, activation, native):
+@OPS
+def test_a_fused_activation_equals_it_applied_after(op, monkeypatch, activation, native):
     """Inference only: act(x @ w + b) per expert, zero rows past the last end; with native, every weight counts
     as large (native kernel, column and row splits, MKL above its rows); a ValueError where a gradient is needed."""
     if native:
@@ -82,36 +93,38 @@ def test_a_fused_activation_equals_it_applied_after(monkeypatch, activation, nat
     counts = [2, 0, 5, value("native_forward_max_rows") + 1]
     for k, n in ((6, 40), (40, 6)):
         x, weight, bias = torch.randn(sum(counts) + 1, k), torch.randn(4, k, n), torch.randn(4, n)
-        got = grouped_mm(x, weight, ends_of(counts), bias, activation)
+        got = op(x, weight, ends_of(counts), bias, activation)
         owner = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
         plain = loop_reference(x.double(), weight.double(), counts) + bias.double()[owner]
         want = torch.cat([ACTIVATIONS[activation](plain), torch.zeros(1, n, dtype=F64)])
         assert (got.double() - want).abs().max().item() < 1e-5
     with pytest.raises(ValueError, match="has no backward"):
-        grouped_mm(x, weight.requires_grad_(), ends_of(counts), bias, activation)
+        op(x, weight.requires_grad_(), ends_of(counts), bias, activation)
     with torch.no_grad():
-        grouped_mm(x, weight, ends_of(counts), bias, activation)
+        op(x, weight, ends_of(counts), bias, activation)
 
 
 def test_row_groups_name_the_owner_of_every_row():
     assert op_module.row_groups(ends_of([2, 0, 3]), 7).tolist() == [0, 0, 2, 2, 2, 3, 3]
 
 
-def test_grouped_mm_never_reads_an_expert_without_rows():
+@OPS
+def test_grouped_mm_never_reads_an_expert_without_rows(op):
     weight = torch.randn(3, 4, 2)
     weight[1] = float("nan")
-    out = grouped_mm(torch.randn(5, 4), weight, ends_of([2, 0, 3]))
+    out = op(torch.randn(5, 4), weight, ends_of([2, 0, 3]))
     assert torch.isfinite(out).all()
 
 
-def test_rows_past_the_last_end_are_zero_and_unread():
+@OPS
+def test_rows_past_the_last_end_are_zero_and_unread(op):
     """Rows no expert owns (the padding of adaptive selection) give zero outputs and zero gradients, whatever they
     hold."""
     x = torch.randn(7, 4, dtype=torch.float64)
     x[5:] = float("nan")
     x.requires_grad_()
     weight = torch.randn(3, 4, 2, dtype=torch.float64, requires_grad=True)
-    out = grouped_mm(x, weight, ends_of([2, 0, 3]))
+    out = op(x, weight, ends_of([2, 0, 3]))
     assert torch.equal(out[5:], torch.zeros(2, 2, dtype=torch.float64)) and torch.isfinite(out).all()
     out.sum().backward()
     assert torch.equal(x.grad[5:], torch.zeros(2, 4, dtype=torch.float64)) and torch.isfinite(weight.grad).all()
@@ -119,27 +132,30 @@ def test_rows_past_the_last_end_are_zero_and_unread():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("counts", [[3, 0, 2], [0, 0, 4]])
-def test_grouped_mm_ops_pass_opcheck(counts):
+@OPS
+def test_grouped_mm_ops_pass_opcheck(op, counts):
     x = torch.randn(sum(counts), 8, requires_grad=True)
     weight = torch.randn(3, 8, 4, requires_grad=True)
-    torch.library.opcheck(grouped_mm, (x, weight, ends_of(counts)))
-    torch.library.opcheck(grouped_mm, (x, weight, ends_of(counts), torch.randn(3, 4, requires_grad=True)))
-    torch.library.opcheck(grouped_mm, (x.detach(), weight.detach(), ends_of(counts), torch.randn(3, 4), "gelu"))
+    torch.library.opcheck(op, (x, weight, ends_of(counts)))
+    torch.library.opcheck(op, (x, weight, ends_of(counts), torch.randn(3, 4, requires_grad=True)))
+    torch.library.opcheck(op, (x.detach(), weight.detach(), ends_of(counts), torch.randn(3, 4), "gelu"))
     torch.library.opcheck(grouped_mm_weight_grad, (x.detach(), torch.randn(sum(counts), 4), ends_of(counts), 3))
 
 
-def test_grouped_mm_bad_inputs_raise():
+@OPS
+def test_grouped_mm_bad_inputs_raise(op):
     with pytest.raises(ValueError, match=r"x \(rows, K\) and weight \(E, K, N\), got \(4, 3\) and \(2, 5, 6\)"):
-        grouped_mm(torch.randn(4, 3), torch.randn(2, 5, 6), ends_of([1, 3]))
+        op(torch.randn(4, 3), torch.randn(2, 5, 6), ends_of([1, 3]))
     with pytest.raises(ValueError, match=r"ends must be an int32 tensor of shape \(2,\), got torch.int64 \(2,\)"):
-        grouped_mm(torch.randn(4, 5), torch.randn(2, 5, 6), torch.tensor([1, 4]))
+        op(torch.randn(4, 5), torch.randn(2, 5, 6), torch.tensor([1, 4]))
     with pytest.raises(ValueError, match=r"bias must have shape \(2, 6\), got \(6,\)"):
-        grouped_mm(torch.randn(4, 5), torch.randn(2, 5, 6), ends_of([1, 3]), torch.randn(6))
+        op(torch.randn(4, 5), torch.randn(2, 5, 6), ends_of([1, 3]), torch.randn(6))
     with pytest.raises(ValueError, match=r"activation must be 'none' or one of \['gelu', 'gelu_tanh', 'relu'\], got 'tanh'"):
-        grouped_mm(torch.randn(4, 5), torch.randn(2, 5, 6), ends_of([1, 3]), None, "tanh")
+        op(torch.randn(4, 5), torch.randn(2, 5, 6), ends_of([1, 3]), None, "tanh")
 
 
-def test_grouped_mm_compiles_once_for_every_pattern_of_group_sizes():
+@OPS
+def test_grouped_mm_compiles_once_for_every_pattern_of_group_sizes(op):
     """The op is one node of a full graph: new group sizes neither break the graph nor recompile."""
     graphs = []
 
@@ -148,12 +164,12 @@ def test_grouped_mm_compiles_once_for_every_pattern_of_group_sizes():
         return gm.forward
 
     weight = torch.randn(4, 8, 4)
-    fn = torch.compile(lambda x, ends: grouped_mm(x, weight, ends), backend=backend, fullgraph=True)
+    fn = torch.compile(lambda x, ends: op(x, weight, ends), backend=backend, fullgraph=True)
     x = torch.randn(12, 8)
     for counts in ([3, 3, 3, 3], [12, 0, 0, 0], [0, 5, 0, 7], [1, 2, 4, 5]):
-        assert torch.equal(fn(x, ends_of(counts)), grouped_mm(x, weight, ends_of(counts)))
+        assert torch.equal(fn(x, ends_of(counts)), op(x, weight, ends_of(counts)))
     assert len(graphs) == 1
-    assert any(node.target is torch.ops.softmoe.grouped_mm.default for node in graphs[0].graph.nodes)
+    assert any(node.target is OVERLOADS[op] for node in graphs[0].graph.nodes)
 
 
 @pytest.fixture
@@ -166,6 +182,21 @@ def large_weights_on_two_threads(monkeypatch):
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(threads)
+
+
+def test_the_generic_op_takes_torchs_products_only(large_weights_on_two_threads, monkeypatch):
+    """softmoe::grouped_mm runs torch's products where every weight counts as large and oneDNN pays for every product:
+    no native kernel, no oneDNN (softmoe::native_grouped_mm takes them, the tests below)."""
+    monkeypatch.setitem(TABLE, "native_min_weight", Measured(1, "a test"))
+    vendor, family, _ = cpu_signature()
+    monkeypatch.setitem(TABLE, "onednn_cpus", Measured(((vendor, family, None),), "a test: this CPU"))
+    x, weight, counts = torch.randn(7, 12), torch.randn(3, 12, 40), [1, 0, 6]
+    with torch.no_grad():
+        called = kernels_called(lambda: grouped_mm(x, weight, ends_of(counts), None, "relu"))
+    assert "aten::mm" in called and "softmoe::expert_matmul" not in called and "mkldnn::_linear_pointwise" not in called
+    if native_available():
+        with torch.no_grad():
+            assert "softmoe::expert_matmul" in kernels_called(lambda: native_grouped_mm(x, weight, ends_of(counts)))
 
 
 @pytest.mark.skipif(not native_available(), reason="softmoe's native kernels are not built here")
@@ -183,9 +214,9 @@ def test_large_float64_weights_take_one_product_exactly_with_gradients(large_wei
     x = torch.randn(rows + 2, 6, dtype=F64, requires_grad=True)
     weight = torch.randn(2, 6, 16, dtype=F64, requires_grad=True)
     counts = [2, rows]
-    called = kernels_called(lambda: grouped_mm(x, weight, ends_of(counts)))
+    called = kernels_called(lambda: native_grouped_mm(x, weight, ends_of(counts)))
     assert "mkldnn::_linear_pointwise" not in called and "softmoe::expert_matmul" not in called
-    out = grouped_mm(x, weight, ends_of(counts))
+    out = native_grouped_mm(x, weight, ends_of(counts))
     want = loop_reference(x, weight, counts)
     assert (out - want).abs().max().item() < 1e-12
     for got, expected in zip(torch.autograd.grad(out.square().sum(), [x, weight]),
@@ -204,11 +235,11 @@ def test_large_float32_weights_take_onednn_where_it_outruns_mkl(large_weights_on
     weight = torch.randn(2, 12, 40)
     x = torch.randn(6, 12)
     counts = [2, 4]
-    called = kernels_called(lambda: grouped_mm(x, weight, ends_of(counts)))
+    called = kernels_called(lambda: native_grouped_mm(x, weight, ends_of(counts)))
     assert ("mkldnn::_linear_pointwise" in called) == onednn_faster
     assert ("aten::mm" in called) == (not onednn_faster)
     want = loop_reference(x.double(), weight.double(), counts)
-    assert (grouped_mm(x, weight, ends_of(counts)).double() - want).abs().max().item() < 1e-5
+    assert (native_grouped_mm(x, weight, ends_of(counts)).double() - want).abs().max().item() < 1e-5
 
 
 @pytest.mark.skipif(not native_available(), reason="softmoe's native kernels are not built here")
@@ -225,10 +256,10 @@ def test_large_weights_take_the_native_expert_matmul_for_few_rows(large_weights_
     x = torch.randn(sum(counts), k, requires_grad=True)
     weight = torch.randn(5, k, n, requires_grad=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        grouped_mm(x, weight, ends_of(counts))
+        native_grouped_mm(x, weight, ends_of(counts))
     calls = {event.key: event.count for event in prof.key_averages()}
     assert calls.get("softmoe::expert_matmul") == 3  # the groups of 1, 2 and native_forward_max_rows rows
-    out = grouped_mm(x, weight, ends_of(counts))
+    out = native_grouped_mm(x, weight, ends_of(counts))
     x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     want = loop_reference(x64, w64, counts)
     assert (out.double() - want).abs().max().item() < 1e-4

@@ -766,7 +766,9 @@ def test_the_reference_backend_runs_torch_ops_only(monkeypatch):
     """backend="reference" runs no softmoe op and no oneDNN product in any step, on float32 CPU tensors whose products
     oneDNN takes elsewhere (the tuning table set so that it pays for every product here): the forward, its backward,
     Algorithm 1 on each plan with and without gradients, an adaptive strategy; its selected plan equals the masked
-    reference in float64, output and gradients. The slot and token formulations' mixing is torch's ops too."""
+    reference in float64, output and gradients. The slot and token formulations are torch's ops too: their mixing,
+    and their selected plan, whose grouped products (softmoe::grouped_mm, torch's products inside) take no native
+    kernel or oneDNN even where every weight counts as large for the "cpu" backend's."""
     from softmoe.kernels.onednn import batched_matmul
     from softmoe.selection import masked_reference_forward
 
@@ -774,6 +776,8 @@ def test_the_reference_backend_runs_torch_ops_only(monkeypatch):
     monkeypatch.setitem(TABLE, "onednn_cpus", Measured(((vendor, family, None),), "a test: this CPU"))
     monkeypatch.setitem(TABLE, "onednn_min_product_flops", Measured(0, "a test: every product"))
     monkeypatch.setitem(TABLE, "onednn_min_batch_flops", Measured(0, "a test: every product"))
+    monkeypatch.setitem(TABLE, "large_weight", Measured(1, "a test: every weight"))
+    monkeypatch.setitem(TABLE, "native_min_weight", Measured(1, "a test: every weight"))
 
     def own_ops(run) -> set[str]:
         return {op for op in kernels_called(run) if op.startswith(("softmoe::", "mkldnn::"))}
@@ -798,6 +802,13 @@ def test_the_reference_backend_runs_torch_ops_only(monkeypatch):
     for generic in ("slots", "tokens"):  # the formulations' mixing: torch's products too
         layer.backend = generic
         assert own_ops(step) == set() and own_ops(inference) == set(), generic
+        with select_experts(layer, k=2, plan="selected"):
+            assert own_ops(inference) == {"softmoe::grouped_mm"}, generic
+            assert own_ops(step) == {"softmoe::grouped_mm", "softmoe::grouped_mm_weight_grad"}, generic
+    if native_available():  # where the "cpu" backend's grouped product takes the native kernel
+        layer.backend = "cpu"
+        with select_experts(layer, k=2, plan="selected"):
+            assert "softmoe::expert_matmul" in own_ops(step)
     layer.backend = "reference"
     for plan in ("auto", "dense", "selected"):
         with select_experts(layer, k=2, plan=plan):

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from reference import GROUPED_PRODUCTS
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.backends import Backend
 from softmoe.experts import MLPExperts
@@ -147,16 +148,16 @@ class ExpertWork(NamedTuple):
 
 
 def in_grouped_product(event) -> bool:
-    """Whether a profiler event ran inside a grouped product (softmoe::grouped_mm)."""
+    """Whether a profiler event ran inside a grouped product (GROUPED_PRODUCTS)."""
     while event.cpu_parent is not None:
         event = event.cpu_parent
-        if event.name == "softmoe::grouped_mm":
+        if event.name in GROUPED_PRODUCTS:
             return True
     return False
 
 
 def expert_blocks(grouped) -> list[tuple[int, int]]:
-    """(expert, rows) of each block of rows a grouped product (softmoe::grouped_mm's event) ran, in order: the
+    """(expert, rows) of each block of rows a grouped product (GROUPED_PRODUCTS' event) ran, in order: the
     entry of the weight it read (weight[j]) and the rows it took (x[start:stop]) before it."""
     x_shape, weight_shape = grouped.input_shapes[0], grouped.input_shapes[1]
     blocks, rows = [], None
@@ -173,7 +174,7 @@ def expert_work(layers, tokens, fn):
     """``fn()``'s result and the expert work it ran, seen by torch's profiler (record_shapes), for ``layers`` whose
     inputs have the shape ``tokens`` (batch, tokens, dim):
 
-    - ``grouped``: each grouped product (softmoe::grouped_mm: the selected plan runs an MLP bank's two layers as
+    - ``grouped``: each grouped product (GROUPED_PRODUCTS: the selected plan runs an MLP bank's two layers as
       two of them), as its weight's shape, its rows and its blocks (:func:`expert_blocks`);
     - ``slots``: the shape of each slot tensor built, D^T X (a torch.bmm by the tokens);
     - ``whole``: the ops outside the grouped products that took the stacked weights of the layers' MLP experts
@@ -186,7 +187,7 @@ def expert_work(layers, tokens, fn):
     work = ExpertWork([], [], [])
     for event in prof.events():
         shapes = event.input_shapes
-        if event.name == "softmoe::grouped_mm":
+        if event.name in GROUPED_PRODUCTS:
             work.grouped.append((tuple(shapes[1]), shapes[0][0], expert_blocks(event)))
         elif in_grouped_product(event):
             continue
@@ -970,7 +971,7 @@ def test_gradients_reach_phi_and_only_selected_experts(custom, renormalize):
 @pytest.mark.parametrize("k", [2, 6])
 @pytest.mark.parametrize("batch", [1, 12])  # one row per expert (row blocks) and several (oneDNN in inference)
 def test_fast_path_with_large_expert_kernels_equals_masked_reference(k, batch, monkeypatch):
-    """The kernels softmoe::grouped_mm uses for large weights on several CPU threads keep Algorithm 1 exact."""
+    """The kernels softmoe::native_grouped_mm uses for large weights on several CPU threads keep Algorithm 1 exact."""
     monkeypatch.setitem(TABLE, "large_weight", Measured(1, "a test"))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import softmoe.selection_plan as plans
+from reference import GROUPED_PRODUCTS
 from softmoe import SoftMoE, select_experts
 from softmoe.kernels import ISAS, supported_isas, use_isa
 from softmoe.selection import masked_reference_forward
@@ -23,13 +24,13 @@ CPU = torch.device("cpu")
 
 def selected_runs(layer, fn):
     """``fn()``'s result and the groups (one per (input, kept expert) pair) of each selected-plan run of ``layer``'s
-    experts it made: that plan runs the MLP experts as grouped products (``softmoe::grouped_mm``, the first on rows of
+    experts it made: that plan runs the MLP experts as grouped products (GROUPED_PRODUCTS, the first on rows of
     the experts' input, seen by the profiler); the dense plan runs none."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         result = fn()
     first = list(layer.experts.weight1.shape)
     return result, [event.input_shapes[0][0] // layer.slots_per_expert for event in prof.events()
-                    if event.name == "softmoe::grouped_mm" and event.input_shapes[1] == first]
+                    if event.name in GROUPED_PRODUCTS and event.input_shapes[1] == first]
 
 
 @contextlib.contextmanager

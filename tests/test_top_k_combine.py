@@ -229,7 +229,7 @@ def test_algorithm1_on_the_fused_small_experts_takes_the_dense_plan_without_the_
     """Where the fused mixing itself skips the unkept experts' work (inference), plan "auto" is the dense plan and
     the cost model and its timings are not consulted; with gradients (the op keeps every slot) they are. Here the
     cost model would always answer the selected plan (a margin of 1e9), whose grouped products
-    (softmoe::grouped_mm) show where it was followed."""
+    (softmoe::native_grouped_mm on the "cpu" backend) show where it was followed."""
     monkeypatch.setitem(TABLE, "plan_margin", Measured({"cpu": 1e9, "cuda": 1e9}, "a test"))
     torch.manual_seed(5)
     layer = SoftMoE(20, 8, expert_hidden=6, activation="relu").eval()
@@ -239,11 +239,11 @@ def test_algorithm1_on_the_fused_small_experts_takes_the_dense_plan_without_the_
             assert cpu_backend.skips_unkept(layer, x)
             with softmoe_ops() as inference:
                 layer(x)
-        assert inference["soft_moe_mixing_inference"] and not inference["grouped_mm"]  # the dense plan
+        assert inference["soft_moe_mixing_inference"] and not inference["native_grouped_mm"]  # the dense plan
         assert not cpu_backend.skips_unkept(layer, x)  # grad mode, parameters that require grad
         with softmoe_ops() as training:
             layer(x)
-    assert training["grouped_mm"]  # the cost model's selected plan
+    assert training["native_grouped_mm"]  # the cost model's selected plan
     layer.experts.requires_grad_(False)  # frozen experts, a router that learns: the mixing records a gradient
     dispatch = layer.route(x).dispatch.flatten(2)
     assert dispatch.requires_grad and not cpu_backend.skips_unkept(layer, x, dispatch)

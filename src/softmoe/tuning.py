@@ -58,10 +58,10 @@ TABLE: dict[str, Measured] = {
     "native_max_rows": Measured(16, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
     "native_forward_max_rows": Measured(48, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
     "native_min_weight": Measured(1 << 18, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
-    # softmoe::grouped_mm's CPU products (softmoe.kernels.grouped_mm.group_product): a weight of at least large_weight
-    # elements run by few rows takes the faster kernels, the native expert matmul up to native_forward_max_rows rows
-    # (a forward product: the bound of the layer's native path in training, which must also win backward, is lower),
-    # MKL or oneDNN otherwise.
+    # softmoe::native_grouped_mm's products (softmoe.kernels.native_grouped_mm.group_product): a weight of at least
+    # large_weight elements run by few rows takes the faster kernels, the native expert matmul up to
+    # native_forward_max_rows rows (a forward product: the bound of the layer's native path in training, which must
+    # also win backward, is lower), MKL or oneDNN otherwise.
     "large_weight": Measured(1 << 20, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
     # oneDNN for float32 CPU products (softmoe.kernels.onednn): a product of fewer FLOPs than onednn_min_product_flops
     # pays more for oneDNN's call than it gains over MKL; a batch of less work in all than onednn_min_batch_flops

@@ -18,7 +18,8 @@ A backend is an object (:class:`Backend`) with the layer's steps, for the inputs
                  selected plan with every expert on every kept slot). Any experts, device and dtype, autocast,
                  torch.compile, torch.func transforms and forward-mode AD.
     "slots"      generic torch, MLP experts: the slot formulation in torch's batched products, its backward written
-                 out in one autograd node; the selected plan in the experts' grouped product.
+                 out in one autograd node; the selected plan in the experts' grouped product in torch's products
+                 (``softmoe::grouped_mm``).
     "tokens"     generic torch, MLP experts: the exact token-space rewrite (no slot tensor is written).
     "cpu"        softmoe's native CPU ops (float32, MLP experts): routing and Algorithm 1's choice in one pass, the
                  fused mixing of small relu experts, the expert matmul for few rows through large weights, the

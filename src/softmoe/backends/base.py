@@ -138,7 +138,8 @@ class Backend:
         return {
             "route": "torch ops",
             "mix": "torch ops: slots, every expert, combine",
-            "select": "the selector on the combine weights",
+            "select": "the selector on the combine weights; the selected plan in torch ops and softmoe::grouped_mm "
+            "(torch's products per expert)",
         }
 
 

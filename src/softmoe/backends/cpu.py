@@ -11,7 +11,9 @@ plan          plan "auto" for Algorithm 1: in inference with the fused mixing th
               unkept experts itself); where the selected plan runs in one call, that plan (it does a part of the
               dense plan's work and nothing more); else the cost model (softmoe.selection_plan)
 selected      the selected plan in one call (``softmoe::selected_mixing``) in inference, where the expert matmul
-              serves every kept expert's rows (:func:`fused_selected_serves`)
+              serves every kept expert's rows (:func:`fused_selected_serves`); else the plan in torch ops with the
+              experts' layers in ``softmoe::native_grouped_mm`` (each expert's product in the native expert matmul,
+              oneDNN or MKL by its shape)
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from softmoe.backends.base import algorithm1_k, kept_combine
 from softmoe.backends.generic import SlotsBackend, TokensBackend, expert_rows, slot_rows, token_space_is_cheaper
 from softmoe.kernels import native_available, native_status
 from softmoe.kernels.expert_matmul import NATIVE_ACTIVATIONS, expert_matmul, native_applies, reusable_empty
-from softmoe.kernels.grouped_mm import native_serves
 from softmoe.kernels.modes import needs_grad
+from softmoe.kernels.native_grouped_mm import native_grouped_mm, native_serves
 from softmoe.kernels.onednn import batched_matmul
 from softmoe.kernels.selected_mixing import selected_mixing
 from softmoe.kernels.soft_moe_mixing import native_mixing_applies, soft_moe_mixing
@@ -144,6 +146,9 @@ class CpuBackend(SlotsBackend):
         combine, selected = top_k_combine(combine, p, k)
         return self.mix_selected(layer, x, dispatch, combine, selected, renormalize, plan, combine_is_kept=True)
 
+    def selected_product(self, layer, x, selected):
+        return native_grouped_mm  # (the "cpu" backend serves MLPExperts only)
+
     def selected(self, layer, x, dispatch, combine, selected, renormalize):
         if not selected_in_one_call(layer, x, dispatch, combine):
             return super().selected(layer, x, dispatch, combine, selected, renormalize)
@@ -178,5 +183,5 @@ class CpuBackend(SlotsBackend):
             "route": "softmoe::soft_moe_routing",
             "mix": mixing,
             "select": f"Algorithm 1 in the routing's pass (inference) or softmoe::top_k_combine; the selected plan in "
-            f"{plan} and softmoe::grouped_mm",
+            f"{plan} and softmoe::native_grouped_mm",
         }

@@ -33,6 +33,10 @@ class ReferenceBackend(Backend):
     def selected_product(self, layer, x, selected):
         return grouped_product_in_torch if isinstance(layer.experts, MLPExperts) else None
 
+    def steps(self, layer, x):
+        select = "the selector on the combine weights; plan auto: the dense plan; the selected plan in torch ops"
+        return {**super().steps(layer, x), "select": select}
+
 
 def grouped_product_in_torch(
     x: torch.Tensor,

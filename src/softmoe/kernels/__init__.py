@@ -23,7 +23,10 @@ measured thresholds that decide where each runs (rows, weight sizes, FLOPs) are 
   - ``torch.ops.softmoe.top_k_combine``: Algorithm 1's choice of experts from the combine weights, and the combine
     weights with the others' slots zeroed, in one call (:mod:`softmoe.kernels.top_k_combine`);
   - ``torch.ops.softmoe.selected_mixing``: Algorithm 1's selected plan for inference (the kept slots, the kept
-    experts' MLPs, the combine) in one call (:mod:`softmoe.kernels.selected_mixing`).
+    experts' MLPs, the combine) in one call (:mod:`softmoe.kernels.selected_mixing`);
+  - ``torch.ops.softmoe.native_grouped_mm``: ``softmoe::grouped_mm``'s contract (rows sorted by expert through each
+    expert's weight) with each expert's product in the native expert matmul, oneDNN or MKL by its shape
+    (:mod:`softmoe.kernels.native_grouped_mm`).
 
   One build serves every x86-64 CPU: each kernel is compiled for AVX-512, AVX2 and the baseline, and the best
   variant this CPU runs is picked at run time (``SOFTMOE_ISA`` to ask for one, :func:`use_isa` in tests,
@@ -50,6 +53,7 @@ from softmoe.kernels.build import (
 )
 from softmoe.kernels.expert_matmul import NATIVE_ACTIVATIONS, expert_matmul, native_applies
 from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
+from softmoe.kernels.native_grouped_mm import native_grouped_mm
 from softmoe.kernels.onednn import ONEDNN_ACTIVATIONS, batched_matmul, onednn_applies, onednn_linear, onednn_outruns_mkl
 from softmoe.kernels.routing_softmaxes import fused_routing_applies, routing_softmaxes
 from softmoe.kernels.selected_mixing import selected_mixing
@@ -71,6 +75,7 @@ __all__ = [
     "native_applies",
     "native_available",
     "native_cache_dir",
+    "native_grouped_mm",
     "native_mixing_applies",
     "native_routing_applies",
     "native_status",

@@ -5,24 +5,25 @@
     out[ends[j-1]:ends[j]] = act(x[ends[j-1]:ends[j]] @ weight[j] + bias[j]); rows past ends[-1] belong to no
     expert: they are never read and their output (and gradient) is zero
 
-``activation`` ("none", "gelu", "gelu_tanh" or "relu") is for inference: the native kernel applies it to the
-product while it is still in registers; it has no backward (a ValueError where autograd would need one).
+``activation`` ("none", "gelu", "gelu_tanh" or "relu") is for inference, where a kernel can apply it to the product
+while it is still in registers (softmoe::native_grouped_mm's); it has no backward (a ValueError where autograd would
+need one).
 
 An expert with no rows costs nothing. It is a registered custom op, so torch.compile keeps it as one node whatever
 the (data-dependent) group sizes, and it never recompiles for a new pattern of sizes. Where it runs:
 
 - CUDA, bfloat16, K and N multiples of 8, torch 2.8 or later: torch's grouped GEMM (``softmoe.compat.grouped_gemm``),
   no host synchronization, for the weight's gradient too;
-- elsewhere one product per non-empty expert (the group sizes are read on the host: free on CPU, one
-  synchronization on a GPU). On CPU a large weight (K * N at least softmoe.tuning.TABLE's "large_weight") read by
-  up to its "native_forward_max_rows" rows through a contiguous weight takes softmoe's native expert matmul
-  (float32); other products take oneDNN where it pays on this CPU (float32 inference;
-  :func:`softmoe.kernels.onednn.onednn_pays`: enough FLOPs, on a CPU where oneDNN outruns MKL), else MKL.
-  ``benchmarks/bench_products.py --isa avx512,avx2`` compares them (docs/performance.md has the measurements).
+- elsewhere one torch product per non-empty expert (the group sizes are read on the host: free on CPU, one
+  synchronization on a GPU).
 
-Differentiable in x, weight and bias (``softmoe::grouped_mm_weight_grad`` gives the weight's gradient). For few rows
-on CUDA the "cuda" backend takes ``softmoe::skinny_grouped_mm`` instead (:mod:`softmoe.kernels.skinny_grouped_mm`: the
-same contract and backward, in a Triton kernel).
+The "cpu" backend runs the same contract with softmoe's CPU kernels for each expert's product
+(``softmoe::native_grouped_mm``, :mod:`softmoe.kernels.native_grouped_mm`); the "cuda" backend takes
+``softmoe::skinny_grouped_mm`` for few rows (:mod:`softmoe.kernels.skinny_grouped_mm`: a Triton kernel). This op is
+the generic one: torch's products only.
+
+Differentiable in x, weight and bias (``softmoe::grouped_mm_weight_grad`` gives the weight's gradient;
+:func:`register_grouped_autograd` registers the same backward for every op of this contract).
 """
 
 from __future__ import annotations
@@ -33,76 +34,13 @@ import torch
 
 from softmoe.activations import ACTIVATIONS
 from softmoe.compat import grouped_gemm, has_grouped_gemm
-from softmoe.kernels.build import cpu_isa
-from softmoe.kernels.expert_matmul import native_applies
-from softmoe.kernels.onednn import onednn_applies, onednn_linear, onednn_pays
-from softmoe.tuning import value
 
-# A grouped product: (x, weight, ends, bias, activation) -> out, with this module's contract (grouped_mm, and
-# softmoe::skinny_grouped_mm).
+# A grouped product: (x, weight, ends, bias, activation) -> out, with this module's contract (grouped_mm,
+# softmoe::native_grouped_mm and softmoe::skinny_grouped_mm).
 GroupedProduct = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, str], torch.Tensor]
 
 
-def row_block_matmul(x: torch.Tensor, w: torch.Tensor, blocks: int) -> torch.Tensor:
-    """x (rows, K) @ w (K, N) -> (rows, N) in the native expert matmul (float32 CPU, w contiguous), w cut into
-    ``blocks`` contiguous blocks of K/blocks rows.
-
-    The blocks (views of w, no copy) run as one batched product, which the kernel spreads over its threads one block
-    each, each streaming its own contiguous part of w, and their partial products are summed. One block when
-    ``blocks`` does not divide K.
-    """
-    rows, k = x.shape
-    if k % blocks:
-        blocks = 1
-    xb, wb = x.reshape(rows, blocks, k // blocks).transpose(0, 1), w.view(blocks, k // blocks, -1)
-    return torch.ops.softmoe.expert_matmul(xb.contiguous(), wb, None, "none", cpu_isa()).sum(0)
-
-
-def native_serves(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
-    """Whether :func:`group_product` runs ``rows`` rows of x (rows, K) through each weight of ``weight`` (E, K, N) in
-    the native expert matmul (module doc)."""
-    return (
-        x.device.type == "cpu"
-        and weight.shape[1] * weight.shape[2] >= value("large_weight")
-        and weight.is_contiguous()
-        and native_applies(x[None], weight, rows=rows, max_rows=value("native_forward_max_rows"))
-    )
-
-
-def group_product(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none"
-) -> torch.Tensor:
-    """act(x (rows, K) @ w (K, N) + bias (N,)) with the fastest kernel for few rows through a large CPU weight
-    (module doc); the native kernel and oneDNN apply bias and activation themselves."""
-    if native_serves(x, w[None], x.shape[0]):
-        return native_product(x, w, bias, activation)
-    large = x.device.type == "cpu" and w.numel() >= value("large_weight")
-    if large and onednn_applies(x, w) and onednn_pays(2 * x.shape[0] * w.numel()):
-        return onednn_linear(x, w, bias, None if activation == "none" else activation)
-    return _finish(x @ w, bias, activation)
-
-
-def native_product(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none"
-) -> torch.Tensor:
-    """act(x (rows, K) @ w (K, N) + bias (N,)) in the native expert matmul (float32 CPU, w contiguous).
-
-    The kernel splits one row's product by the weight's rows (K) over the threads itself, more rows by columns; for
-    those a weight taller than wide is split by rows instead, so that each thread streams one contiguous part of it,
-    bias and activation then applied to the summed product."""
-    if splits_itself(x.shape[0], w):
-        b = None if bias is None else bias[None]
-        return torch.ops.softmoe.expert_matmul(x[None], w[None], b, activation, cpu_isa())[0]
-    return _finish(row_block_matmul(x, w, torch.get_num_threads()), bias, activation)
-
-
-def splits_itself(rows: int, w: torch.Tensor) -> bool:
-    """Whether the native kernel alone runs ``rows`` rows through w (..., K, N) as :func:`native_product` would: one
-    row, or a weight no taller than wide."""
-    return rows == 1 or w.shape[-2] <= w.shape[-1]
-
-
-def _finish(out: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+def finish(out: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     """act(out + bias): out (rows, N), bias (N,) or None, activation "none" or a name of ACTIVATIONS."""
     if bias is not None:
         out = out + bias
@@ -160,18 +98,37 @@ def grouped_mm(
         group = row_groups(ends, x.shape[0])  # no host read: rows past ends[-1] (group E) are zero
         if bias is not None:
             out = out + torch.cat([bias, bias.new_zeros(1, bias.shape[1])])[group]
-        return torch.where((group < weight.shape[0]).unsqueeze(1), _finish(out, None, activation), 0.0)
+        return torch.where((group < weight.shape[0]).unsqueeze(1), finish(out, None, activation), 0.0)
+    return grouped_products(x, weight, ends, bias, activation, torch_product)
+
+
+def torch_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """act(x (rows, K) @ w (K, N) + bias (N,)) in torch's ops."""
+    return finish(x @ w, bias, activation)
+
+
+def grouped_products(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ends: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, str], torch.Tensor],
+) -> torch.Tensor:
+    """The grouped product of the module doc with ``product`` (x_j, weight_j, bias_j, activation) -> out_j for each
+    expert with rows, the group sizes read on the host; zero rows past ends[-1]."""
     out = x.new_empty(x.shape[0], weight.shape[2])
     groups = _groups(ends)
     for j, start, stop in groups:
-        out[start:stop] = group_product(x[start:stop], weight[j], None if bias is None else bias[j], activation)
+        out[start:stop] = product(x[start:stop], weight[j], None if bias is None else bias[j], activation)
     out[groups[-1][2] if groups else 0 :] = 0.0
     return out
 
 
 def grouped_fake(check: Callable[..., None]) -> GroupedProduct:
     """The fake (meta) implementation of an op with :func:`grouped_mm`'s contract whose arguments ``check`` checks
-    (this module's, and ``softmoe::skinny_grouped_mm``): the (rows, N) output in x's dtype."""
+    (this module's, ``softmoe::native_grouped_mm`` and ``softmoe::skinny_grouped_mm``): the (rows, N) output in x's
+    dtype."""
 
     def fake(
         x: torch.Tensor,
@@ -212,10 +169,10 @@ def _(x: torch.Tensor, grad: torch.Tensor, ends: torch.Tensor, experts: int) -> 
 
 
 def register_grouped_autograd(op, name: str) -> None:
-    """Register the backward of ``op`` (called ``name``), a custom op with :func:`grouped_mm`'s contract (this
-    module's, and ``softmoe::skinny_grouped_mm``): x's gradient through ``op`` itself with the transposed weight (a
-    view), the weight's through :func:`grouped_mm_weight_grad`, the bias's each expert's rows of the gradient summed.
-    A fused activation has no backward: a ValueError where autograd would need one."""
+    """Register the backward of ``op`` (called ``name``), a custom op with :func:`grouped_mm`'s contract (this module's,
+    ``softmoe::native_grouped_mm`` and ``softmoe::skinny_grouped_mm``): x's gradient through ``op`` itself with
+    the transposed weight (a view), the weight's through :func:`grouped_mm_weight_grad`, the bias's each expert's
+    rows of the gradient summed. A fused activation has no backward: a ValueError where autograd would need one."""
 
     def setup_context(ctx, inputs, output) -> None:
         x, weight, ends, bias, activation = inputs
