@@ -9,7 +9,14 @@ from torch import nn
 from torch.autograd import forward_ad
 from torch.nn.utils import parametrize
 
-from softmoe.compat import grouped_gemm, has_grouped_gemm, onednn_linear_pointwise, registered, transforms_active
+from softmoe.compat import (
+    check,
+    grouped_gemm,
+    has_grouped_gemm,
+    onednn_linear_pointwise,
+    registered,
+    transforms_active,
+)
 
 
 def test_transforms_active_sees_vmap_grad_and_forward_mode_ad():
@@ -21,6 +28,23 @@ def test_transforms_active_sees_vmap_grad_and_forward_mode_ad():
         seen.append(transforms_active())
     assert seen == [True, True, True]
     assert not transforms_active()
+
+
+def test_check_raises_the_message_and_becomes_a_guard_under_compile():
+    """check raises a RuntimeError with its message where the condition fails; inside a compiled function with
+    dynamic shapes a condition on sizes does not break the graph, and still raises when an input breaks it."""
+    check(True, lambda: "never built")
+    with pytest.raises(RuntimeError, match="rows must match"):
+        check(False, lambda: "rows must match")
+
+    def rows_match(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        check(a.shape[0] == b.shape[0], lambda: "rows must match")
+        return a + b.sum()
+
+    compiled = torch.compile(rows_match, backend="eager", fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(torch.ones(3), torch.ones(3)), torch.full((3,), 4.0))
+    with pytest.raises(RuntimeError):
+        compiled(torch.ones(3), torch.ones(5))
 
 
 def test_onednn_linear_pointwise_is_a_fused_linear():

@@ -6,11 +6,20 @@ torch release changes or removes what it relies on, instead of softmoe silently 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.autograd import forward_ad
 
-__all__ = ["grouped_gemm", "has_grouped_gemm", "onednn_linear_pointwise", "registered", "transforms_active"]
+__all__ = [
+    "check",
+    "grouped_gemm",
+    "has_grouped_gemm",
+    "onednn_linear_pointwise",
+    "registered",
+    "transforms_active",
+]
 
 
 def transforms_active() -> bool:
@@ -19,6 +28,13 @@ def transforms_active() -> bool:
     ops, since softmoe's custom ops and autograd Functions have no batching or forward-mode rules (a custom op drops
     a dual's tangent without a word)."""
     return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
+
+
+def check(condition: bool, message: Callable[[], str]) -> None:
+    """``torch._check``: a RuntimeError with ``message()`` unless ``condition`` holds. The ops' fake (meta) functions
+    check their arguments with it: under torch.compile's symbolic shapes a condition on sizes becomes a guard or a
+    runtime assertion instead of a data-dependent error."""
+    torch._check(condition, message)
 
 
 def onednn_linear_pointwise(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from softmoe.compat import check
 from softmoe.kernels.build import native_available, native_module, required_isa
 from softmoe.kernels.modes import needs_grad, plain_eager_mode, transforms_active
 from softmoe.tuning import value
@@ -36,9 +37,9 @@ NATIVE_ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 
 
 def _check_fake(x: Tensor, weight: Tensor, rows_of: str) -> None:
-    torch._check(x.dim() == 3 and weight.dim() == 3, lambda: f"{rows_of} and weight must be 3-dimensional")
-    torch._check(x.dtype == weight.dtype == torch.float32, lambda: "softmoe's native ops take float32 tensors")
-    torch._check(x.shape[0] == weight.shape[0], lambda: "x and weight must have the same number of experts")
+    check(x.dim() == 3 and weight.dim() == 3, lambda: f"{rows_of} and weight must be 3-dimensional")
+    check(x.dtype == weight.dtype == torch.float32, lambda: "softmoe's native ops take float32 tensors")
+    check(x.shape[0] == weight.shape[0], lambda: "x and weight must have the same number of experts")
 
 
 # The ops' schemas; their CPU kernels (csrc/bindings.cpp) and autograd (csrc/autograd.cpp) register when the native
@@ -51,13 +52,13 @@ _LIBRARY.define("expert_matmul_tn(Tensor x, Tensor grad, str isa) -> Tensor")
 
 def _check_bias(bias: Tensor | None, weight: Tensor) -> None:
     if bias is not None:
-        torch._check(bias.shape == (weight.shape[0], weight.shape[2]), lambda: "bias must have shape (E, N)")
+        check(bias.shape == (weight.shape[0], weight.shape[2]), lambda: "bias must have shape (E, N)")
 
 
 @torch.library.register_fake("softmoe::expert_matmul")
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, isa: str) -> Tensor:
     _check_fake(x, weight, "x")
-    torch._check(x.shape[2] == weight.shape[1], lambda: "x (E, rows, K) needs weight (E, K, N)")
+    check(x.shape[2] == weight.shape[1], lambda: "x (E, rows, K) needs weight (E, K, N)")
     _check_bias(bias, weight)
     return x.new_empty(x.shape[0], x.shape[1], weight.shape[2])
 
@@ -65,14 +66,14 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, isa: str)
 @torch.library.register_fake("softmoe::expert_matmul_nt")
 def _(grad: Tensor, weight: Tensor, isa: str) -> Tensor:
     _check_fake(grad, weight, "grad")
-    torch._check(grad.shape[2] == weight.shape[2], lambda: "grad (E, rows, N) needs weight (E, K, N)")
+    check(grad.shape[2] == weight.shape[2], lambda: "grad (E, rows, N) needs weight (E, K, N)")
     return grad.new_empty(grad.shape[0], grad.shape[1], weight.shape[1])
 
 
 @torch.library.register_fake("softmoe::expert_matmul_tn")
 def _(x: Tensor, grad: Tensor, isa: str) -> Tensor:
     _check_fake(x, grad, "x")
-    torch._check(x.shape[1] == grad.shape[1], lambda: "x (E, rows, K) needs grad (E, rows, N)")
+    check(x.shape[1] == grad.shape[1], lambda: "x (E, rows, K) needs grad (E, rows, N)")
     return x.new_empty(x.shape[0], x.shape[2], grad.shape[2])
 
 

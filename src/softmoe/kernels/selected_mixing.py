@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from softmoe.compat import check
 from softmoe.kernels.build import required_isa
 
 # The op's schema; its CPU kernel (csrc/bindings.cpp) registers when the native extension loads.
@@ -31,21 +32,19 @@ _LIBRARY.define(
 
 @torch.library.register_fake("softmoe::selected_mixing")
 def _(x, dispatch, combine, selected, w1, b1, w2, b2, slots_per_expert, activation, isa):
-    torch._check(x.dim() == 3 and w1.dim() == 3 and w2.dim() == 3, lambda: "x, w1 and w2 must be 3-dimensional")
+    check(x.dim() == 3 and w1.dim() == 3 and w2.dim() == 3, lambda: "x, w1 and w2 must be 3-dimensional")
     n, dim, hidden = w1.shape
-    torch._check(
-        x.shape[2] == dim and w2.shape[:2] == (n, hidden), lambda: "x (B, T, D) needs w1 (n, D, H), w2 (n, H, O)"
-    )
-    torch._check(
+    check(x.shape[2] == dim and w2.shape[:2] == (n, hidden), lambda: "x (B, T, D) needs w1 (n, D, H), w2 (n, H, O)")
+    check(
         dispatch.shape == combine.shape == (*x.shape[:2], n * slots_per_expert),
         lambda: "dispatch and combine must be (batch, tokens, n * slots_per_expert)",
     )
-    torch._check(
+    check(
         selected.dim() == 2 and selected.shape[0] == x.shape[0] and selected.dtype == torch.int64,
         lambda: "selected must be an int64 (batch, k) tensor",
     )
-    torch._check(b1 is None or b1.shape == (n, hidden), lambda: "b1 must be (n, H)")
-    torch._check(b2 is None or b2.shape == (n, w2.shape[2]), lambda: "b2 must be (n, O)")
+    check(b1 is None or b1.shape == (n, hidden), lambda: "b1 must be (n, H)")
+    check(b2 is None or b2.shape == (n, w2.shape[2]), lambda: "b2 must be (n, O)")
     return x.new_empty(x.shape[0], x.shape[1], w2.shape[2])
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from softmoe.compat import check
 from softmoe.kernels.build import LANES, native_available, required_isa
 from softmoe.kernels.modes import needs_grad, transforms_active
 from softmoe.tuning import value
@@ -78,7 +79,7 @@ def _saved_shape(x: Tensor, dispatch: Tensor, weight1: Tensor, keep_outputs: boo
 
 @torch.library.register_fake("softmoe::soft_moe_mixing")
 def _(x, dispatch, combine, weight1, bias1, weight2, bias2, keep_outputs, isa):
-    torch._check(x.dim() == 3 and dispatch.dim() == 3 and weight1.dim() == 3, lambda: "bad soft_moe_mixing inputs")
+    check(x.dim() == 3 and dispatch.dim() == 3 and weight1.dim() == 3, lambda: "bad soft_moe_mixing inputs")
     return x.new_empty(x.shape), x.new_empty(_saved_shape(x, dispatch, weight1, keep_outputs, isa))
 
 

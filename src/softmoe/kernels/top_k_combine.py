@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from softmoe.compat import check
 from softmoe.kernels.build import required_isa
 
 # The op's schema; its CPU kernel (csrc/bindings.cpp) and autograd (csrc/autograd.cpp) register when the native
@@ -30,15 +31,15 @@ _LIBRARY.define("top_k_combine(Tensor combine, int slots_per_expert, int k, str 
 
 @torch.library.register_fake("softmoe::top_k_combine")
 def _(combine: Tensor, slots_per_expert: int, k: int, isa: str) -> tuple[Tensor, Tensor]:
-    torch._check(
+    check(
         combine.dim() == 3 and combine.dtype == torch.float32,
         lambda: "combine must be a (batch, tokens, slots) float32 tensor",
     )
-    torch._check(
+    check(
         slots_per_expert >= 1 and combine.shape[2] % slots_per_expert == 0,
         lambda: "slots must be a whole number of experts of slots_per_expert >= 1 slots",
     )
-    torch._check(1 <= k <= combine.shape[2] // slots_per_expert, lambda: "k must lie in [1, the experts]")
+    check(1 <= k <= combine.shape[2] // slots_per_expert, lambda: "k must lie in [1, the experts]")
     kept = combine.new_empty(combine.shape)
     return kept, combine.new_empty((combine.shape[0], k), dtype=torch.int64)
 
