@@ -37,7 +37,7 @@ TABLE: dict[str, Measured] = {
     "plan_row_floor": Measured({"cpu": 16, "cuda": 0}, "Intel Xeon and AMD EPYC Zen 5 (CPU); H100 (CUDA)"),
     "plan_row_overhead": Measured({"cpu": 2, "cuda": 256}, "Intel Xeon and AMD EPYC Zen 5 (CPU); H100 (CUDA)"),
     "plan_margin": Measured({"cpu": 0.85, "cuda": 0.4}, "Intel Xeon and AMD EPYC Zen 5 (CPU); H100, H200 (CUDA)"),
-    "plan_call_flops": Measured(1e7, "Intel Xeon (AVX-512 and AVX2)"),
+    "plan_call_flops": Measured(1e7, "Intel Xeon (AVX-512 and AVX2); compiled CUDA takes it too, unmeasured there"),
     # Algorithm 1's bookkeeping where host reads are free (CPU, eager): a selection of at most host_count_max_places
     # places is counted in Python, a larger one with torch's bincount (which costs the same at any size); the top-k
     # of at most host_topk_max_scores scores (batch x experts) is a Python sort per input (one read costs less than

@@ -35,8 +35,8 @@ measured thresholds that decide where each runs (rows, weight sizes, FLOPs) are 
 
 On CUDA, ``torch.ops.softmoe.routing_softmaxes`` (:mod:`softmoe.kernels.routing_softmaxes`) computes a layer's two
 softmaxes and Algorithm 1's choice of experts in one Triton kernel (the tokens' normalization and a bfloat16 layer's
-casts with them), which the layer takes in eager inference for Algorithm 1 and for a bfloat16 or float16 forward
-(:func:`fused_routing_applies`); elsewhere it is torch's ops. ``torch.ops.softmoe.skinny_grouped_mm``
+casts with them), which the "cuda" backend takes for Algorithm 1 in eager inference (:func:`fused_routing_applies`);
+elsewhere it is torch's ops. ``torch.ops.softmoe.skinny_grouped_mm``
 (:mod:`softmoe.kernels.skinny_grouped_mm`) is ``softmoe::grouped_mm``'s product in a Triton kernel that streams the
 weights for few rows, which the "cuda" backend takes for Algorithm 1's selected experts (:func:`skinny_applies`).
 """

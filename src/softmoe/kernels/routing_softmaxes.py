@@ -125,38 +125,10 @@ def routing_softmaxes(
     x: Tensor | None = None,
     eps: float = NORM_EPS,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """logits (batch, tokens, slots) -> (dispatch, combine, selected (batch, k)); see the module doc."""
-    return run_routing_softmaxes(logits, slots_per_expert, k, out_dtype=out_dtype, x=x, eps=eps)
-
-
-def run_routing_softmaxes(
-    logits: Tensor,
-    slots_per_expert: int,
-    k: int,
-    kernel: bool | None = None,
-    out_dtype: torch.dtype | None = None,
-    x: Tensor | None = None,
-    eps: float = NORM_EPS,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The op's computation, called directly (no dispatcher, no autograd): the kernel where it applies (``kernel``:
-    whether it does, where the caller has asked :func:`kernel_applies` already)."""
+    """logits (batch, tokens, slots) -> (dispatch, combine, selected (batch, k)); see the module doc. The kernel where
+    it applies (:func:`kernel_applies`) and can launch, else torch's ops."""
     check_routing_softmaxes(logits, slots_per_expert, k, out_dtype, x, eps)
-    if kernel is None:
-        kernel = kernel_applies(logits.shape, logits.dtype, logits.device, slots_per_expert, k)
-    return _compute(logits, slots_per_expert, k, kernel, out_dtype, x, eps)
-
-
-def _compute(
-    logits: Tensor,
-    slots_per_expert: int,
-    k: int,
-    kernel: bool,
-    out_dtype: torch.dtype | None,
-    x: Tensor | None,
-    eps: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`run_routing_softmaxes` after its checks: the kernel where ``kernel`` and it can launch, else torch's
-    ops."""
+    kernel = kernel_applies(logits.shape, logits.dtype, logits.device, slots_per_expert, k)
     if kernel and KERNEL.failure is None:
         logits = logits.contiguous()
         dispatch, combine = torch.empty_like(logits, dtype=out_dtype), torch.empty_like(logits, dtype=out_dtype)
