@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import softmoe.backends
 from reference import kernels_called, ref_activation
 from softmoe import MLPExperts, Routing, SoftMoE, StackedExperts, select_experts
 from softmoe.backends import REGISTRY
@@ -698,7 +699,7 @@ def test_backend_for_names_the_ops_each_step_runs():
         assert {f"softmoe::{op}" for op in ops} <= seen
 
 
-def test_auto_backend_rules_and_reasons():
+def test_auto_backend_rules_and_reasons(monkeypatch):
     """"auto" takes the native ops for float32 CPU tensors (mixing by their cost model: here the slot formulation,
     and the native expert matmul for few rows through large weights), the cost model's formulation for float64,
     "reference" under torch.func transforms, autocast and for custom experts; each choice with its reason."""
@@ -720,6 +721,9 @@ def test_auto_backend_rules_and_reasons():
     x = torch.randn(1, 64, 64)
     if native_available():
         assert large.backend_for(x).backend.mixing(large, x) == "native"
+    monkeypatch.setattr(softmoe.backends, "native_available", lambda: False)
+    choice = layer.backend_for(torch.randn(3, 5, 8))
+    assert choice.name in ("slots", "tokens") and "native ops are unavailable" in choice.reason
 
 
 def test_explicit_backends_that_cannot_run_say_why():

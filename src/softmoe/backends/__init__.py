@@ -116,8 +116,11 @@ def resolve(layer: SoftMoE, x: torch.Tensor) -> tuple[Backend, str]:
         return chosen("reference", f"{type(experts).__name__} experts run Definition 1 in plain torch ops")
     if x.is_cuda:
         return chosen("cuda", "CUDA tensors: Triton routing in eager inference, grouped GEMM for selected experts")
-    if x.is_cpu and x.dtype == experts.weights()[0].dtype == torch.float32 and native_available():
-        return chosen("cpu", "float32 CPU tensors: softmoe's native ops")
+    native = ""
+    if x.is_cpu and x.dtype == experts.weights()[0].dtype == torch.float32:
+        if native_available():
+            return chosen("cpu", "float32 CPU tensors: softmoe's native ops")
+        native = " (the native ops are unavailable: softmoe.kernels.native_status() says why)"
     if token_space_is_cheaper(experts, x.shape[1], layer.slots_per_expert):
-        return chosen("tokens", "the cost model: the token-space formulation")
-    return chosen("slots", "the cost model: the slot formulation")
+        return chosen("tokens", f"the cost model: the token-space formulation{native}")
+    return chosen("slots", f"the cost model: the slot formulation{native}")
