@@ -29,8 +29,7 @@ A backend is an object (:class:`Backend`) with the layer's steps, for the inputs
     "auto"       the default: :func:`resolve` picks one of the above for each input, by the rules written there.
 
 ``layer.backend_for(x)`` says which backend runs for an input, why, and what runs each of its steps (a
-:class:`BackendChoice`). A backend that
-cannot serve an input raises a ValueError saying why; "auto" never does.
+:class:`BackendChoice`). A backend that cannot serve an input raises a ValueError saying why; "auto" never does.
 """
 
 from __future__ import annotations
