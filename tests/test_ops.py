@@ -118,6 +118,29 @@ def test_opcheck_the_inference_ops(isa, shape):
     torch.testing.assert_close(got, masked, rtol=1e-5, atol=1e-5)
 
 
+def test_a_gradient_through_an_inference_op_raises(isa):
+    """The inference ops have no backward: a gradient asked of an input that requires one raises (never a silent
+    None); without one they run as usual."""
+    x, dispatch, combine, w1, b1, w2, b2 = detached(mixing_inputs(*MIXING_SHAPES[0], bias=True))
+    experts, p = w1.shape[0], dispatch.shape[2] // w1.shape[0]
+    phi, scale = torch.randn(x.shape[2], experts * p), torch.tensor(2.0)
+    leaf = x.clone().requires_grad_()
+    calls = {
+        "soft_moe_mixing_inference": lambda t: OPS.soft_moe_mixing_inference(
+            t, dispatch, combine, w1, b1, w2, b2, False, None, 0, layout_costs(isa), isa
+        ),
+        "soft_moe_routing_top_k": lambda t: OPS.soft_moe_routing_top_k(t, phi, scale, "router", p, 1, True, isa, False)[1],
+        "selected_mixing": lambda t: OPS.selected_mixing(
+            t, dispatch, combine, torch.zeros(x.shape[0], 1, dtype=torch.int64), w1, b1, w2, b2, p, "relu", isa
+        ),
+    }
+    for name, call in calls.items():
+        out = call(leaf)
+        with pytest.raises(RuntimeError, match="not implemented|does not require grad"):
+            torch.autograd.grad(out.sum(), leaf)
+        assert torch.equal(call(x), out.detach()), name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "shape, bias, keep, row_isa",

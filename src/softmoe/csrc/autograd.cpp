@@ -319,8 +319,11 @@ TORCH_LIBRARY_IMPL(softmoe, Autograd, m)
     m.impl("expert_matmul", &expert_matmul_autograd);
     m.impl("expert_matmul_nt", &expert_matmul_pair_autograd<true>);
     m.impl("expert_matmul_tn", &expert_matmul_pair_autograd<false>);
-    /* Algorithm 1's selected plan in inference (the training path runs it in differentiable ops) */
+    /* the inference ops (the training path runs differentiable ops): a gradient through them raises, never a silent
+     * zero. Algorithm 1's selected plan, the fused mixing without records, the routing with Algorithm 1's choice. */
     m.impl("selected_mixing", torch::autograd::autogradNotImplementedFallback());
+    m.impl("soft_moe_mixing_inference", torch::autograd::autogradNotImplementedFallback());
+    m.impl("soft_moe_routing_top_k", torch::autograd::autogradNotImplementedFallback());
     /* the backward ops, run with gradients recorded (create_graph), give outputs whose backward raises */
     m.impl("soft_moe_mixing_backward", torch::autograd::autogradNotImplementedFallback());
     m.impl("soft_moe_routing_backward", torch::autograd::autogradNotImplementedFallback());
