@@ -1,9 +1,9 @@
 """The CPU products of Algorithm 1's selected plan: softmoe's native expert matmul against MKL (and oneDNN) for few
-rows through each of E large weights, the shapes where ``softmoe.kernels.grouped_mm`` picks between them.
+rows through each of E large weights, the shapes where ``softmoe.kernels.native_grouped_mm`` picks between them.
 
 Each cell times E products of ``rows`` x K through E different K x N weights (for Table 3's paper-size shapes,
 8 x 94 MB: more than a last-level cache holds, so every weight streams from memory as in the model; the small
-preset's 8 x 19 MB may stay in a large L3), one call per expert as ``softmoe::grouped_mm`` makes them: the native kernel (a weight taller than wide split by rows over the
+preset's 8 x 19 MB may stay in a large L3), one call per expert as ``softmoe::native_grouped_mm`` makes them: the native kernel (a weight taller than wide split by rows over the
 threads), ``x @ w`` (MKL) and oneDNN's linear, round-robin in the same run, and prints GFLOP/s and native / MKL.
 
     python benchmarks/bench_products.py                           # Table 3's shapes at 8-100 rows
@@ -79,11 +79,11 @@ def main() -> None:
             flops = 2 * args.experts * rows * k * n
             rate = {name: flops / s["median"] / 1e9 for name, s in stats.items()}
             chosen = "native" if rows <= value("native_forward_max_rows") else "mkl/onednn"
-            records.append({"k": k, "n": n, "rows": rows, "gflops": rate, "grouped_mm_takes": chosen})
+            records.append({"k": k, "n": n, "rows": rows, "gflops": rate, "native_grouped_mm_takes": chosen})
             rows_out.append([f"{k} x {n}", rows, f"{rate['native']:.0f}", f"{rate['mkl']:.0f}",
                              f"{rate['onednn']:.0f}", f"{rate['native'] / rate['mkl']:.2f}", chosen])
     print_table(["weight", "rows", "native GFLOP/s", "MKL GFLOP/s", "oneDNN GFLOP/s", "native / MKL",
-                 "grouped_mm takes"], rows_out)
+                 "native_grouped_mm takes"], rows_out)
     results = {"environment": env, "allocator": allocator, "experts": args.experts,
                "cells": records}
     write_results(args, results)

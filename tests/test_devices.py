@@ -10,7 +10,8 @@ import torch
 
 from softmoe import SoftMoE, masked_reference_forward, select_experts, selection_plan
 from softmoe.selection import top_k_by_combine
-from softmoe.selection_plan import forget_timed_plans, timed_choice
+from softmoe.selection_plan import forget_timed_plans
+from softmoe.tuning import set_autotune
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # float32 and bfloat16 against float64: relative error of the output.
@@ -37,7 +38,7 @@ def test_layer_forward_and_backward_on_device(device, dtype):
     out = layer(x)
     choice = layer.backend_for(x)
     if device != "cpu":
-        assert choice.name == "slots" and "CPU cost model is not used" in choice.reason
+        assert choice.name == "cuda" and set(choice.steps) == {"route", "mix", "select"}
     assert out.device.type == device and out.dtype == dtype
     assert relative(out.detach(), exact(x64)) < TOLERANCE[dtype]
     out.float().square().sum().backward()
@@ -83,37 +84,48 @@ def test_selection_on_cuda_never_waits_for_the_host(strategy):
     x = torch.randn(6, 10, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     previous = torch.cuda.get_sync_debug_mode()
     forget_timed_plans()
-    for timed in (False, True):  # the shape untimed (the cost model's plan), then timed (the plan found faster)
-        if timed:
-            with torch.no_grad(), select_experts(layer, k=3, strategy=strategy, seed=0):
-                layer(x)  # times both plans: synchronizes
-            assert len(selection_plan._TIMED_PLANS) == 1
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with select_experts(layer, k=3, strategy=strategy, seed=0):
-                out = layer(x)
-            out.float().square().sum().backward()
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-        assert torch.isfinite(x.grad).all() and torch.isfinite(layer.experts.weight1.grad).all()
+    tuning = set_autotune(False)
+    try:
+        for timed in (False, True):  # the cost model's plan, then with autotuning the plan timed faster
+            if timed:
+                set_autotune(True)
+                with torch.no_grad(), select_experts(layer, k=3, strategy=strategy, seed=0):
+                    layer(x)  # times both plans: synchronizes
+                assert len(selection_plan._TIMED_PLANS) == 1
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with select_experts(layer, k=3, strategy=strategy, seed=0):
+                    out = layer(x)
+                out.float().square().sum().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+            assert torch.isfinite(x.grad).all() and torch.isfinite(layer.experts.weight1.grad).all()
+    finally:
+        set_autotune(tuning)
+        forget_timed_plans()
 
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_algorithm1_on_eager_cuda_times_its_plans_once_per_shape(dtype):
-    """Plan "auto" on eager CUDA times both plans at the first call of a shape, then runs the faster: both calls
-    equal the masked reference, and a second batch size is a second shape."""
+    """With autotuning on, plan "auto" on eager CUDA times both plans at the first call of a shape, then runs the
+    faster: every call equals the masked reference, and a second batch size is a second shape."""
     layer, exact = layer_pair("cuda", dtype)
     forget_timed_plans()
-    for batch in (5, 5, 3):
-        x64 = torch.randn(batch, 10, 16, dtype=torch.float64)
-        selected = top_k_by_combine(exact.route(x64).combine, 3)
-        with torch.no_grad():
-            got = layer.forward_selected(x64.to(device="cuda", dtype=dtype), selected.to("cuda"))
-            want = masked_reference_forward(exact, x64, selected)
-        assert relative(got, want) < TOLERANCE[dtype]
-        assert timed_choice(layer._plan_key(x64.to("cuda", dtype), selected)) in ("dense", "selected")
-    assert len(selection_plan._TIMED_PLANS) == 2
+    previous = set_autotune(True)
+    try:
+        for batch, shapes in ((5, 1), (5, 1), (3, 2)):
+            x64 = torch.randn(batch, 10, 16, dtype=torch.float64)
+            selected = top_k_by_combine(exact.route(x64).combine, 3)
+            with torch.no_grad():
+                got = layer.forward_selected(x64.to(device="cuda", dtype=dtype), selected.to("cuda"))
+                want = masked_reference_forward(exact, x64, selected)
+            assert relative(got, want) < TOLERANCE[dtype]
+            assert len(selection_plan._TIMED_PLANS) == shapes
+            assert set(selection_plan._TIMED_PLANS.values()) <= {"dense", "selected"}
+    finally:
+        set_autotune(previous)
+        forget_timed_plans()
 
 
 @cuda

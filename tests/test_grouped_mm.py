@@ -83,7 +83,8 @@ def test_bias_is_added_per_expert_with_its_gradient(op, counts):
 @OPS
 def test_a_fused_activation_equals_it_applied_after(op, monkeypatch, activation, native):
     """Inference only: act(x @ w + b) per expert, zero rows past the last end; with native, every weight counts
-    as large (native kernel, column and row splits, MKL above its rows); a ValueError where a gradient is needed."""
+    as large (for softmoe::native_grouped_mm the native kernel, column and row splits, MKL above its rows; the
+    generic op ignores the table); a ValueError where a gradient is needed."""
     if native:
         if not native_available():
             pytest.skip("softmoe's native kernels are not built here")

@@ -69,6 +69,7 @@ def test_the_package_exports_what_the_layer_and_experts_import():
 def test_the_measured_thresholds_live_in_the_tuning_table_only():
     moved = {"expert_matmul": ["NATIVE_MAX_ROWS", "NATIVE_FORWARD_MAX_ROWS", "NATIVE_MIN_WEIGHT"],
              "grouped_mm": ["LARGE_WEIGHT"],
+             "native_grouped_mm": ["LARGE_WEIGHT"],
              "onednn": ["ONEDNN_MIN_PRODUCT_FLOPS", "ONEDNN_MIN_BATCH_FLOPS", "ONEDNN_MARGIN"],
              "soft_moe_mixing": ["MIXING_MAX_WEIGHT_BYTES_PER_LANE"]}
     import softmoe.kernels as kernels

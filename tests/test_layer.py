@@ -681,8 +681,14 @@ def test_backend_for_names_the_ops_each_step_runs():
     torch.manual_seed(0)
     small = SoftMoE(16, 4, expert_hidden=32, activation="relu").eval()
     large = SoftMoE(64, 2, 4, expert_hidden=4096).eval()  # 8 rows per expert through 64 x 4096 weights
+    noisy = SoftMoE(16, 4, expert_hidden=32, activation="relu", noise_std=0.5)  # training: routing in torch ops
+    frozen = SoftMoE(16, 4, expert_hidden=32, activation="relu").eval()  # only the scale learns
+    frozen.phi.requires_grad_(False)
+    frozen.experts.requires_grad_(False)
     seen = set()
-    for layer, x in ((small, torch.randn(3, 5, 16)), (large, torch.randn(2, 6, 64))):
+    layers = ((small, torch.randn(3, 5, 16)), (large, torch.randn(2, 6, 64)), (noisy, torch.randn(3, 5, 16)),
+              (frozen, torch.randn(3, 5, 16)))
+    for layer, x in layers:
         for name in ("reference", "slots", "tokens", *(("cpu",) if native_available() else ())):
             for grad in (False, True):
                 layer.backend = name

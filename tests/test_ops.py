@@ -136,7 +136,7 @@ def test_a_gradient_through_an_inference_op_raises(isa):
     }
     for name, call in calls.items():
         out = call(leaf)
-        with pytest.raises(RuntimeError, match="not implemented|does not require grad"):
+        with pytest.raises(RuntimeError, match="not implemented"):
             torch.autograd.grad(out.sum(), leaf)
         assert torch.equal(call(x), out.detach()), name
 

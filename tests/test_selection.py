@@ -20,10 +20,11 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from reference import GROUPED_PRODUCTS
+from reference import GROUPED_PRODUCTS, kernels_called
 from softmoe import SoftMoE, masked_reference_forward, select_experts
 from softmoe.backends import Backend
 from softmoe.experts import MLPExperts
+from softmoe.kernels import native_available
 from softmoe.selection import (
     NoBetterThanRandomWarning,
     Selector,
@@ -971,21 +972,29 @@ def test_gradients_reach_phi_and_only_selected_experts(custom, renormalize):
 @pytest.mark.parametrize("k", [2, 6])
 @pytest.mark.parametrize("batch", [1, 12])  # one row per expert (row blocks) and several (oneDNN in inference)
 def test_fast_path_with_large_expert_kernels_equals_masked_reference(k, batch, monkeypatch):
-    """The kernels softmoe::native_grouped_mm uses for large weights on several CPU threads keep Algorithm 1 exact."""
+    """The kernels softmoe::native_grouped_mm uses for large weights on several CPU threads keep Algorithm 1 exact:
+    the selected plan with every weight counting as large for the native kernel (one row: its stream; 12 rows: its
+    column split) and oneDNN, with and without gradients (the one-call plan in inference, the grouped products
+    with them)."""
     monkeypatch.setitem(TABLE, "large_weight", Measured(1, "a test"))
+    monkeypatch.setitem(TABLE, "native_min_weight", Measured(1, "a test"))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         torch.manual_seed(0)
         layer = SoftMoE(12, 8, expert_hidden=32, activation="gelu_tanh").eval()
         x = torch.randn(batch, 10, 12)
+        selected = top_k_by_combine(layer.route(x).combine, k)
         with torch.no_grad():
-            selected = top_k_by_combine(layer.route(x).combine, k)
-            fast = layer.forward_selected(x, selected)
             ref = masked_reference_forward(layer, x, selected)
+            fast = layer.forward_selected(x, selected, plan="selected")
+        trained = layer.forward_selected(x, selected, plan="selected")
+        called = kernels_called(lambda: layer.forward_selected(x, selected, plan="selected"))
     finally:
         torch.set_num_threads(threads)
-    assert (fast - ref).abs().max().item() < 1e-5
+    assert (fast - ref).abs().max().item() < 1e-5 and (trained.detach() - ref).abs().max().item() < 1e-5
+    if native_available():
+        assert {"softmoe::native_grouped_mm", "softmoe::expert_matmul"} <= called
 
 
 # --------------------------------------------------------------- 9. adaptive strategies: per-input expert counts

@@ -148,12 +148,12 @@ class MLPExperts(nn.Module):
         """rows (groups, rows, dim), expert (groups,) int64 -> (groups, rows, out_dim).
 
         The groups are sorted by expert and both layers run as grouped products, ``product`` (a custom op with the
-        contract of :mod:`softmoe.kernels.grouped_mm`: that op by default; the "cuda" backend passes
-        ``softmoe::skinny_grouped_mm`` for few rows): an expert no group names costs nothing; no host
-        synchronization where torch's grouped GEMM serves.
+        contract of :mod:`softmoe.kernels.grouped_mm`: that op, torch's products, by default; the "cpu" backend
+        passes ``softmoe::native_grouped_mm``, the "cuda" backend ``softmoe::skinny_grouped_mm`` for few rows): an
+        expert no group names costs nothing; no host synchronization where torch's grouped GEMM serves.
         Padding groups (expert -1) sort last, past every expert's rows: no product reads them and the grouped
         products give them zero rows (no bias), so their output is zero and no gradient flows through them. Without
-        a gradient to compute, the first product applies the activation itself (in its kernel's registers).
+        a gradient to compute, the first product applies the activation itself (a native kernel in its registers).
         Under torch.func transforms and forward-mode AD (the grouped products are custom ops, which have no
         forward-mode rule) every expert runs on every group in torch's batched products and each group keeps its
         own expert's rows: the work of every expert, no copy of the weights.

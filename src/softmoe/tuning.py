@@ -53,8 +53,8 @@ TABLE: dict[str, Measured] = {
     # expert through weights of at least native_min_weight elements per expert: forward and backward it beats MKL's
     # baddbmm at a few rows through large weights (its lead shrinks as the rows grow), and it is slower through
     # weights small enough for MKL to keep them in cache. Where only the forward product runs (grad mode off;
-    # softmoe::grouped_mm's products) it serves up to native_forward_max_rows: with the later row passes reading a
-    # copy of each tile, the forward alone keeps up with MKL and oneDNN to more rows.
+    # softmoe::native_grouped_mm's products) it serves up to native_forward_max_rows: with the later row passes
+    # reading a copy of each tile, the forward alone keeps up with MKL and oneDNN to more rows.
     "native_max_rows": Measured(16, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
     "native_forward_max_rows": Measured(48, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),
     "native_min_weight": Measured(1 << 18, "AMD EPYC Zen 5 and Zen 4 (2 cores)"),

@@ -24,7 +24,8 @@ A backend is an object (:class:`Backend`) with the layer's steps, for the inputs
     "cpu"        softmoe's native CPU ops (float32, MLP experts): routing and Algorithm 1's choice in one pass, the
                  fused mixing of small relu experts, the expert matmul for few rows through large weights, the
                  slot formulation's products in oneDNN where it outruns MKL, the selected plan in one call in
-                 inference.
+                 inference (else with each kept expert's product in the native kernel, oneDNN or MKL by its shape:
+                 ``softmoe::native_grouped_mm``).
     "cuda"       CUDA, MLP experts: the Triton routing kernel in eager inference, grouped GEMM for selected experts.
     "auto"       the default: :func:`resolve` picks one of the above for each input, by the rules written there.
 

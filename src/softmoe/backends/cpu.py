@@ -168,7 +168,8 @@ class CpuBackend(SlotsBackend):
         return super().plan(layer, x, dispatch, combine, selected, renormalize, top_k)
 
     def steps(self, layer, x):
-        inference = not needs_grad(x, layer.phi, *layer.experts.weights())
+        phi, scale, experts = layer.weights()
+        inference = not needs_grad(x, phi, scale, *experts.weights())
         fused = "softmoe::soft_moe_mixing_inference" if inference else "softmoe::soft_moe_mixing"
         mixing = {
             "fused": f"{fused}, every step of the small experts in one pass",
@@ -180,7 +181,9 @@ class CpuBackend(SlotsBackend):
             "softmoe::selected_mixing in inference, else torch ops" if fused_selected_serves(layer, x) else "torch ops"
         )
         return {
-            "route": "softmoe::soft_moe_routing",
+            "route": "torch ops (logit noise in training)"
+            if layer.training and layer.noise_std > 0
+            else "softmoe::soft_moe_routing (torch ops with a mask)",
             "mix": mixing,
             "select": f"Algorithm 1 in the routing's pass (inference) or softmoe::top_k_combine; the selected plan in "
             f"{plan} and softmoe::native_grouped_mm",
