@@ -221,7 +221,7 @@ def test_the_layer_takes_it_and_matches_its_float64_twin(library, normalize):
     twin = SoftMoE(12, 5, slots_per_expert=2, expert_hidden=7, normalize=normalize, dtype=torch.float64)
     twin.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
     x, g = torch.randn(3, 6, 12), torch.randn(3, 6, 12)
-    assert layer.backend_for(x).backend.steps(layer, x)["route"] == "softmoe::soft_moe_routing"
+    assert layer.backend_for(x).steps["route"].startswith("softmoe::soft_moe_routing ")
     results = {}
     assert native_routings(lambda: results.update(got=output_and_gradients(layer, x, g))) == 1
     assert native_routings(lambda: results.update(want=output_and_gradients(twin, x.double(), g.double()))) == 0
