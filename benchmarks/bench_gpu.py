@@ -9,7 +9,7 @@ Usage (on a machine with a CUDA device)::
     python benchmarks/bench_gpu.py --compile        # also the layer and the dense MLP compiled with CUDA graphs
 
 Layer table: for every shape and dtype, the forward (under ``torch.no_grad``) and forward+backward (``x`` requiring
-grad, gradients reset to None before each step) of ``softmoe.SoftMoE`` (backend "auto", which is "slots" on CUDA),
+grad, gradients reset to None before each step) of ``softmoe.SoftMoE`` (backend "auto", which is "cuda" on CUDA),
 the dense MLP of ``benchmarks/bench_layer.py`` (the layer's expert FLOPs spent on every token) and each installed
 peer of ``benchmarks/peers.py`` at the same shape and dtype, timed round-robin in the same run; each timed call
 ends with a device synchronization. fp32 runs with TF32 off (torch's default for matmul). Columns: median times,
@@ -53,6 +53,7 @@ from peers import MLP_PEERS, build_peers  # noqa: E402
 
 import softmoe  # noqa: E402
 from softmoe.kernels.grouped_mm import uses_grouped_gemm  # noqa: E402
+from softmoe.tuning import set_autotune  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -167,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="batch sizes of the ViT-S/16 layer (default 8 128; none: leave it out)")
     parser.add_argument("--compile", action="store_true",
                         help="also time the layer and the dense MLP compiled with CUDA graphs (mode reduce-overhead)")
+    parser.add_argument("--autotune", action="store_true", help="plan \"auto\" times both plans once per shape and "
+                        "runs the faster (softmoe.tuning.set_autotune(True)); without it eager CUDA runs the dense "
+                        "plan")
     args = parser.parse_args(argv)
+    set_autotune(args.autotune)
     device = torch.device(args.device)
     if device.type != "cuda" or not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this benchmark needs a CUDA device and torch sees none")

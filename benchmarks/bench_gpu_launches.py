@@ -8,15 +8,15 @@ Table 1: for the paper's MNIST layer at n = 8 (batch 256, 4 tokens, dim 196, hid
 CUDA kernels one eager call launches (torch profiler) and the time per call (200 calls after 10 warm-up ones, one
 device synchronization at the end), for the forward, the forward+backward and Algorithm 1 at k = 2 (forward).
 
-Table 2: the layer's time with the router's logits computed by the general path (the column norms of phi and the
-token norms as separate ops, ``softmoe.layer._NormalizedTokenLogits``) against CUDA's path (two fused RMS norms,
-``softmoe.layer.rms_norm_logits``), in the same process: 5 interleaved rounds of 50 calls each, median per call.
-(A bf16 layer's inference takes neither: the routing kernel normalizes its tokens; that row is left out.)
+Table 2: the layer's time with the router's logits computed by the general path (``backend="slots"``: the norms of
+the tokens and of phi's columns as separate ops, :func:`softmoe.layer.soft_moe_logits`) against the "cuda" backend's
+(two fused RMS norms, ``softmoe.backends.cuda.rms_norm_logits``; the two backends' mixing is the same), in the same
+process: 5 interleaved rounds of 50 calls each, median per call.
 
 Table 3: inference (eval mode), same process, same rounds: the plain forward against Algorithm 1 at k = n/4 (plan
-"auto", which times its plans in eval mode) with its choice in torch's ops and in the routing kernel
-(``softmoe::routing_softmaxes``, one Triton kernel): kernels per call, time, and Algorithm 1's speed against the
-plain forward.
+"auto" with autotuning on, ``softmoe.tuning.set_autotune(True)``: the plans timed once per shape, the faster run)
+with its choice in torch's ops and in the routing kernel (``softmoe::routing_softmaxes``, one Triton kernel):
+kernels per call, time, and Algorithm 1's speed against the plain forward.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import time
 import torch
 
 import softmoe
-import softmoe.layer as layer_module
+import softmoe.backends.cuda as cuda_backend
+from softmoe.tuning import set_autotune
 
 
 def cuda_kernels(fn) -> int:
@@ -51,14 +52,6 @@ def microseconds_per_call(fn, calls: int = 200) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / calls * 1e6
-
-
-def general_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The router's logits as the general path computes them (the CPU's torch path)."""
-    phi = layer_module.l2_normalize(phi, dim=0) * scale
-    if torch.is_grad_enabled() and (x.requires_grad or phi.requires_grad):
-        return layer_module._NormalizedTokenLogits.apply(x, phi)
-    return layer_module._NormalizedTokenLogits.forward(x, phi)
 
 
 def calls(layer: softmoe.SoftMoE, x: torch.Tensor) -> dict:
@@ -94,27 +87,25 @@ def main(argv: list[str] | None = None) -> int:
         for call_name, fn in (calls(layer, x) | {"Algorithm 1 k=2 fwd": algorithm1}).items():
             print(f"MNIST n=8 {name} {call_name}: {cuda_kernels(fn)} kernels, {microseconds_per_call(fn):.0f} us/call")
     shapes = {"MNIST n=8 b256": (256, 4, 196, 8, 98), "ViT-S b128": (128, 196, 384, 128, 1536)}
-    fused = layer_module.rms_norm_logits
+    for label, (batch, tokens, dim, experts, hidden) in shapes.items():
+        for name, dtype in dtypes.items():
+            torch.manual_seed(0)
+            layer = softmoe.SoftMoE(dim, experts, 1, expert_hidden=hidden, activation="relu").to("cuda", dtype)
+            x = torch.randn(batch, tokens, dim, device="cuda", dtype=dtype)
+            for call_name, fn in calls(layer, x).items():
+                times = {"slots": [], "cuda": []}
+                for _ in range(5):
+                    for backend in times:
+                        layer.backend = backend  # the general logits ("slots") or the fused RMS norms ("cuda")
+                        times[backend].append(microseconds_per_call(fn, 50))
+                general, rms = (sorted(times[backend])[2] for backend in ("slots", "cuda"))
+                print(f"{label} {name} {call_name}: general {general:.0f} us, fused RMS norms {rms:.0f} us, "
+                      f"{general / rms:.2f}x")
+    previous = set_autotune(True)
     try:
-        for label, (batch, tokens, dim, experts, hidden) in shapes.items():
-            for name, dtype in dtypes.items():
-                torch.manual_seed(0)
-                layer = softmoe.SoftMoE(dim, experts, 1, expert_hidden=hidden, activation="relu").to("cuda", dtype)
-                x = torch.randn(batch, tokens, dim, device="cuda", dtype=dtype)
-                for call_name, fn in calls(layer, x).items():
-                    if call_name == "fwd" and dtype != torch.float32:
-                        continue  # (the routing kernel's path: neither logits path runs)
-                    times = {"general": [], "fused": []}
-                    for _ in range(5):
-                        for path, logits in (("general", general_logits), ("fused", fused)):
-                            layer_module.rms_norm_logits = logits  # the name soft_moe_logits calls on CUDA
-                            times[path].append(microseconds_per_call(fn, 50))
-                    general, rms = (sorted(times[path])[2] for path in ("general", "fused"))
-                    print(f"{label} {name} {call_name}: general {general:.0f} us, fused RMS norms {rms:.0f} us, "
-                          f"{general / rms:.2f}x")
+        routing_kernel_table(dtypes)
     finally:
-        layer_module.rms_norm_logits = fused
-    routing_kernel_table(dtypes)
+        set_autotune(previous)
     return 0
 
 
@@ -133,7 +124,7 @@ def routing_kernel_table(dtypes: dict[str, torch.dtype]) -> None:
     shapes = {"MNIST n=8 b256": (256, 4, 196, 8, 98, "relu"), "Table 3 layer b1": (1, 197, 768, 8, 30720, "gelu_tanh"),
               "Table 3 layer b100": (100, 197, 768, 8, 30720, "gelu_tanh"),
               "ViT-S b128": (128, 196, 384, 128, 1536, "relu")}
-    applies = layer_module.fused_routing_applies
+    applies = cuda_backend.fused_routing_applies
     print("| shape | dtype | k | fwd: kernels, us | Algorithm 1, torch's ops: kernels, us, speed vs fwd "
           "| Algorithm 1, routing kernel: kernels, us, speed vs fwd |")
     print("|---|---|---:|---:|---:|---:|")
@@ -148,7 +139,7 @@ def routing_kernel_table(dtypes: dict[str, torch.dtype]) -> None:
                 k = max(1, experts // 4)
 
                 def call(rule, selection: bool) -> None:
-                    layer_module.fused_routing_applies = rule
+                    cuda_backend.fused_routing_applies = rule
                     with torch.no_grad(), softmoe.select_experts(layer, k=k if selection else None,
                                                                  strategy="combine" if selection else "all"):
                         layer(x)
@@ -163,7 +154,7 @@ def routing_kernel_table(dtypes: dict[str, torch.dtype]) -> None:
                          for path in variants]
                 print(f"| {label} | {name} | {k} | " + " | ".join(cells) + " |")
     finally:
-        layer_module.fused_routing_applies = applies
+        cuda_backend.fused_routing_applies = applies
 
 
 if __name__ == "__main__":

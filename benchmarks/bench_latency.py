@@ -28,7 +28,7 @@ On a GPU the limits are a bf16 or fp32 8192^3 matmul and a 1 GiB copy, and the h
 ``--isa`` (default: the host's best) and ``--allocator`` (default: tuned, as the training CLI runs) choose the
 processes, one after the other (``benchmarks/common.py``). k < n runs Algorithm 1 with ``plan="auto"``, which skips
 the unselected experts where that is cheaper and else runs every expert with their combine weights zeroed
-(``softmoe.selection_plan``); ``--sweep`` times that against every expert for one layer of the stack at every
+(``softmoe.selection_plan``; eager CUDA runs the dense plan unless ``--autotune`` has the plans timed); ``--sweep`` times that against every expert for one layer of the stack at every
 k < n and several batch sizes, and says which plan ran: Algorithm 1 must never be slower. The sweep times the
 layer's call alone (the selector ``select_experts`` installs put in place before each call, untimed); Table 3 times
 each stack call inside its ``select_experts`` block.
@@ -59,6 +59,7 @@ import softmoe  # noqa: E402
 from softmoe import SoftMoE  # noqa: E402
 from softmoe.models.mnist import expert_hidden_for  # noqa: E402
 from softmoe.selection_plan import auto_plan  # noqa: E402
+from softmoe.tuning import set_autotune  # noqa: E402
 from softmoe_repro.latency import (  # noqa: E402
     DIM,
     EXPERTS,
@@ -292,6 +293,9 @@ def main() -> None:
     parser.add_argument("--mnist-experts", type=int, metavar="N", help="with --sweep: the paper's MNIST layer of N "
                         f"experts instead (4 tokens of dim {MNIST_DIM}, relu experts of hidden 784 / N), at batch "
                         f"{', '.join(map(str, MNIST_SWEEP_BATCHES))}")
+    parser.add_argument("--autotune", action="store_true", help="plan \"auto\" times both plans once per shape and "
+                        "runs the faster (softmoe.tuning.set_autotune(True)); without it eager CUDA runs the dense "
+                        "plan and the CPU the cost model's")
     add_process_arguments(parser)
     parser.set_defaults(allocator="tuned")
     argv = sys.argv[1:]
@@ -309,6 +313,7 @@ def main() -> None:
         parser.error("--memory-bound takes --sweep, without --mnist-experts")
     if device.type == "cpu" and run_children(parser, args, argv):
         return
+    set_autotune(args.autotune)
     preset = PRESETS[args.preset]
     repeats = args.repeats or (MNIST_SWEEP_REPEATS if args.mnist_experts else preset["repeats"])
     warmup = args.warmup if args.warmup is not None else preset["warmup"]

@@ -58,26 +58,26 @@ step() {
 
 for name in "${steps[@]}"; do
     case $name in
-        tests) step tests 150 "$py" -m pytest -q -p no:cacheprovider -k "cuda or routing_softmaxes or skinny" \
+        tests) step tests 150 "$py" -m pytest -q -p no:cacheprovider -m "not slow" -k "cuda or routing_softmaxes or skinny" \
             tests/test_devices.py tests/test_grouped_mm.py tests/test_topk.py tests/test_selection_plan.py \
             tests/test_layer.py tests/test_routing_softmaxes.py tests/test_skinny_grouped_mm.py ;;
         skinny) step skinny 120 "$py" benchmarks/bench_latency.py --skinny --device cuda --dtype bfloat16 \
             --json "$out/skinny.json" ;;
         launches) step launches 200 "$py" benchmarks/bench_gpu_launches.py ;;
-        t3-bf16) step t3-bf16 120 "$py" benchmarks/bench_latency.py --device cuda --dtype bfloat16 \
+        t3-bf16) step t3-bf16 120 "$py" benchmarks/bench_latency.py --device cuda --dtype bfloat16 --autotune \
             --json "$out/t3-bf16.json" ;;
-        t3-fp32) step t3-fp32 150 "$py" benchmarks/bench_latency.py --device cuda --dtype float32 \
+        t3-fp32) step t3-fp32 150 "$py" benchmarks/bench_latency.py --device cuda --dtype float32 --autotune \
             --json "$out/t3-fp32.json" ;;
         t3-compiled) step t3-compiled 300 "$py" benchmarks/bench_latency.py --device cuda --dtype bfloat16 \
             --compile --batches 1 100 --json "$out/t3-compiled.json" ;;
         vit-train) step vit-train 240 "$py" benchmarks/bench_vit_train.py --device cuda --json "$out/vit-train.json" ;;
-        sweep-bf16|sweep-fp32) step "$name" 120 "$py" benchmarks/bench_latency.py --sweep --device cuda \
+        sweep-bf16|sweep-fp32) step "$name" 120 "$py" benchmarks/bench_latency.py --sweep --device cuda --autotune \
             --dtype "$([ "$name" = sweep-bf16 ] && echo bfloat16 || echo float32)" --json "$out/$name.json" ;;
         layer-bf16|layer-fp32) step "$name" 120 "$py" benchmarks/bench_gpu.py --quick --tables layer \
             --dtypes "${name#layer-}" --json "$out/$name.json" ;;
         layer-compiled) step layer-compiled 300 "$py" benchmarks/bench_gpu.py --quick --tables layer \
             --dtypes bf16 --experts 8 128 --vit-batches 128 --compile --json "$out/layer-compiled.json" ;;
-        selection-bf16) step selection-bf16 240 "$py" benchmarks/bench_gpu.py --quick --tables selection \
+        selection-bf16) step selection-bf16 240 "$py" benchmarks/bench_gpu.py --quick --tables selection --autotune \
             --dtypes bf16 --vit-batches 128 --json "$out/selection-bf16.json" ;;
         *) echo "unknown step $name" | tee -a "$summary" ;;
     esac

@@ -550,10 +550,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_router_logits_on_cuda_take_the_fused_rms_norm(dtype):
-    """On CUDA the "router" logits run as torch's fused RMS norm (one kernel per normalization) and equal the
-    float64 logits of the same (rounded) inputs, gradients included; in float64 on CUDA they equal the small-norm
-    case's logits and their second derivative checks out. (The scale's gradient sums terms of both signs: rounding
-    the inputs to bf16 alone moves it by 15%.)"""
+    """On CUDA the "cuda" backend's "router" logits (:func:`rms_norm_logits`, in float32 as the backend computes
+    them) run as torch's fused RMS norm (one kernel per normalization) and equal the float64 logits of the same
+    (rounded) inputs, gradients included; in float64 on CUDA they equal the small-norm case's logits and the plain
+    logits' second derivative checks out there. (The scale's gradient sums terms of both signs: rounding the inputs
+    to bf16 alone moves it by 15%.)"""
     torch.manual_seed(5)
     x64, phi64 = torch.randn(4, 7, 16, dtype=F64), torch.randn(16, 6, dtype=F64)
     scale64 = torch.tensor(0.8, dtype=F64)
@@ -563,15 +564,18 @@ def test_router_logits_on_cuda_take_the_fused_rms_norm(dtype):
     grad = torch.randn(want.shape, dtype=F64)
     want_grads = torch.autograd.grad(want, leaves64, grad)
     leaves = [t.to("cuda", dtype).requires_grad_() for t in (x64, phi64, scale64)]
-    assert "aten::_fused_rms_norm" in kernels_called(lambda: soft_moe_logits(*leaves))
-    got = soft_moe_logits(*leaves)
+    def fused() -> torch.Tensor:
+        return rms_norm_logits(*(t.float() for t in leaves))
+
+    assert "aten::_fused_rms_norm" in kernels_called(fused)
+    got = fused()
     assert got.dtype == torch.float32
     got_grads = torch.autograd.grad(got, leaves, grad.to("cuda", torch.float32))
     gradient_tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 gradients are rounded to bf16
     for g, w, tolerance in zip((got, *got_grads), (want, *want_grads), (1e-5, *[gradient_tolerance] * 3), strict=True):
         assert ((g.double().cpu() - w).abs().max() / w.abs().max()).item() < tolerance
     *small, small_want = small_norm_logits_case()
-    assert (soft_moe_logits(*(t.cuda() for t in small)).cpu() - small_want).abs().max().item() < 1e-12
+    assert (rms_norm_logits(*(t.cuda() for t in small)).cpu() - small_want).abs().max().item() < 1e-12
     cuda64 = tuple(t.detach().to("cuda").requires_grad_() for t in leaves64)
     assert torch.autograd.gradgradcheck(soft_moe_logits, cuda64, eps=1e-6, atol=1e-6)
 

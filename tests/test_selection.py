@@ -9,6 +9,7 @@ draw, or an explicit mask; select_experts must install and restore per-layer sel
 from __future__ import annotations
 
 import re
+import unittest.mock
 import warnings
 from typing import NamedTuple
 
@@ -1276,5 +1277,17 @@ def test_select_experts_says_once_when_shares_are_nearly_uniform():
         with torch.no_grad(), select_experts(uniform, k=2, strategy="random"):  # only Algorithm 1 is concerned
             uniform(x)
     assert not measure_share_uniformity(peaked, x, 2)[0].nearly_uniform
+    # where reading the shares on the host is unwelcome (CUDA's sync debug mode, a graph capture) the check waits
+    # for a later batch: nothing read, no warning, the layer not marked checked
+    fresh, _ = uniform_and_peaked_layers()
+    with torch.no_grad(), select_experts(fresh, k=2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", NoBetterThanRandomWarning)
+            with unittest.mock.patch("softmoe.selection.may_synchronize", lambda device: False):
+                _, waiting = ops_run(lambda: fresh(x))
+        with pytest.warns(NoBetterThanRandomWarning, match="nearly uniform"):
+            _, checked = ops_run(lambda: fresh(x))  # a batch where reading is welcome: checked (routed twice)
+        _, after = ops_run(lambda: fresh(x))
+    assert waiting == after != checked
     (flat,) = measure_share_uniformity(uniform, x, 2)
     assert flat.entropy == pytest.approx(1.0) and flat.half_mass_ratio == pytest.approx(1.0) and flat.k == 2

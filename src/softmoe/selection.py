@@ -38,9 +38,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from softmoe.compat import transforms_active
 from softmoe.kernels.modes import host_reads_are_free
 from softmoe.layer import SoftMoE, combine_slots, dispatch_slots
-from softmoe.selection_plan import check_plan, mask_from_subsets
+from softmoe.selection_plan import check_plan, mask_from_subsets, may_synchronize
 from softmoe.topk import top_k, top_k_list
 from softmoe.tuning import value
 
@@ -463,13 +464,16 @@ for every call costs nothing after the first (and a compiled model sees its hook
 class _UniformityCheck:
     """A forward pre-hook that checks the first eager batch Algorithm 1 sees on not yet checked ``layers`` (their
     routing is computed once more for that batch), warns if its combine shares are nearly uniform, marks the layers
-    checked and removes every hook of the block (``handles``). Under torch.compile it does nothing."""
+    checked and removes every hook of the block (``handles``). It reads the shares on the host, so it leaves for a
+    later batch a call where that is unwelcome: under torch.compile or a torch.func transform, with CUDA's sync debug
+    mode on or a CUDA graph being captured (:func:`~softmoe.selection_plan.may_synchronize`)."""
 
     def __init__(self, k: int | float, handles: list, layers: list[SoftMoE]) -> None:
         self.k, self.handles, self.layers = k, handles, layers
 
     def __call__(self, layer: SoftMoE, args: tuple, kwargs: dict) -> None:
-        if torch.compiler.is_compiling():
+        x = args[0] if args else kwargs["x"]
+        if torch.compiler.is_compiling() or transforms_active() or not may_synchronize(x.device):
             return
         for handle in self.handles:
             handle.remove()
