@@ -149,11 +149,6 @@ def combine_slots(combine: torch.Tensor, expert_out: torch.Tensor) -> torch.Tens
     return torch.bmm(combine.to(expert_out.dtype), expert_out)
 
 
-def renormalized(combine: torch.Tensor) -> torch.Tensor:
-    """Combine weights (batch, tokens, slots) rescaled to sum to 1 over the slots; a token with none stays zero."""
-    return combine / combine.sum(-1, keepdim=True).clamp_min(torch.finfo(combine.dtype).tiny)
-
-
 def soft_moe_reference(
     x: torch.Tensor,
     phi: torch.Tensor,
@@ -285,8 +280,7 @@ class SoftMoE(nn.Module):
         return l2_normalize_outside_eps(x, dim=-1) if self.normalize == "inputs" else x
 
     def route(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
-        """Logits, dispatch and combine weights for x (batch, tokens, dim); each (batch, tokens, n, p), float32 or
-        wider.
+        """Logits, dispatch and combine weights of x (batch, tokens, dim), each (batch, tokens, n, p), float32 or wider.
 
         ``dispatch`` sums to 1 over tokens for every slot; ``combine`` sums to 1 over the n*p slots of every
         token. Padded tokens (``mask`` False) get zero dispatch and zero combine weight. The slots are
@@ -330,19 +324,18 @@ class SoftMoE(nn.Module):
         unused place: inputs may keep different numbers of experts in one batch (as the adaptive strategies of
         :mod:`softmoe.selection` do). x: (batch, tokens, dim) -> (batch, tokens, d_out).
 
-        ``plan`` (same output, different work; see :mod:`softmoe.selection_plan`): "selected" runs each expert
-        on the slots of the inputs that keep it, grouped by expert, and nothing for an unselected (input, expert)
-        pair or an unused place; "dense" runs every expert as the plain forward does and gives the unselected
-        slots zero combine weight; "auto" (the default) takes the one the cost model finds cheaper for this shape.
+        ``plan`` (same output, different work; :mod:`softmoe.selection_plan`): "selected" runs each expert on the
+        slots of the inputs that keep it, grouped by expert, and nothing for an unselected expert or unused place;
+        "dense" runs every expert and gives the unselected slots zero combine weight; "auto" (the default) the
+        cheaper of the two for this shape by the cost model (or timed, with autotuning on).
 
         ``check``: validate the values of ``selected`` (in range, no repeats). None (the default) checks them where
         that is free (CPU tensors outside torch.compile); True always (a host synchronization on a GPU); False never.
         """
         check_plan(plan)
         check_tokens(x, self.dim, mask, self.phi.dtype)
-        check_selected(
-            selected, x.shape[0], self.num_experts, host_reads_are_free(selected) if check is None else check
-        )
+        validate = host_reads_are_free(selected) if check is None else check
+        check_selected(selected, x.shape[0], self.num_experts, validate)
         backend = self._choose(x)
         x = self.slot_inputs(x)
         dispatch, combine = backend.route(self, x, mask)

@@ -9,7 +9,7 @@ import torch
 
 from softmoe.experts import MLPExperts
 from softmoe.kernels.grouped_mm import GroupedProduct
-from softmoe.layer import combine_slots, dispatch_slots, experts_on_slots, renormalized, soft_moe_routing
+from softmoe.layer import combine_slots, dispatch_slots, experts_on_slots, soft_moe_routing
 from softmoe.selection_plan import choose_plan, kept_slots
 
 if TYPE_CHECKING:
@@ -141,6 +141,11 @@ class Backend:
             "select": "the selector on the combine weights; the selected plan in torch ops and softmoe::grouped_mm "
             "(torch's products per expert)",
         }
+
+
+def renormalized(combine: torch.Tensor) -> torch.Tensor:
+    """Combine weights (batch, tokens, slots) rescaled to sum to 1 over the slots; a token with none stays zero."""
+    return combine / combine.sum(-1, keepdim=True).clamp_min(torch.finfo(combine.dtype).tiny)
 
 
 def kept_combine(layer: SoftMoE, combine: torch.Tensor, selected: torch.Tensor, renormalize: bool) -> torch.Tensor:

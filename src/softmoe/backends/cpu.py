@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from softmoe.backends.base import algorithm1_k, kept_combine
+from softmoe.backends.base import algorithm1_k, kept_combine, renormalized
 from softmoe.backends.generic import SlotsBackend, TokensBackend, expert_rows, slot_rows, token_space_is_cheaper
 from softmoe.kernels import native_available, native_status
 from softmoe.kernels.expert_matmul import NATIVE_ACTIVATIONS, expert_matmul, native_applies, reusable_empty
@@ -31,7 +31,6 @@ from softmoe.kernels.selected_mixing import selected_mixing
 from softmoe.kernels.soft_moe_mixing import native_mixing_applies, soft_moe_mixing
 from softmoe.kernels.soft_moe_routing import soft_moe_routing, soft_moe_routing_top_k
 from softmoe.kernels.top_k_combine import top_k_combine
-from softmoe.layer import renormalized
 from softmoe.tuning import value
 
 _TOKENS = TokensBackend()
