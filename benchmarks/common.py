@@ -76,7 +76,11 @@ def run_processes(args, argv: list[str]) -> list[dict]:
             command = [sys.executable, sys.argv[0], *argv, "--isa", isa, "--allocator", allocator,
                        "--child-json", path]
             print(f"\n==== {isa} instruction set, {allocator} allocator ====", flush=True)
-            subprocess.run(command, env=env, check=True)
+            status = subprocess.run(command, env=env).returncode
+            if status != 0:
+                how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
+                hint = " (SIGKILL: out of memory?)" if status == -9 else ""
+                sys.exit(f"error: the {isa} / {allocator} process {how}{hint}")
             with open(path) as f:
                 results.append(json.load(f) | {"isa": isa, "allocator": allocator})
     return results
