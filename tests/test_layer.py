@@ -8,7 +8,9 @@ checks with a spy that it is the one actually run; other tests set the backend e
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import inspect
 import math
 
 import pytest
@@ -677,6 +679,28 @@ def test_forward_mode_ad_in_inference_keeps_its_tangents(monkeypatch, plan):
             got = fwd.unpack_dual(layer(fwd.make_dual(x, tangent))).tangent
     assert got is not None
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
+def test_the_layer_module_reads_as_the_math():
+    """softmoe.layer imports nothing from softmoe.kernels nor the backends at import time, tests no device, dtype or
+    expert type, and SoftMoE.forward is at most 25 lines with one branch (selection or not)."""
+    tree = ast.parse(inspect.getsource(softmoe.layer))
+    top_level = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    modules = {node.module for node in top_level if isinstance(node, ast.ImportFrom)}
+    modules |= {alias.name for node in top_level if isinstance(node, ast.Import) for alias in node.names}
+    assert not {m for m in modules if m.startswith(("softmoe.kernels", "softmoe.backends"))}, modules
+    attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    assert not attributes & {"is_cuda", "is_cpu", "is_mps", "bfloat16", "float16", "MLPExperts"}
+    words = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    assert not words & {"cpu", "cuda", "mps", "avx512", "avx2"}
+    tested = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "id", "") in
+              ("isinstance", "type")]
+    assert not tested, [ast.unparse(node) for node in tested]
+    forward = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    body = forward.body[1:] if ast.get_docstring(forward) else forward.body
+    assert forward.end_lineno - forward.lineno + 1 <= 25
+    branches = (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.BoolOp, ast.Match)
+    assert sum(isinstance(n, branches) for stmt in body for n in ast.walk(stmt)) == 1
 
 
 def test_backend_for_names_the_ops_each_step_runs():
