@@ -143,7 +143,7 @@ class MLPExperts(nn.Module):
         return affine(self.act(affine(x, self.weight1, self.bias1)), self.weight2, self.bias2)
 
     def forward_selected(
-        self, rows: torch.Tensor, expert: torch.Tensor, product: GroupedProduct = grouped_mm
+        self, rows: torch.Tensor, expert: torch.Tensor, product: GroupedProduct | None = grouped_mm
     ) -> torch.Tensor:
         """rows (groups, rows, dim), expert (groups,) int64 -> (groups, rows, out_dim).
 
@@ -154,13 +154,14 @@ class MLPExperts(nn.Module):
         Padding groups (expert -1) sort last, past every expert's rows: no product reads them and the grouped
         products give them zero rows (no bias), so their output is zero and no gradient flows through them. Without
         a gradient to compute, the first product applies the activation itself (a native kernel in its registers).
-        Under torch.func transforms and forward-mode AD (the grouped products are custom ops, which have no
-        forward-mode rule) every expert runs on every group in torch's batched products and each group keeps its
-        own expert's rows: the work of every expert, no copy of the weights.
+        With ``product`` None (the "reference" backend: plain torch ops), and under torch.func transforms and
+        forward-mode AD (the grouped products are custom ops, which have no forward-mode rule), every expert runs on
+        every group in torch's batched products and each group keeps its own expert's rows: the work of every
+        expert, no copy of the weights.
         """
         check_selected_rows(rows, expert, self.dim)
         groups, per_group, _ = rows.shape
-        if transforms_active():
+        if product is None or transforms_active():
             every = self(rows.reshape(1, groups * per_group, self.dim).expand(self.num_experts, -1, -1))
             y = every.view(self.num_experts, groups, per_group, self.out_dim)[
                 expert.clamp_min(0), torch.arange(groups, device=rows.device)

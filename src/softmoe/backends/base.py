@@ -3,12 +3,12 @@ kernels serve (see :mod:`softmoe.backends`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
 from softmoe.experts import MLPExperts
-from softmoe.kernels.grouped_mm import GroupedProduct
+from softmoe.kernels.grouped_mm import GroupedProduct, grouped_mm
 from softmoe.layer import combine_slots, dispatch_slots, experts_on_slots, soft_moe_routing
 from softmoe.selection_plan import choose_plan, kept_slots
 
@@ -22,13 +22,18 @@ def autocast_on(x: torch.Tensor) -> bool:
     return torch.is_autocast_enabled("cpu" if x.is_cpu or x.is_meta else x.device.type)
 
 
+def logit_noise(layer: SoftMoE) -> float:
+    """The std of the noise the layer's routing adds to its logits now: ``noise_std`` in training mode, else 0."""
+    return layer.noise_std if layer.training else 0.0
+
+
 def algorithm1_k(layer: SoftMoE, mask: torch.Tensor | None, selector: ExpertSelector) -> int | None:
     """k where a backend may make the selector's choice itself: Algorithm 1 with a fixed k >= 1 (``top_k``), no
     mask and no logit noise; else None (the selector's ``select`` chooses)."""
     k = selector.top_k
     if isinstance(k, bool) or not isinstance(k, int) or k < 1 or mask is not None:
         return None
-    return None if layer.training and layer.noise_std > 0 else k
+    return None if logit_noise(layer) > 0 else k
 
 
 class Backend:
@@ -42,9 +47,8 @@ class Backend:
 
     def route(self, layer: SoftMoE, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dispatch and combine (batch, tokens, n*p) of the slot inputs x (batch, tokens, dim)."""
-        noise = layer.noise_std if layer.training else 0.0
         phi, scale, _ = layer.weights()
-        _, dispatch, combine = soft_moe_routing(x, phi, scale, layer.normalize, noise, mask)
+        _, dispatch, combine = soft_moe_routing(x, phi, scale, layer.normalize, logit_noise(layer), mask)
         return dispatch, combine
 
     def mix(
@@ -124,9 +128,11 @@ class Backend:
         return selected_plan(layer, x, dispatch, combine, selected, renormalize, product)
 
     def selected_product(self, layer: SoftMoE, x: torch.Tensor, selected: torch.Tensor) -> GroupedProduct | None:
-        """The grouped product the selected plan runs the experts' layers through for tokens x keeping the experts
-        ``selected`` (batch, k): None, the bank's own (``softmoe::grouped_mm`` for MLPExperts)."""
-        return None
+        """The grouped product MLPExperts run their layers through in the selected plan for tokens x keeping the
+        experts ``selected`` (batch, k): ``softmoe::grouped_mm`` (torch's products); None: every expert on every
+        group in torch's batched products (:meth:`~softmoe.experts.MLPExperts.forward_selected`). Other experts
+        run their own ``forward_selected``."""
+        return grouped_mm
 
     def mixing(self, layer: SoftMoE, x: torch.Tensor) -> str:
         """The formulation of the mixing that runs for x: "reference", "slots", "tokens", or on the "cpu" backend
@@ -162,11 +168,11 @@ def selected_plan(
     combine: torch.Tensor,
     selected: torch.Tensor,
     renormalize: bool,
-    product: GroupedProduct | None = None,
+    product: GroupedProduct | None,
 ) -> torch.Tensor:
     """Only the kept experts, on the slots of the inputs that keep them, grouped by expert
-    (:meth:`~softmoe.experts.Experts.forward_selected`); ``product``: the grouped product MLPExperts run their layers
-    through (:meth:`Backend.selected_product`; None: their own)."""
+    (:meth:`~softmoe.experts.Experts.forward_selected`); ``product``: what MLPExperts run their layers through
+    (:meth:`Backend.selected_product`)."""
     batch, tokens, d = x.shape
     p, k = layer.slots_per_expert, selected.shape[1]
     # Unused places (-1) take expert 0's slots; the experts give them zero outputs, so only a renormalization needs to
@@ -180,8 +186,8 @@ def selected_plan(
         kept_combine = renormalized(torch.where(used, kept_combine, 0.0))
     slots = dispatch_slots(x, kept_dispatch).view(batch * k, p, d)
     experts, expert = layer.experts, selected.reshape(batch * k)
-    if product is None:
+    if isinstance(experts, MLPExperts):
+        expert_out = experts.forward_selected(slots, expert, product)
+    else:
         expert_out = experts.forward_selected(slots, expert)
-    else:  # a backend's own product: only MLPExperts take one (the backends that pass one serve them only)
-        expert_out = cast(MLPExperts, experts).forward_selected(slots, expert, product)
     return combine_slots(kept_combine, expert_out.view(batch, k * p, -1))

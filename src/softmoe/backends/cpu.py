@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from softmoe.backends.base import algorithm1_k, kept_combine, renormalized
+from softmoe.backends.base import algorithm1_k, kept_combine, logit_noise, renormalized
 from softmoe.backends.generic import SlotsBackend, TokensBackend, expert_rows, slot_rows, token_space_is_cheaper
 from softmoe.kernels import native_available, native_status
 from softmoe.kernels.expert_matmul import NATIVE_ACTIVATIONS, expert_matmul, native_applies, reusable_empty
@@ -86,7 +86,7 @@ class CpuBackend(SlotsBackend):
         return None
 
     def route(self, layer, x, mask):
-        if mask is not None or (layer.training and layer.noise_std > 0):
+        if mask is not None or logit_noise(layer) > 0:
             return super().route(layer, x, mask)
         phi, scale, _ = layer.weights()
         _, dispatch, combine = soft_moe_routing(x, phi, scale, layer.normalize)
@@ -181,7 +181,7 @@ class CpuBackend(SlotsBackend):
         )
         return {
             "route": "torch ops (logit noise in training)"
-            if layer.training and layer.noise_std > 0
+            if logit_noise(layer) > 0
             else "softmoe::soft_moe_routing (torch ops with a mask)",
             "mix": mixing,
             "select": f"Algorithm 1 in the routing's pass (inference) or softmoe::top_k_combine; the selected plan in "

@@ -18,7 +18,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from softmoe.backends.base import algorithm1_k
+from softmoe.backends.base import algorithm1_k, logit_noise
 from softmoe.backends.generic import SlotsBackend
 from softmoe.experts import MLPExperts
 from softmoe.kernels.grouped_mm import GroupedProduct, grouped_mm
@@ -64,8 +64,7 @@ class CudaBackend(SlotsBackend):
             return rms_norm_logits(x.to(dtype), phi.to(dtype), scale.to(dtype))
 
     def route(self, layer, x, mask):
-        noise = layer.noise_std if layer.training else 0.0
-        _, dispatch, combine = routing_from_logits(self.logits(layer, x), noise, mask)
+        _, dispatch, combine = routing_from_logits(self.logits(layer, x), logit_noise(layer), mask)
         return dispatch, combine
 
     def fused_routing(

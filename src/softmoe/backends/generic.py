@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from softmoe.activations import ACTIVATIONS, activation_fn
+from softmoe.activations import activation_fn
 from softmoe.backends.base import Backend, autocast_on
 from softmoe.compat import transforms_active
 from softmoe.experts import MLPExperts, affine
-from softmoe.kernels.grouped_mm import row_groups
 from softmoe.kernels.modes import needs_grad
 from softmoe.tuning import value
 
@@ -22,8 +21,8 @@ if TYPE_CHECKING:
 
 class ReferenceBackend(Backend):
     """Plain torch ops for every step: the base class's generic steps; Algorithm 1 as the dense plan unless
-    the plan "selected" is asked for (the experts' own ``forward_selected``, MLP experts with
-    :func:`grouped_product_in_torch`)."""
+    the plan "selected" is asked for (the experts' own ``forward_selected``, MLP experts' every expert on every
+    group in batched matmuls)."""
 
     name = "reference"
 
@@ -31,31 +30,11 @@ class ReferenceBackend(Backend):
         return "dense"
 
     def selected_product(self, layer, x, selected):
-        return grouped_product_in_torch if isinstance(layer.experts, MLPExperts) else None
+        return None  # plain torch ops: every expert on every group
 
     def steps(self, layer, x):
         select = "the selector on the combine weights; plan auto: the dense plan; the selected plan in torch ops"
         return {**super().steps(layer, x), "select": select}
-
-
-def grouped_product_in_torch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    ends: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    activation: str = "none",
-) -> torch.Tensor:
-    """The grouped product of :mod:`softmoe.kernels.grouped_mm` (x (rows, K) sorted by expert, weight (E, K, N), ends
-    (E,) the cumulative row counts -> (rows, N)) in plain torch ops: every row through every expert's weight in one
-    batched product, each row keeping its own expert's (E times the work of the grouped product), zero for the rows
-    past ends[-1]. No host read of ``ends``, so nothing to synchronize and nothing data-dependent to trace."""
-    experts, rows = weight.shape[0], x.shape[0]
-    owner = row_groups(ends, rows)  # experts for the rows past ends[-1]
-    every = affine(x.expand(experts, rows, x.shape[1]), weight, bias)
-    out = every[owner.clamp_max(experts - 1), torch.arange(rows, device=x.device)]
-    if activation != "none":
-        out = ACTIVATIONS[activation](out)
-    return torch.where((owner < experts).unsqueeze(1), out, 0.0)
 
 
 class MLPBackend(Backend):
